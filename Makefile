@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`.
+# Each creates .venv when it is missing and installs the pinned dependencies.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= demo_output
+
+.PHONY: demo test bench bench-quick clean
+
+$(STAMP): setup.cfg setup.py constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tpu_embedding.examples.movielens_ranking --output_dir $(DEMO_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks all
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks all --quick
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) build dist *.egg-info

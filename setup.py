@@ -1,0 +1,5 @@
+"""Shim for tools that still call setup.py; all metadata lives in setup.cfg."""
+
+import setuptools
+
+setuptools.setup()
