@@ -1,0 +1,184 @@
+"""The user's feature configuration, cloned and checked once for every execution path.
+
+The mid-level API writes defaults (table names, optimizers) into the configs it is given; we never
+let that reach the user's objects. Every path (CPU engine, TPU V0/V1/V2, serving) receives the same
+prepared view, so table order, names and per-table optimizers are decided in exactly one place.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
+
+from tpu_embedding import optimizers
+
+FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+  """One leaf of the feature nest: where it sits, its cloned config and table."""
+
+  path: str
+  config: FeatureConfig
+  table: TableConfig
+
+  @property
+  def name(self) -> str:
+    return self.path or self.config.name or "feature"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+  """The prepared configuration shared by all execution paths.
+
+  Attributes:
+    user_feature_config: the nest the user passed, untouched.
+    feature_config: the same nest holding clones, safe to hand to the mid-level API.
+    features: the leaves in `tf.nest.flatten` order.
+    tables: cloned tables in order of first use (the mid-level API's table order).
+    user_tables: clone -> the user's own TableConfig, to key `embedding_tables` by the user's objects.
+    optimizer: the layer-wide optimizer (mid-level), or None.
+  """
+
+  user_feature_config: Any
+  feature_config: Any
+  features: tuple[Feature, ...]
+  tables: tuple[TableConfig, ...]
+  user_tables: dict[TableConfig, TableConfig]
+  optimizer: Optional[optimizers.MidLevelOptimizer]
+
+  def table_named(self, name: str) -> TableConfig:
+    for table in self.tables:
+      if table.name == name:
+        return table
+    raise KeyError(name)
+
+  def features_of(self, table: TableConfig) -> list[Feature]:
+    return [f for f in self.features if f.table is table]
+
+
+def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
+  """Clones and validates `feature_config`; resolves table names and optimizers."""
+  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(feature_config)
+  if not paths_and_leaves:
+    raise ValueError("feature_config is empty: pass at least one "
+                     "tf.tpu.experimental.embedding.FeatureConfig.")
+  for path, leaf in paths_and_leaves:
+    if not isinstance(leaf, FeatureConfig):
+      raise ValueError(
+          f"feature_config entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
+          "tf.tpu.experimental.embedding.FeatureConfig.")
+
+  global_optimizer = optimizers.normalize_optimizer(optimizer, where="optimizer")
+  clones: dict[TableConfig, TableConfig] = {}
+  for path, leaf in paths_and_leaves:
+    if leaf.table not in clones:
+      clones[leaf.table] = _clone_table(leaf.table, len(clones), global_optimizer)
+  _check_unique_names(clones)
+
+  features = []
+  cloned_leaves = []
+  for path, leaf in paths_and_leaves:
+    clone = copy.copy(leaf)
+    clone.table = clones[leaf.table]
+    features.append(Feature(path=path, config=clone, table=clone.table))
+    cloned_leaves.append(clone)
+
+  return EmbeddingConfig(
+      user_feature_config=feature_config,
+      feature_config=tf.nest.pack_sequence_as(feature_config, cloned_leaves),
+      features=tuple(features),
+      tables=tuple(clones.values()),
+      user_tables={clone: user for user, clone in clones.items()},
+      optimizer=global_optimizer,
+  )
+
+
+def _clone_table(table: TableConfig, index: int,
+                 global_optimizer: Optional[optimizers.MidLevelOptimizer]) -> TableConfig:
+  clone = copy.copy(table)
+  if clone.name is None:
+    clone.name = f"table_{index}"
+  combiner = getattr(table.combiner, "combiner", table.combiner)
+  if not isinstance(combiner, str) or combiner not in COMBINERS:
+    raise ValueError(f"Table {clone.name!r} has combiner {table.combiner!r}; expected one of "
+                     f"{', '.join(COMBINERS)}.")
+  own = optimizers.normalize_optimizer(table.optimizer,
+                                       where=f"TableConfig {clone.name!r}.optimizer")
+  clone.optimizer = own if own is not None else global_optimizer
+  return clone
+
+
+def _check_unique_names(clones: dict[TableConfig, TableConfig]) -> None:
+  seen: dict[str, TableConfig] = {}
+  for clone in clones.values():
+    if clone.name in seen:
+      raise ValueError(
+          f"Two different TableConfig objects are both named {clone.name!r}. Table names must be "
+          "unique; features that should share a table must reference the same TableConfig object.")
+    seen[clone.name] = clone
+
+
+def match_structure(config: EmbeddingConfig, features: Any, what: str = "features",
+                    subset: bool = False) -> list[tuple[Feature, Any]]:
+  """Pairs each input leaf with its Feature, or explains the mismatch with both key sets."""
+  expected = tf_nest.flatten_with_joined_string_paths(config.feature_config)
+  expected_by_path = {path: f for (path, _), f in zip(expected, config.features)}
+  try:
+    received = tf_nest.flatten_with_joined_string_paths(features, expand_composites=False)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"Could not read the structure of {what}: {e}") from e
+  received_paths = [p for p, _ in received]
+  if subset:
+    unknown = [p for p in received_paths if p not in expected_by_path]
+    if unknown:
+      raise ValueError(_mismatch_message(what, list(expected_by_path), received_paths))
+  else:
+    try:
+      tf.nest.assert_same_structure(config.feature_config, features, check_types=False)
+    except (TypeError, ValueError):
+      raise ValueError(_mismatch_message(what, list(expected_by_path), received_paths)) from None
+  return [(expected_by_path[path], leaf) for path, leaf in received]
+
+
+def _mismatch_message(what: str, expected: Sequence[str], received: Sequence[str]) -> str:
+  return (f"The structure of {what} does not match feature_config.\n"
+          f"  expected keys: {sorted(expected)}\n  received keys: {sorted(received)}")
+
+
+def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> EmbeddingConfig:
+  """A serving config whose features read the layer's own tables.
+
+  A serving table is matched to the layer's table by identity of the user's TableConfig object
+  first, then by name; a table the layer does not have is refused by name.
+  """
+  by_user_object = {user: clone for clone, user in layer.user_tables.items()}
+  by_name = {clone.name: clone for clone in layer.tables}
+  features, leaves = [], []
+  for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
+    if not isinstance(leaf, FeatureConfig):
+      raise ValueError(f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
+                       "expected a tf.tpu.experimental.embedding.FeatureConfig.")
+    table = by_user_object.get(leaf.table) or by_name.get(leaf.table.name)
+    if table is None:
+      raise ValueError(f"serving_config feature {path or '<root>'!r} uses table "
+                       f"{leaf.table.name!r}, which this layer does not have; its tables are "
+                       f"{sorted(by_name)}.")
+    clone = copy.copy(leaf)
+    clone.table = table
+    features.append(Feature(path=path, config=clone, table=table))
+    leaves.append(clone)
+  tables = tuple(dict.fromkeys(f.table for f in features))
+  return EmbeddingConfig(
+      user_feature_config=serving_feature_config,
+      feature_config=tf.nest.pack_sequence_as(serving_feature_config, leaves),
+      features=tuple(features), tables=tables,
+      user_tables={t: layer.user_tables[t] for t in tables}, optimizer=None)

@@ -1,0 +1,249 @@
+"""The CPU/GPU embedding engine: tables trained the way the TPU embedding engine trains them.
+
+The layer hands activations to the model through a gradient trap (as on TPU): when the user's
+`tape.gradient` reaches the activations, the engine assembles each touched row's summed gradient
+and applies the table's own mid-level optimizer to those rows only. Dense variables are still
+updated by the user's optimizer; tables never appear as trainable variables, so the user's
+optimizer never touches (or decays) them.
+
+Variables are registered under the mid-level API's names (`<table>` and `<table>/<slot>`), so a
+checkpoint written here restores into `TPUEmbedding`, `TPUEmbeddingForServing` and back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import optimizers
+from tpu_embedding.engine import lookup
+from tpu_embedding.engine.updates import apply_sparse_update
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+
+class EmbeddingEngine(tf.Module):
+  """Owns the tables and slots and performs lookups and sparse updates on CPU or GPU.
+
+  Args:
+    config: the prepared feature configuration.
+    pipelining: emulate `pipeline_execution_with_tensor_core=True`: a step's lookups see the
+      tables without the previous step's update, as on TPU.
+    keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
+      tf-recommenders behaviour); no slots are created and no trap is used.
+  """
+
+  # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
+  _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_pending"}).union(
+      tf.Module._TF_MODULE_IGNORED_PROPERTIES)
+
+  def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
+               keras_managed: bool = False):
+    super().__init__(name="embedding_engine")
+    self._config = self._no_dependency(config)
+    self._pipelining = pipelining
+    self._keras_managed = keras_managed
+    self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    self._built = False
+
+  # -------------------------------------------------------------------------------------------
+  # Variables
+
+  @property
+  def built(self) -> bool:
+    return self._built
+
+  def build(self) -> None:
+    """Creates every table (and its slots) once, outside any function being traced."""
+    if self._built:
+      return
+    with tf.init_scope():
+      for table in self._config.tables:
+        self._create_table(table)
+    self._built = True
+
+  def _create_table(self, table: TableConfig) -> None:
+    shape = [table.vocabulary_size, table.dim]
+    initializer = table.initializer or tf.initializers.TruncatedNormal(
+        mean=0.0, stddev=1.0 / (table.dim ** 0.5))
+    parameters = tf.Variable(
+        initial_value=functools.partial(initializer, shape=shape, dtype=tf.float32),
+        trainable=self._keras_managed, name=table.name)
+    variables = {"parameters": parameters}
+    self._track_trackable(parameters, name=table.name)
+    if table.optimizer is not None and not self._keras_managed:
+      variables.update(self._create_slots(table, parameters))
+    self._variables[table.name] = variables
+    if self._pipelining and not self._keras_managed:
+      self._pending[table.name] = _pending_buffers(table)
+
+  def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
+    optimizer = table.optimizer
+    names = optimizer._slot_names()  # pylint: disable=protected-access
+    initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
+    creator = getattr(optimizer, "slot_variable_creation_fn", None)
+    if creator is not None:
+      return dict(creator(parameters, names, initializers))
+    slot_dims = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
+    slots = {}
+    for name, initializer, dims in zip(names, initializers, slot_dims):
+      shape = [table.vocabulary_size, table.dim][:dims]
+      slots[name] = tf.Variable(
+          initial_value=functools.partial(initializer, shape=shape, dtype=tf.float32),
+          trainable=False, name=f"{table.name}/{name}")
+      self._track_trackable(slots[name], name=f"{table.name}/{name}")
+    return slots
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}}, as the mid-level `variables`."""
+    return self._variables
+
+  @property
+  def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
+    return {t: self._variables[t.name]["parameters"] for t in self._config.tables}
+
+  # -------------------------------------------------------------------------------------------
+  # Lookup
+
+  def lookup(self, features: Any, weights: Any = None, trap: Optional[tf.Variable] = None) -> Any:
+    """Activations with the structure of `features`.
+
+    With `trap`, the activations carry a gradient function that updates the tables; without it
+    they are plain (serving, evaluation, or Keras-managed tables, which are differentiable).
+    """
+    self.build()
+    step = lookup.Step.prepare(self._config, features, weights)
+    if trap is None:
+      flat = step.activations(self.parameters)
+    else:
+      @tf.custom_gradient
+      def gradient_trap(dummy):
+        def grad(*upstream):
+          self._apply_gradients(step.upstream_by_table(upstream))
+          return tf.zeros_like(dummy)
+
+        return step.activations(self.parameters), grad
+
+      flat = gradient_trap(trap)
+    return tf.nest.pack_sequence_as(features, flat)
+
+  def parameters(self, table: TableConfig) -> tf.Variable:
+    try:
+      return self._variables[table.name]["parameters"]
+    except KeyError:
+      raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
+                       f"({sorted(self._variables)}).") from None
+
+  # -------------------------------------------------------------------------------------------
+  # Backward: one update per table and step, summed over every replica
+
+  def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]]):
+    for table, _, _ in per_table:
+      if table.optimizer is None:
+        raise ValueError(
+            f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= to "
+            "the layer or set this TableConfig's optimizer. (optimizer=None is for serving-only "
+            "layers.)")
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+      for table, batch, upstream in per_table:
+        self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim))
+      return
+    # In a replica: hand every occurrence's (id, gradient) to one cross-replica update, so the
+    # tables get the sum over the global batch, in the same order as on a single device.
+    contributions = []
+    for table, batch, upstream in per_table:
+      occurrence_grads = batch.occurrence_gradients(upstream, table.dim)
+      sizes = [tf.size(b.ids) for b in batch.bags]
+      contributions.append((tf.split(batch.occurrence_ids, tf.stack(sizes), num=len(sizes)),
+                            tf.split(occurrence_grads, tf.stack(sizes), num=len(sizes))))
+    tables = [table for table, _, _ in per_table]
+    tf.distribute.get_replica_context().merge_call(
+        functools.partial(self._merge_and_update, tables), args=(contributions,))
+
+  def _merge_and_update(self, tables, strategy, contributions) -> None:
+    for table, (ids_per_bag, grads_per_bag) in zip(tables, contributions):
+      ids = tf.concat([strategy.gather(i, axis=0) for i in ids_per_bag], axis=0)
+      grads = tf.concat([strategy.gather(g, axis=0) for g in grads_per_bag], axis=0)
+      unique_ids, index = tf.unique(ids, out_idx=tf.int32)
+      row_grads = tf.math.unsorted_segment_sum(grads, index, tf.size(unique_ids))
+      self._update(table, unique_ids, row_grads)
+
+  def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor) -> None:
+    variables = self._variables[table.name]
+    slot_names = [n for n in variables if n != "parameters"]
+    slots = [variables[n] for n in slot_names]
+    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    apply = functools.partial(_apply_rows, table.optimizer, slot_names)
+    if not self._pipelining:
+      _run_update(variables["parameters"], apply, (ids, grads, learning_rate, *slots))
+      return
+    pending = self._pending[table.name]
+    _run_update(variables["parameters"],
+                functools.partial(_apply_pending_then_store, apply),
+                (ids, grads, learning_rate, pending["has"], pending["ids"], pending["grads"],
+                 pending["learning_rate"], *slots))
+
+  def flush(self) -> None:
+    """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
+    if not self._pipelining or not self._built:
+      return
+    for table in self._config.tables:
+      if table.optimizer is None:
+        continue
+      variables = self._variables[table.name]
+      slot_names = [n for n in variables if n != "parameters"]
+      pending = self._pending[table.name]
+      apply = functools.partial(_apply_rows, table.optimizer, slot_names)
+      _run_update(variables["parameters"], functools.partial(_apply_pending, apply),
+                  (pending["has"], pending["ids"], pending["grads"], pending["learning_rate"],
+                   *[variables[n] for n in slot_names]))
+
+
+def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
+  """Variable-length buffers holding one step's update until the next step has looked up."""
+  return {
+      "has": tf.Variable(False, trainable=False, name=f"{table.name}/pending_has"),
+      "ids": tf.Variable(tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False,
+                         name=f"{table.name}/pending_ids"),
+      "grads": tf.Variable(tf.zeros([0, table.dim]), shape=tf.TensorShape([None, table.dim]),
+                           trainable=False, name=f"{table.name}/pending_grads"),
+      "learning_rate": tf.Variable(0.0, trainable=False, name=f"{table.name}/pending_lr"),
+  }
+
+
+def _apply_rows(optimizer, slot_names: Sequence[str], parameters, ids, grads, learning_rate,
+                *slots) -> None:
+  apply_sparse_update(optimizer, parameters, dict(zip(slot_names, slots)), ids, grads,
+                      learning_rate)
+
+
+def _apply_pending(apply: Callable, parameters, has, ids, grads, learning_rate, *slots) -> None:
+  def run():
+    apply(parameters, ids.read_value(), grads.read_value(), learning_rate.read_value(), *slots)
+    return tf.constant(True)
+
+  tf.cond(has.read_value(), run, lambda: tf.constant(False))
+  has.assign(False)
+
+
+def _apply_pending_then_store(apply: Callable, parameters, ids, grads, learning_rate, has,
+                              pending_ids, pending_grads, pending_lr, *slots) -> None:
+  """Pipelining: this step's update waits until after the next step's lookup (spec section 6)."""
+  _apply_pending(apply, parameters, has, pending_ids, pending_grads, pending_lr, *slots)
+  pending_ids.assign(ids)
+  pending_grads.assign(grads)
+  pending_lr.assign(learning_rate)
+  has.assign(True)
+
+
+def _run_update(variable: tf.Variable, fn: Callable, args: tuple) -> None:
+  """Runs `fn(variable, *args)` once per copy of a mirrored variable, or once otherwise."""
+  if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+    tf.distribute.get_strategy().extended.update(variable, fn, args=args, group=True)
+  else:
+    fn(variable, *args)

@@ -1,0 +1,367 @@
+"""Forward lookup and gradient assembly with the TPU's semantics, on any device.
+
+Every input kind (dense, SparseTensor, RaggedTensor, sequence or not) is first reduced to *bags*:
+parallel arrays of (row id, output sample, gain), where the gain already holds the per-id weight
+times the combiner's per-sample scale (spec section 3.2). From there, the forward pass and the
+gradient to each touched row are the same two segment sums for every kind, and all features that
+share a table are deduplicated together once per step (ids looked up once, updated once).
+
+Rules chosen where TF's own CPU lookups disagree with each other (documented in the README):
+* weights are used as given: zero or negative weights are never dropped, for sparse and ragged
+  alike; a `mean`/`sqrtn` bag whose weight sum is 0 gives a zero activation and zero gradient
+  (what SparseCore does);
+* dense `[B, 1]` ids give `[B, D]` like the TPU, not `[B, 1, D]` like `embedding_lookup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding.config import Feature
+
+Tensor = tf.Tensor
+
+
+@dataclasses.dataclass
+class Bags:
+  """One feature's input as (id, sample, gain) triples.
+
+  `samples` is None when each id is its own sample in order (one-hot or per-position lookups),
+  which lets the common case skip both segment sums. `gains` is None when every gain is 1.
+  """
+
+  feature: Feature
+  ids: Tensor                 # int64 [N]
+  samples: Optional[Tensor]   # int64 [N], index into the flattened activation rows
+  gains: Optional[Tensor]     # float32 [N]
+  num_samples: Tensor         # int64 scalar
+  output_shape: Tensor        # int64 [k], activation shape without the embedding dim
+  static_shape: tf.TensorShape  # what is known of output_shape before running
+
+
+# ---------------------------------------------------------------------------------------------
+# Input conversion
+
+
+def to_bags(feature: Feature, ids: Any, weights: Any = None, check_ids: bool = True) -> Bags:
+  """Validates one feature's ids (and weights) and turns them into bags."""
+  name = feature.name
+  if isinstance(ids, tf.SparseTensor):
+    _check_weights_kind(name, weights, tf.SparseTensor)
+    bags = _sparse_bags(feature, ids, weights)
+  elif isinstance(ids, tf.RaggedTensor):
+    _check_weights_kind(name, weights, tf.RaggedTensor)
+    bags = _ragged_bags(feature, ids, weights)
+  else:
+    if weights is not None:
+      raise ValueError(
+          f"Feature {name!r}: weights were given for a dense Tensor input. Each dense id is its "
+          "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
+          "RaggedTensor to weight them, or pass None for this feature's weights.")
+    bags = _dense_bags(feature, _as_id_tensor(name, ids))
+  if check_ids:
+    _check_id_range(feature, bags.ids)
+  return bags
+
+
+def _as_id_tensor(name: str, ids: Any) -> Tensor:
+  try:
+    ids = tf.convert_to_tensor(ids)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"Feature {name!r}: could not convert its input to a tensor of ids: {e}") from e
+  _check_id_dtype(name, ids.dtype)
+  return ids
+
+
+def _check_id_dtype(name: str, dtype: tf.DType) -> None:
+  if not dtype.is_integer:
+    raise TypeError(f"Feature {name!r}: ids must be integers (int32 or int64), got {dtype.name}. "
+                    "Map strings or floats to integer ids first (e.g. tf.keras StringLookup).")
+
+
+def _check_weights_kind(name: str, weights: Any, kind: type) -> None:
+  if weights is not None and not isinstance(weights, kind):
+    raise ValueError(f"Feature {name!r}: its ids are a {kind.__name__}, so its weights must be a "
+                     f"{kind.__name__} with the same layout; got {type(weights).__name__}.")
+  if weights is not None and not weights.dtype.is_floating:
+    raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
+
+
+def _check_id_range(feature: Feature, ids: Tensor) -> None:
+  size = feature.table.vocabulary_size
+  message = (f"Feature {feature.name!r} (table {feature.table.name!r}, vocabulary_size={size}): "
+             f"every id must be in [0, {size}).")
+  in_range = tf.logical_and(ids >= 0, ids < size)
+  if tf.executing_eagerly():
+    if not bool(tf.reduce_all(in_range)):
+      offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
+      raise ValueError(f"{message} Offending ids: {offending}.")
+  else:
+    tf.debugging.Assert(tf.reduce_all(in_range),
+                        [message, "Offending ids:", tf.boolean_mask(ids, ~in_range)], summarize=5)
+
+
+def _static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
+  shape = feature.config.output_shape
+  return shape if shape.rank is not None else None
+
+
+def _sequence_length(feature: Feature) -> int:
+  """L > 0 when the feature is a sequence feature whose shape comes from max_sequence_length."""
+  if _static_output_shape(feature) is not None:
+    return 0
+  return feature.config.max_sequence_length
+
+
+def _with_output_shape(feature: Feature, natural: Tensor,
+                       natural_static: tf.TensorShape) -> tuple[Tensor, tf.TensorShape]:
+  """The activation shape: the configured output_shape if any, else the input's natural one."""
+  configured = _static_output_shape(feature)
+  if configured is None:
+    return natural, natural_static
+  if not configured.is_fully_defined():
+    raise ValueError(f"Feature {feature.name!r}: output_shape {configured} must be fully defined.")
+  return tf.constant(configured.as_list(), tf.int64), configured
+
+
+def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
+  if ids.shape.rank is None:
+    raise ValueError(f"Feature {feature.name!r}: dense ids need a known rank.")
+  ids = tf.cast(ids, tf.int64)
+  shape = tf.shape(ids, out_type=tf.int64)
+  seq_len = _sequence_length(feature)
+  if seq_len and ids.shape.rank == 2 and ids.shape[-1] != 1:
+    # A dense [B, n] sequence: truncate to L positions, missing positions stay zero.
+    kept = ids[:, :seq_len]
+    batch = shape[0]
+    positions = tf.range(tf.shape(kept, out_type=tf.int64)[1])
+    samples = tf.reshape(tf.range(batch)[:, None] * seq_len + positions[None, :], [-1])
+    return Bags(feature, tf.reshape(kept, [-1]), samples, None, batch * seq_len,
+                tf.stack([batch, tf.constant(seq_len, tf.int64)]),
+                tf.TensorShape([ids.shape[0], seq_len]))
+  static = ids.shape
+  if ids.shape.rank >= 2 and ids.shape[-1] == 1:
+    shape, static = shape[:-1], static[:-1]  # the TPU gives [B, D] for [B, 1] ids
+  return Bags(feature, tf.reshape(ids, [-1]), None, None, tf.reduce_prod(shape),
+              *_with_output_shape(feature, shape, static))
+
+
+def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
+  _check_id_dtype(feature.name, sp.values.dtype)
+  rank = sp.shape.rank
+  if rank is not None and rank < 2:
+    raise ValueError(f"Feature {feature.name!r}: a SparseTensor input needs rank >= 2, got {rank}.")
+  ids = tf.cast(sp.values, tf.int64)
+  indices = sp.indices
+  dense_shape = sp.dense_shape
+  seq_len = _sequence_length(feature)
+  if seq_len and rank == 2:
+    _refuse_sequence_weights(feature, weights)
+    keep = indices[:, 1] < seq_len
+    kept = tf.boolean_mask(indices, keep)
+    batch = dense_shape[0]
+    samples = kept[:, 0] * seq_len + kept[:, 1]
+    return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
+                tf.stack([batch, tf.constant(seq_len, tf.int64)]),
+                tf.TensorShape([sp.shape[0], seq_len]))
+  # The sample is every index column but the last; combine over the last one.
+  bag_shape = dense_shape[:-1]
+  strides = tf.math.cumprod(bag_shape, exclusive=True, reverse=True)
+  samples = tf.reduce_sum(indices[:, :-1] * strides[None, :], axis=1)
+  num = tf.reduce_prod(bag_shape)
+  values = None if weights is None else weights.values
+  static = sp.shape[:-1] if rank is not None else tf.TensorShape(None)
+  return Bags(feature, ids, samples, _gains(feature, values, samples, num), num,
+              *_with_output_shape(feature, bag_shape, static))
+
+
+def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]) -> Bags:
+  _check_id_dtype(feature.name, rt.values.dtype)
+  if rt.ragged_rank != 1 or rt.shape.rank != 2:
+    raise ValueError(f"Feature {feature.name!r}: a RaggedTensor input must have rank 2 "
+                     f"(batch, ids), got shape {rt.shape}.")
+  ids = tf.cast(rt.values, tf.int64)
+  rows = rt.value_rowids()
+  batch = rt.nrows()
+  seq_len = _sequence_length(feature)
+  configured = _static_output_shape(feature)
+  if configured is not None and configured.is_fully_defined() and rt.shape[0] is not None:
+    # A configured shape larger than the batch makes this a sequence of prod/batch positions.
+    total, static_batch = configured.num_elements(), rt.shape[0]
+    if total != static_batch:
+      if total < static_batch or total % static_batch:
+        raise ValueError(
+            f"Feature {feature.name!r}: output_shape {configured} holds {total} samples, which is "
+            f"neither the batch size {static_batch} nor a multiple of it.")
+      seq_len = total // static_batch
+  if seq_len:
+    _refuse_sequence_weights(feature, weights)
+    positions = tf.range(tf.size(ids, out_type=tf.int64)) - tf.gather(rt.row_starts(), rows)
+    keep = positions < seq_len
+    samples = tf.boolean_mask(rows * seq_len + positions, keep)
+    natural = tf.stack([batch, tf.constant(seq_len, tf.int64)])
+    return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
+                *_with_output_shape(feature, natural, tf.TensorShape([rt.shape[0], seq_len])))
+  values = None if weights is None else weights.values
+  return Bags(feature, ids, rows, _gains(feature, values, rows, batch), batch,
+              *_with_output_shape(feature, batch[None], rt.shape[:1]))
+
+
+def _refuse_sequence_weights(feature: Feature, weights: Any) -> None:
+  if weights is not None:
+    raise ValueError(f"Feature {feature.name!r} is a sequence feature (max_sequence_length="
+                     f"{feature.config.max_sequence_length}); each position is its own sample, "
+                     "so weights are not allowed. Pass None for its weights.")
+
+
+def _gains(feature: Feature, weights: Optional[Tensor], samples: Tensor,
+           num_samples: Tensor) -> Optional[Tensor]:
+  """Per-id gain = weight x the combiner's per-sample scale (0 where the scale's base is 0)."""
+  combiner = feature.table.combiner
+  if weights is None:
+    if combiner == "sum":
+      return None
+    weights = tf.ones_like(samples, dtype=tf.float32)
+  weights = tf.cast(weights, tf.float32)
+  if combiner == "sum":
+    return weights
+  if combiner == "mean":
+    base = tf.math.unsorted_segment_sum(weights, samples, num_samples)
+  else:  # sqrtn
+    base = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(weights), samples, num_samples))
+  scale = tf.math.divide_no_nan(tf.ones_like(base), base)
+  return weights * tf.gather(scale, samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# One table's step: dedupe once, look up, assemble row gradients
+
+
+@dataclasses.dataclass
+class TableBatch:
+  """All bags of one table in one step, with their ids deduplicated once."""
+
+  bags: list[Bags]
+  unique_ids: Tensor   # int64 [U]
+  index: Tensor        # int32 [N_total], position of each occurrence in unique_ids
+
+  @classmethod
+  def from_bags(cls, bags: Sequence[Bags]) -> "TableBatch":
+    ids = bags[0].ids if len(bags) == 1 else tf.concat([b.ids for b in bags], axis=0)
+    unique_ids, index = tf.unique(ids, out_idx=tf.int32)
+    return cls(list(bags), unique_ids, index)
+
+  def _split_index(self) -> list[Tensor]:
+    if len(self.bags) == 1:
+      return [self.index]
+    sizes = tf.stack([tf.size(b.ids) for b in self.bags])
+    return tf.split(self.index, sizes, num=len(self.bags))
+
+  def activations(self, unique_rows: Tensor) -> list[Tensor]:
+    """Combined activations of each bag from the gathered unique rows [U, D]."""
+    dim = tf.shape(unique_rows, out_type=tf.int64)[1:]
+    outputs = []
+    for bag, index in zip(self.bags, self._split_index()):
+      rows = tf.gather(unique_rows, index)
+      if bag.gains is not None:
+        rows = rows * bag.gains[:, None]
+      if bag.samples is not None:
+        rows = tf.math.unsorted_segment_sum(rows, bag.samples, bag.num_samples)
+      out = tf.reshape(rows, tf.concat([bag.output_shape, dim], axis=0))
+      outputs.append(_set_static_shape(out, bag, unique_rows.shape[-1]))
+    return outputs
+
+  def occurrence_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
+    """Each occurrence's gradient contribution (gain x its sample's activation gradient)."""
+    parts = []
+    for bag, grad in zip(self.bags, upstream):
+      if grad is None:  # an unused output still touches its rows, with a zero gradient
+        parts.append(tf.zeros([tf.size(bag.ids), dim], tf.float32))
+        continue
+      grad = tf.reshape(tf.cast(grad, tf.float32), [-1, dim])
+      if bag.samples is not None:
+        grad = tf.gather(grad, bag.samples)
+      if bag.gains is not None:
+        grad = grad * bag.gains[:, None]
+      parts.append(grad)
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+  def row_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
+    """The summed gradient of each unique row [U, D] (spec 2.1), never a dense table gradient."""
+    return tf.math.unsorted_segment_sum(self.occurrence_gradients(upstream, dim), self.index,
+                                        tf.size(self.unique_ids))
+
+  @property
+  def occurrence_ids(self) -> Tensor:
+    return tf.gather(self.unique_ids, self.index)
+
+
+def _set_static_shape(out: Tensor, bag: Bags, dim: Optional[int]) -> Tensor:
+  """Restores the static shape the reshape lost, so Keras sees [B, D] where it can."""
+  if bag.static_shape.rank is not None:
+    out.set_shape(bag.static_shape.concatenate([dim]))
+  return out
+
+
+def quantize(rows: Tensor, table) -> Tensor:
+  """Simulated quantization of gathered rows (forward only, spec 3.8); identity if unset."""
+  config = table.quantization_config
+  if config is None:
+    return rows
+  step = (config.upper - config.lower) / (config.num_buckets - 1)
+  clipped = tf.clip_by_value(rows, config.lower, config.upper)
+  quantized = tf.floor((clipped - config.lower) / step + 0.5) * step + config.lower
+  return rows + tf.stop_gradient(quantized - rows)
+
+
+@dataclasses.dataclass
+class Step:
+  """One call's inputs, converted and grouped per table: what forward and backward share."""
+
+  bags: list[Bags]
+  batches: dict  # TableConfig -> TableBatch, tables in order of first appearance
+
+  @classmethod
+  def prepare(cls, config: config_lib.EmbeddingConfig, features: Any, weights: Any = None,
+              subset: bool = False) -> "Step":
+    """Validates `features`/`weights` against `config` (a subset of its features if `subset`)."""
+    pairs = config_lib.match_structure(config, features, "features", subset=subset)
+    bags = [to_bags(feature, ids, w)
+            for (feature, ids), w in zip(pairs, _weight_leaves(features, weights, len(pairs)))]
+    grouped: dict = {}
+    for bag in bags:
+      grouped.setdefault(bag.feature.table, []).append(bag)
+    return cls(bags, {table: TableBatch.from_bags(b) for table, b in grouped.items()})
+
+  def activations(self, read_table: Callable[[Any], Tensor]) -> list[Tensor]:
+    """Activations of every bag, in input order; `read_table(table)` gives the table to read."""
+    by_bag = {}
+    for table, batch in self.batches.items():
+      rows = quantize(tf.gather(read_table(table), batch.unique_ids), table)
+      for bag, activation in zip(batch.bags, batch.activations(rows)):
+        by_bag[id(bag)] = activation
+    return [by_bag[id(bag)] for bag in self.bags]
+
+  def upstream_by_table(self, upstream: Sequence[Optional[Tensor]]) -> list[tuple[Any, "TableBatch", list]]:
+    """Regroups per-bag activation gradients (input order) per table."""
+    by_bag = {id(bag): g for bag, g in zip(self.bags, upstream)}
+    return [(table, batch, [by_bag[id(b)] for b in batch.bags])
+            for table, batch in self.batches.items()]
+
+
+def _weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
+  if weights is None:
+    return [None] * count
+  try:
+    tf.nest.assert_same_structure(features, weights, check_types=False)
+  except (TypeError, ValueError):
+    kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
+    raise ValueError(
+        "The structure of weights does not match the structure of features: pass one weight "
+        f"(or None) per feature.\n  features: {kinds(features)}\n  weights:  {kinds(weights)}"
+    ) from None
+  return tf.nest.flatten(weights)
