@@ -1,0 +1,367 @@
+"""Turns the optimizer a user hands us into a `tf.tpu.experimental.embedding` one.
+
+Embedding tables are trained by the TPU embedding engine (or our CPU engine that reproduces it),
+which only understands the mid-level optimizer classes. Users naturally reach for Keras
+optimizers, so we translate them, but only where the TPU update is the Keras update: every
+hyperparameter without an exact counterpart is refused with a `ValueError` rather than dropped.
+
+What "exact" means, and the two places where it is knowingly not:
+
+* Keras `SGD`, `Adagrad`, `Adam`, `Ftrl` of the three families (tf-keras legacy, tf-keras,
+  Keras 3) map to `SGD`, `Adagrad`, `Adam`, `FTRL`; `clipvalue` maps to the mid-level
+  `clipvalue`, which clips each row's gradient summed over the batch (Keras clips before
+  duplicate ids are summed, so the two differ only when an id repeats within a step).
+* Adam: Keras divides by `sqrt(v) + epsilon`, so the twin is `Adam(sum_inside_sqrt=False)`.
+  The TPU has no bias correction: the translated Adam steps by `lr` where Keras steps by
+  `lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)` (t = iterations + 1). This is not folded into
+  the learning rate behind the user's back; to get it, pass a mid-level `Adam` whose
+  `learning_rate` is a callable computing that product. The twin is also the TPU's default lazy
+  Adam (rows absent from a step keep their moments), the only form every backend, SparseCore
+  included, implements; Keras decays the moments of every row each step.
+* Adagrad: the TPU has no epsilon. Keras adds it outside (tf-keras legacy) or inside (tf-keras,
+  Keras 3) the square root. Accumulators start at `initial_accumulator_value` (a0) and only grow,
+  so epsilon shrinks any Keras step by a relative amount below
+  `max(epsilon / sqrt(a0), epsilon / (2 * a0))`. We accept epsilon when that bound is at most
+  `ADAGRAD_EPSILON_RTOL` (1e-6, a few float32 ulps; Keras's default 1e-7 with a0 = 0.1 gives
+  5e-7) and refuse it otherwise.
+* tf-keras legacy `decay` is refused: `InverseTimeDecay(lr, decay_steps=1, decay_rate=decay)` is
+  its exact replacement.
+
+Learning rates are never frozen: a translated optimizer's `learning_rate` is a
+`KerasLearningRate`, which reads the Keras optimizer's rate (schedule at `iterations`, variable,
+or callable) each time it is called. The user's Keras optimizer advances `iterations` in its own
+`apply_gradients`; the embedding update of a step sees the rate of that step if it runs before
+that increment, as Keras's own update does.
+
+Mid-level optimizers pass through untouched, except that a `learning_rate` which is neither a
+number nor a callable (e.g. a `tf.Variable`) is refused: TF's V1 API would silently store its
+current value as a constant. Wrap a variable as `lambda: var`.
+"""
+
+import dataclasses
+import math
+import numbers
+import sys
+import warnings
+from types import ModuleType
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+import tensorflow as tf
+import tf_keras
+
+__all__ = [
+    "ADAGRAD_EPSILON_RTOL",
+    "KerasLearningRate",
+    "MidLevelOptimizer",
+    "learning_rate_tensor",
+    "normalize_optimizer",
+    "translate_keras_optimizer",
+]
+
+_embedding = tf.tpu.experimental.embedding
+
+MidLevelOptimizer = Union[
+    _embedding.SGD,
+    _embedding.Adagrad,
+    _embedding.AdagradMomentum,
+    _embedding.Adam,
+    _embedding.FTRL,
+    _embedding.CustomOptimizer,
+]
+_MID_LEVEL_CLASSES: Tuple[type, ...] = MidLevelOptimizer.__args__
+
+_BY_NAME: Dict[str, type] = {
+    "adagrad": _embedding.Adagrad,
+    "adam": _embedding.Adam,
+    "ftrl": _embedding.FTRL,
+    "sgd": _embedding.SGD,
+}
+
+ADAGRAD_EPSILON_RTOL = 1e-6
+"""Largest relative change Keras's Adagrad epsilon may make to a step for us to drop it."""
+
+# A rule says whether a Keras hyperparameter value (given all of them) has the TPU's behaviour.
+_Rule = Callable[[Any, Mapping[str, Any]], bool]
+
+
+def _is(*neutral: Any) -> _Rule:
+    return lambda value, _: value in neutral
+
+
+def _max_adagrad_epsilon(params: Mapping[str, Any]) -> float:
+    a0 = params["initial_accumulator_value"]
+    return min(math.sqrt(a0), 2 * a0) * ADAGRAD_EPSILON_RTOL if a0 > 0 else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A Keras hyperparameter with no TPU counterpart unless `allowed` holds."""
+
+    allowed: _Rule
+    advice: Union[str, Callable[[Mapping[str, Any]], str]]
+
+
+_NO_WEIGHT_DECAY = _Refused(
+    _is(None, 0),
+    "the TPU has no Keras-style weight decay; pass a tf.tpu.experimental.embedding optimizer "
+    "with `weight_decay_factor` (and `multiply_weight_decay_factor_by_learning_rate=True`)",
+)
+_NO_NORM_CLIPPING = _Refused(
+    _is(None),
+    "the TPU cannot clip by norm; use `clipvalue` (element-wise gradient clipping) instead",
+)
+
+# Hyperparameters every Keras optimizer may carry; absent from a family means not applicable.
+_COMMON_REFUSED: Dict[str, _Refused] = {
+    "weight_decay": _NO_WEIGHT_DECAY,
+    "clipnorm": _NO_NORM_CLIPPING,
+    "global_clipnorm": _NO_NORM_CLIPPING,
+    "use_ema": _Refused(
+        _is(False), "the TPU keeps no moving average of embedding tables; set use_ema=False"
+    ),
+    "loss_scale_factor": _Refused(
+        _is(None),
+        "the TPU applies embedding gradients without unscaling them; leave it None",
+    ),
+    "gradient_accumulation_steps": _Refused(
+        _is(None), "the TPU applies the embedding update every step; leave it None"
+    ),
+    "decay": _Refused(
+        _is(0),
+        "use learning_rate=tf_keras.optimizers.schedules.InverseTimeDecay(lr, decay_steps=1, "
+        "decay_rate=decay), which is the same rate",
+    ),
+    "gradient_transformers": _Refused(
+        _is([]), "transform the gradients before they reach the embedding layer"
+    ),
+}
+# Settings with no effect on the update (or only under a setting refused above).
+_COMMON_IGNORED = frozenset(
+    {"name", "jit_compile", "is_legacy_optimizer", "ema_momentum", "ema_overwrite_frequency"}
+)
+# Read as attributes because `get_config()` leaves them out.
+_NOT_IN_CONFIG = ("adaptive_epsilon", "gradient_transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Translation:
+    """How one Keras optimizer class becomes its mid-level twin."""
+
+    mid_level: type
+    carried: Tuple[str, ...]  # same name on both sides
+    refused: Dict[str, _Refused]
+    fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_TRANSLATIONS: Dict[str, _Translation] = {
+    "SGD": _Translation(
+        _embedding.SGD,
+        carried=(),
+        refused={
+            "momentum": _Refused(
+                _is(0),
+                "the TPU's SGD has no momentum; use momentum=0.0, or pass "
+                "tf.tpu.experimental.embedding.AdagradMomentum (a different update) yourself",
+            ),
+            "nesterov": _Refused(_is(False), "the TPU's SGD has no momentum; use nesterov=False"),
+        },
+    ),
+    "Adagrad": _Translation(
+        _embedding.Adagrad,
+        carried=("initial_accumulator_value",),
+        refused={
+            "epsilon": _Refused(
+                lambda epsilon, params: epsilon <= _max_adagrad_epsilon(params),
+                lambda params: (
+                    "the TPU's Adagrad has no epsilon, and this one changes steps by more than "
+                    f"{ADAGRAD_EPSILON_RTOL:g} relative; use epsilon <= "
+                    f"{_max_adagrad_epsilon(params):.3g} or pass "
+                    "tf.tpu.experimental.embedding.Adagrad"
+                ),
+            ),
+        },
+    ),
+    "Adam": _Translation(
+        _embedding.Adam,
+        carried=("beta_1", "beta_2", "epsilon"),
+        refused={
+            "amsgrad": _Refused(_is(False), "the TPU has no AMSGrad; use amsgrad=False"),
+            "adaptive_epsilon": _Refused(
+                _is(False), "the TPU's epsilon is fixed; use adaptive_epsilon=False"
+            ),
+        },
+        fixed={"sum_inside_sqrt": False},
+    ),
+    "Ftrl": _Translation(
+        _embedding.FTRL,
+        carried=(
+            "learning_rate_power",
+            "initial_accumulator_value",
+            "l1_regularization_strength",
+            "l2_regularization_strength",
+            "beta",
+        ),
+        refused={
+            "l2_shrinkage_regularization_strength": _Refused(
+                _is(0),
+                "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
+            ),
+        },
+    ),
+}
+
+
+def _keras3() -> Optional[ModuleType]:
+    """Keras 3 if it has been imported: otherwise no Keras 3 object can exist, and we never
+    import this optional dependency ourselves."""
+    keras = sys.modules.get("keras")
+    return keras if hasattr(keras, "optimizers") else None
+
+
+def _keras_family(optimizer: Any) -> Optional[Tuple[str, ModuleType]]:
+    """(label, module) of the Keras optimizer family `optimizer` belongs to."""
+    families = [
+        ("tf_keras.optimizers.legacy", tf_keras.optimizers.legacy),
+        ("tf_keras.optimizers", tf_keras.optimizers),
+    ]
+    keras = _keras3()
+    if keras is not None:
+        families.append(("keras.optimizers", keras.optimizers))
+    for label, module in families:
+        if isinstance(optimizer, module.Optimizer):
+            return label, module
+    return None
+
+
+def _schedule_types() -> Tuple[type, ...]:
+    keras = _keras3()
+    keras_schedule = () if keras is None else (keras.optimizers.schedules.LearningRateSchedule,)
+    return (tf_keras.optimizers.schedules.LearningRateSchedule, *keras_schedule)
+
+
+class KerasLearningRate:
+    """Zero-argument callable giving a Keras optimizer's current learning rate as float32.
+
+    It is a mid-level `learning_rate`, so TF calls it while tracing each step and the rate
+    follows the Keras optimizer (schedule, assigned variable, callable) instead of being fixed
+    at translation time. Two instances for the same Keras optimizer are equal, so optimizers
+    translated twice from it compare equal (TF uses that to share tables and learning rates).
+    """
+
+    def __init__(self, keras_optimizer: Any):
+        self.keras_optimizer = keras_optimizer
+
+    def __call__(self) -> tf.Tensor:
+        optimizer = self.keras_optimizer
+        # tf-keras and Keras 3 keep what the user passed in `_learning_rate` (tf-keras's public
+        # property gives the previous step's rate for a schedule); the legacy family keeps it as a
+        # hyperparameter that its `learning_rate` attribute returns.
+        rate = getattr(optimizer, "_learning_rate", None)
+        if rate is None:
+            rate = optimizer.learning_rate
+        if isinstance(rate, _schedule_types()):
+            rate = rate(optimizer.iterations)
+        elif callable(rate):
+            rate = rate()
+        return tf.cast(rate, tf.float32)
+
+    def __eq__(self, other: Any) -> bool:
+        return (
+            isinstance(other, KerasLearningRate) and other.keras_optimizer is self.keras_optimizer
+        )
+
+    def __hash__(self) -> int:
+        return id(self.keras_optimizer)
+
+    def __repr__(self) -> str:
+        return f"KerasLearningRate({type(self.keras_optimizer).__name__})"
+
+
+def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> MidLevelOptimizer:
+    """Returns the mid-level twin of a Keras optimizer, or raises if there is none.
+
+    `where` names the argument in error messages.
+    """
+    family = _keras_family(optimizer)
+    if family is None:
+        raise TypeError(
+            f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
+        )
+    label, module = family
+    class_name = type(optimizer).__name__
+    full_name = f"{label}.{class_name}"
+    translation = _TRANSLATIONS.get(class_name)
+    if translation is None or getattr(module, class_name, None) is not type(optimizer):
+        raise ValueError(
+            f"{where}: Keras optimizer {full_name} has no TPU embedding equivalent; use a Keras "
+            f"{', '.join(sorted(_TRANSLATIONS))} or a tf.tpu.experimental.embedding optimizer "
+            "(SGD, Adagrad, AdagradMomentum, Adam, FTRL)"
+        )
+
+    with warnings.catch_warnings():
+        # Keras 3 warns that a lambda learning rate cannot be reloaded; we do not serialize.
+        warnings.filterwarnings("ignore", message="The object being serialized includes a `lambda`")
+        params = dict(optimizer.get_config())
+    params.update({k: getattr(optimizer, k) for k in _NOT_IN_CONFIG if hasattr(optimizer, k)})
+    refused = {**_COMMON_REFUSED, **translation.refused}
+    known = _COMMON_IGNORED | {"learning_rate", "clipvalue"} | set(translation.carried)
+    for key, value in params.items():
+        if key in known:
+            continue
+        rule = refused.get(key)
+        if rule is None:
+            raise ValueError(
+                f"{where}: Keras optimizer {full_name} has {key}={value!r}, a hyperparameter this "
+                "translation does not know, so it cannot promise the same update; pass a "
+                f"tf.tpu.experimental.embedding.{translation.mid_level.__name__} instead"
+            )
+        if not rule.allowed(value, params):
+            advice = rule.advice(params) if callable(rule.advice) else rule.advice
+            raise ValueError(
+                f"{where}: Keras optimizer {full_name} has {key}={value!r}, which the TPU "
+                f"embedding {translation.mid_level.__name__} cannot reproduce: {advice}"
+            )
+
+    clipvalue = params.get("clipvalue")
+    kwargs = {key: float(params[key]) for key in translation.carried}
+    kwargs.update(translation.fixed)
+    try:
+        return translation.mid_level(
+            learning_rate=KerasLearningRate(optimizer),
+            clipvalue=None if clipvalue is None else float(clipvalue),
+            **kwargs,
+        )
+    except ValueError as error:
+        raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
+
+
+def normalize_optimizer(
+    optimizer: Any, *, where: str = "optimizer"
+) -> Optional[MidLevelOptimizer]:
+    """Accepts None, a name, a mid-level optimizer or a Keras optimizer; returns mid-level or None."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, str):
+        cls = _BY_NAME.get(optimizer.lower())
+        if cls is None:
+            raise ValueError(
+                f"{where}: unknown optimizer name {optimizer!r}; accepted names (any case): "
+                f"{', '.join(repr(name) for name in _BY_NAME)}"
+            )
+        return cls()
+    if isinstance(optimizer, _MID_LEVEL_CLASSES):
+        rate = optimizer.learning_rate
+        if not (callable(rate) or isinstance(rate, numbers.Real)):
+            raise ValueError(
+                f"{where}: learning_rate={rate!r} of {type(optimizer).__name__} must be a number "
+                "or a zero-argument callable (the TPU would freeze anything else at its current "
+                "value); wrap a variable as `lambda: var`"
+            )
+        return optimizer
+    return translate_keras_optimizer(optimizer, where=where)
+
+
+def learning_rate_tensor(optimizer: MidLevelOptimizer) -> tf.Tensor:
+    """The rate of the current step as a float32 scalar, calling a dynamic rate every time."""
+    rate = optimizer.learning_rate
+    return tf.cast(rate() if callable(rate) else rate, tf.float32)
