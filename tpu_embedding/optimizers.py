@@ -338,7 +338,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
 def normalize_optimizer(
     optimizer: Any, *, where: str = "optimizer"
 ) -> Optional[MidLevelOptimizer]:
-    """Accepts None, a name, a mid-level optimizer or a Keras optimizer; returns mid-level or None."""
+    """One entry point for every form a user may give: None, a name, mid-level or Keras."""
     if optimizer is None:
         return None
     if isinstance(optimizer, str):
