@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
@@ -98,6 +99,12 @@ class EmbeddingEngine(tf.Module):
       self._track_trackable(slots[name], name=f"{table.name}/{name}")
     return slots
 
+  def _checkpoint_adapter(self, path: str):
+    # TF's per-object restore hook, called before any table or slot of this engine is bound:
+    # refuse the whole restore here if any of them is missing or has another shape.
+    checkpoints.validate(self, self._config, not self._keras_managed, path)
+    return super()._checkpoint_adapter(path)
+
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     """{table name: {"parameters": table, slot name: slot}}, as the mid-level `variables`."""
@@ -174,19 +181,23 @@ class EmbeddingEngine(tf.Module):
       self._update(table, unique_ids, row_grads)
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor) -> None:
-    variables = self._variables[table.name]
-    slot_names = [n for n in variables if n != "parameters"]
-    slots = [variables[n] for n in slot_names]
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
-    apply = functools.partial(_apply_rows, table.optimizer, slot_names)
+    names, state = self._state(table)
+    apply = _row_applier(table.optimizer, names)
     if not self._pipelining:
-      _run_update(variables["parameters"], apply, (ids, grads, learning_rate, *slots))
+      _on_each_copy(state, lambda *copy: apply(copy, ids, grads, learning_rate))
       return
-    pending = self._pending[table.name]
-    _run_update(variables["parameters"],
-                functools.partial(_apply_pending_then_store, apply),
-                (ids, grads, learning_rate, pending["has"], pending["ids"], pending["grads"],
-                 pending["learning_rate"], *slots))
+
+    def apply_pending_then_store(*copy):
+      """Pipelining: this step's update waits until after the next step's lookup (spec 6)."""
+      has, pending_ids, pending_grads, pending_lr = copy[-4:]
+      _apply_pending(apply, copy[:-4], has, pending_ids, pending_grads, pending_lr)
+      pending_ids.assign(ids)
+      pending_grads.assign(grads)
+      pending_lr.assign(learning_rate)
+      has.assign(True)
+
+    _on_each_copy(state + self._pending_state(table), apply_pending_then_store)
 
   def flush(self) -> None:
     """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
@@ -195,13 +206,20 @@ class EmbeddingEngine(tf.Module):
     for table in self._config.tables:
       if table.optimizer is None:
         continue
-      variables = self._variables[table.name]
-      slot_names = [n for n in variables if n != "parameters"]
-      pending = self._pending[table.name]
-      apply = functools.partial(_apply_rows, table.optimizer, slot_names)
-      _run_update(variables["parameters"], functools.partial(_apply_pending, apply),
-                  (pending["has"], pending["ids"], pending["grads"], pending["learning_rate"],
-                   *[variables[n] for n in slot_names]))
+      names, state = self._state(table)
+      apply = _row_applier(table.optimizer, names)
+      _on_each_copy(state + self._pending_state(table),
+                    lambda *copy: _apply_pending(apply, copy[:-4], *copy[-4:]))
+
+  def _state(self, table: TableConfig) -> tuple[list[str], list[tf.Variable]]:
+    """Slot names, and the table followed by its slots in that order."""
+    variables = self._variables[table.name]
+    names = [n for n in variables if n != "parameters"]
+    return names, [variables["parameters"]] + [variables[n] for n in names]
+
+  def _pending_state(self, table: TableConfig) -> list[tf.Variable]:
+    pending = self._pending[table.name]
+    return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
 def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
@@ -216,34 +234,31 @@ def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
   }
 
 
-def _apply_rows(optimizer, slot_names: Sequence[str], parameters, ids, grads, learning_rate,
-                *slots) -> None:
-  apply_sparse_update(optimizer, parameters, dict(zip(slot_names, slots)), ids, grads,
-                      learning_rate)
+def _row_applier(optimizer, slot_names: Sequence[str]) -> Callable:
+  """`apply(state, ids, grads, lr)` for one copy of a table's state (table, then slots)."""
+  def apply(state, ids, grads, learning_rate) -> None:
+    apply_sparse_update(optimizer, state[0], dict(zip(slot_names, state[1:])), ids, grads,
+                        learning_rate)
+  return apply
 
 
-def _apply_pending(apply: Callable, parameters, has, ids, grads, learning_rate, *slots) -> None:
+def _apply_pending(apply: Callable, state, has, ids, grads, learning_rate) -> None:
   def run():
-    apply(parameters, ids.read_value(), grads.read_value(), learning_rate.read_value(), *slots)
+    apply(state, ids.read_value(), grads.read_value(), learning_rate.read_value())
     return tf.constant(True)
 
   tf.cond(has.read_value(), run, lambda: tf.constant(False))
   has.assign(False)
 
 
-def _apply_pending_then_store(apply: Callable, parameters, ids, grads, learning_rate, has,
-                              pending_ids, pending_grads, pending_lr, *slots) -> None:
-  """Pipelining: this step's update waits until after the next step's lookup (spec section 6)."""
-  _apply_pending(apply, parameters, has, pending_ids, pending_grads, pending_lr, *slots)
-  pending_ids.assign(ids)
-  pending_grads.assign(grads)
-  pending_lr.assign(learning_rate)
-  has.assign(True)
+def _on_each_copy(variables: Sequence[tf.Variable], fn: Callable) -> None:
+  """Calls `fn(*copies)` once per device holding the variables (once if not distributed).
 
-
-def _run_update(variable: tf.Variable, fn: Callable, args: tuple) -> None:
-  """Runs `fn(variable, *args)` once per copy of a mirrored variable, or once otherwise."""
-  if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-    tf.distribute.get_strategy().extended.update(variable, fn, args=args, group=True)
-  else:
-    fn(variable, *args)
+  Every copy of a mirrored variable receives the same update from the same global gradient,
+  which keeps the copies identical without any table-sized communication.
+  """
+  copies = [list(v.values) if isinstance(v, tf.distribute.DistributedValues) else [v]
+            for v in variables]
+  for per_device in zip(*copies):
+    with tf.device(per_device[0].device):
+      fn(*per_device)

@@ -64,7 +64,7 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None, check_ids: bool = T
           "RaggedTensor to weight them, or pass None for this feature's weights.")
     bags = _dense_bags(feature, _as_id_tensor(name, ids))
   if check_ids:
-    _check_id_range(feature, bags.ids)
+    bags.ids = _check_id_range(feature, bags.ids)
   return bags
 
 
@@ -91,7 +91,8 @@ def _check_weights_kind(name: str, weights: Any, kind: type) -> None:
     raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
 
 
-def _check_id_range(feature: Feature, ids: Tensor) -> None:
+def _check_id_range(feature: Feature, ids: Tensor) -> Tensor:
+  """Returns `ids`, which in graph mode only become available once they passed the check."""
   size = feature.table.vocabulary_size
   message = (f"Feature {feature.name!r} (table {feature.table.name!r}, vocabulary_size={size}): "
              f"every id must be in [0, {size}).")
@@ -100,9 +101,12 @@ def _check_id_range(feature: Feature, ids: Tensor) -> None:
     if not bool(tf.reduce_all(in_range)):
       offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
       raise ValueError(f"{message} Offending ids: {offending}.")
-  else:
-    tf.debugging.Assert(tf.reduce_all(in_range),
-                        [message, "Offending ids:", tf.boolean_mask(ids, ~in_range)], summarize=5)
+    return ids
+  check = tf.debugging.Assert(tf.reduce_all(in_range),
+                              [message, "Offending ids:", tf.boolean_mask(ids, ~in_range)],
+                              summarize=5)
+  with tf.control_dependencies([check]):
+    return tf.identity(ids)
 
 
 def _static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
@@ -153,11 +157,15 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
 def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
   _check_id_dtype(feature.name, sp.values.dtype)
   rank = sp.shape.rank
-  if rank is not None and rank < 2:
-    raise ValueError(f"Feature {feature.name!r}: a SparseTensor input needs rank >= 2, got {rank}.")
   ids = tf.cast(sp.values, tf.int64)
   indices = sp.indices
   dense_shape = sp.dense_shape
+  if rank == 1:
+    # [B] with at most one id per position (e.g. a Keras Input(shape=(), sparse=True)).
+    samples, batch = indices[:, 0], dense_shape[0]
+    values = None if weights is None else weights.values
+    return Bags(feature, ids, samples, _gains(feature, values, samples, batch), batch,
+                *_with_output_shape(feature, dense_shape, sp.shape))
   seq_len = _sequence_length(feature)
   if seq_len and rank == 2:
     _refuse_sequence_weights(feature, weights)

@@ -1,0 +1,18 @@
+"""Test session setup: quiet TensorFlow and two logical CPU devices for MirroredStrategy tests.
+
+Logical devices can only be configured before TensorFlow initialises its runtime, so this runs
+at import time, before any test module creates a tensor.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+  tf.config.set_logical_device_configuration(
+      _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+except RuntimeError:  # already initialised by an earlier import in this process
+  pass
