@@ -1,0 +1,267 @@
+"""The CPU engine through the layer: TPU semantics over several steps, pipelining, table modes.
+
+The property test compares the engine with `tests/reference.py`, a float64 NumPy transcription of
+the semantics spec written independently of the engine.
+"""
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import reference
+import tpu_embedding
+
+E = tf.tpu.experimental.embedding
+
+
+def _table(values, combiner="sum", name="t", optimizer=None):
+  return E.TableConfig(vocabulary_size=values.shape[0], dim=values.shape[1], combiner=combiner,
+                       name=name, optimizer=optimizer,
+                       initializer=tf.constant_initializer(values))
+
+
+class Probe(tf_keras.Model):
+  """loss = sum_f <activation_f, upstream_f>, so activation gradients are exactly `upstream`."""
+
+  def __init__(self, layer):
+    super().__init__()
+    self.embedding = layer
+
+  def call(self, inputs):
+    ids, weights, upstream = inputs
+    out = self.embedding(ids, weights)
+    pairs = zip(tf.nest.flatten(out), tf.nest.flatten(upstream))
+    return out, sum(tf.reduce_sum(a * tf.cast(g, tf.float32)) for a, g in pairs)
+
+
+def _step(model, dense_optimizer, ids, weights, upstream):
+  with tf.GradientTape() as tape:
+    out, loss = model((ids, weights, upstream))
+  variables = model.trainable_variables
+  dense_optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Property test against the reference
+
+
+@st.composite
+def optimizers(draw):
+  kind = draw(st.sampled_from(["sgd", "adagrad", "adagrad_momentum", "adam", "adam_dense",
+                               "ftrl"]))
+  lr = draw(st.sampled_from([0.05, 0.3]))
+  common = {}
+  if draw(st.booleans()):
+    common["clipvalue"] = draw(st.sampled_from([0.2, (-0.1, 0.3)]))
+  if draw(st.booleans()):
+    common["clip_weight_min"], common["clip_weight_max"] = -1.5, 1.0
+  if draw(st.booleans()) and kind != "ftrl":
+    common["weight_decay_factor"] = 0.05
+    common["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+  if kind == "sgd":
+    return E.SGD(lr, **common)
+  if kind == "adagrad":
+    return E.Adagrad(lr, initial_accumulator_value=draw(st.sampled_from([0.1, 1.0])), **common)
+  if kind == "adagrad_momentum":
+    return E.AdagradMomentum(lr, momentum=0.9, use_nesterov=draw(st.booleans()),
+                             beta2=draw(st.sampled_from([1.0, 0.9])), **common)
+  if kind in ("adam", "adam_dense"):
+    return E.Adam(lr, lazy_adam=kind == "adam", sum_inside_sqrt=draw(st.booleans()), **common)
+  return E.FTRL(lr, l1_regularization_strength=draw(st.sampled_from([0.0, 0.01])),
+                l2_regularization_strength=0.1, beta=draw(st.sampled_from([0.0, 0.5])),
+                multiply_linear_by_learning_rate=draw(st.booleans()), **common)
+
+
+bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
+
+
+@hypothesis.settings(max_examples=30, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    dim=st.integers(1, 3),
+    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+    optimizer=optimizers(),
+    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=3),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16))
+def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, seed):
+  """Two features sharing one table, duplicate-heavy bags, several steps: tables and slots."""
+  rng = np.random.default_rng(seed)
+  rows = 6
+  values = rng.uniform(-1, 1, size=(rows, dim)).astype(np.float32)
+  table = _table(values, combiner)
+  layer = tpu_embedding.TPUEmbedding({"a": E.FeatureConfig(table=table),
+                                      "b": E.FeatureConfig(table=table)}, optimizer)
+  model = Probe(layer)
+  dense = tf_keras.optimizers.SGD(0.0)
+  params = reference.params_from_optimizer(optimizer)
+  w = values.astype(np.float64)
+  slots = reference.initial_slots(params, w.shape)
+  for bags_a, bags_b in steps:
+    weights = {k: [list(rng.uniform(-0.5, 2.0, len(b))) for b in bags] if weighted else None
+               for k, bags in (("a", bags_a), ("b", bags_b))}
+    upstream = {k: rng.normal(size=(len(bags), dim)).astype(np.float32)
+                for k, bags in (("a", bags_a), ("b", bags_b))}
+    ids = {"a": tf.ragged.constant(bags_a, tf.int64, ragged_rank=1),
+           "b": tf.ragged.constant(bags_b, tf.int64, ragged_rank=1)}
+    tf_weights = None if not weighted else {
+        k: tf.ragged.constant(weights[k], tf.float32, ragged_rank=1) for k in weights}
+    out = _step(model, dense, ids, tf_weights, upstream)
+    for k, bags in (("a", bags_a), ("b", bags_b)):
+      expected = [reference.combine_bag(w, b, None if not weighted else weights[k][i], combiner)
+                  for i, b in enumerate(bags)]
+      np.testing.assert_allclose(out[k].numpy(), np.reshape(expected, (-1, dim)),
+                                 rtol=1e-4, atol=1e-5)
+    samples = [(b, None if not weighted else weights[k][i])
+               for k, bags in (("a", bags_a), ("b", bags_b)) for i, b in enumerate(bags)]
+    row_ids, grads = reference.assemble_gradients(
+        samples, np.concatenate([upstream["a"], upstream["b"]]), combiner, dim)
+    if len(row_ids) or (params["kind"] == "adam" and not params["lazy_adam"]):
+      w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
+  variables = layer._tpu_embedding.variables_by_table["t"]
+  np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=2e-4, atol=2e-5)
+  for name, value in slots.items():
+    np.testing.assert_allclose(variables[name].numpy(), value, rtol=2e-4, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelining emulation
+
+
+def _constant_gradient_lookups(pipelining: bool, steps: int = 4):
+  """Spec 6's example: one row, SGD lr 1, gradient 1 each step, starting at 0."""
+  table = _table(np.zeros((2, 1), np.float32))
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.SGD(1.0),
+                                     pipeline_execution_with_tensor_core=pipelining)
+  seen = []
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      activation = layer(tf.constant([1]))
+      loss = tf.reduce_sum(activation)
+    tape.gradient(loss, layer.trainable_variables)
+    return activation
+
+  for _ in range(steps):
+    seen.append(float(step().numpy()[0, 0]))
+  return layer, seen
+
+
+def test_without_pipelining_each_lookup_sees_the_previous_update():
+  _, seen = _constant_gradient_lookups(False)
+  assert seen == [0.0, -1.0, -2.0, -3.0]
+
+
+def test_pipelining_lookups_see_step_n_minus_2_and_flush_applies_the_rest():
+  layer, seen = _constant_gradient_lookups(True)
+  assert seen == [0.0, 0.0, -1.0, -2.0]
+  table = layer._tpu_embedding.variables_by_table["t"]["parameters"]
+  assert table.numpy()[1, 0] == -3.0  # step 4's update is still pending
+  layer.flush()
+  assert table.numpy()[1, 0] == -4.0
+  layer.flush()  # nothing left: idempotent
+  assert table.numpy()[1, 0] == -4.0
+
+
+def test_pipelined_update_is_flushed_before_a_checkpoint_is_written(tmp_path):
+  layer, _ = _constant_gradient_lookups(True, steps=2)
+  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
+  saved = tf.train.load_checkpoint(path).get_tensor(
+      "layer/_tpu_embedding/t/.ATTRIBUTES/VARIABLE_VALUE")
+  assert saved[1, 0] == -2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning rates, Keras-managed tables, slots in checkpoints
+
+
+def test_keras_schedule_drives_table_learning_rate_step_by_step():
+  schedule = tf_keras.optimizers.schedules.PiecewiseConstantDecay([0], [1.0, 0.25])
+  keras_sgd = tf_keras.optimizers.SGD(schedule)
+  table = _table(np.zeros((3, 2), np.float32))
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), keras_sgd)
+  dense = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+
+  @tf.function
+  def step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(dense(layer(ids)))
+    variables = layer.trainable_variables + dense.trainable_variables
+    keras_sgd.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  step(tf.constant([1]))  # iterations 0 -> lr 1.0, gradient 1 (dense kernel is ones)
+  row_after_one = layer.embedding_tables[table].numpy()[1].copy()
+  step(tf.constant([1]))  # iterations 1 -> lr 0.25; kernel moved by -1.0*activation = 0
+  np.testing.assert_allclose(row_after_one, [-1.0, -1.0])
+  np.testing.assert_allclose(layer.embedding_tables[table].numpy()[1], [-1.25, -1.25])
+
+
+def test_callable_learning_rate_of_a_mid_level_optimizer_is_read_every_step():
+  rate = tf.Variable(0.5)
+  table = _table(np.zeros((2, 1), np.float32))
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.SGD(lambda: rate))
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(tf.constant([0])))
+    tape.gradient(loss, layer.trainable_variables)
+
+  step()
+  rate.assign(2.0)
+  step()
+  assert layer.embedding_tables[table].numpy()[0, 0] == -2.5
+
+
+def test_keras_managed_tables_are_trained_by_the_users_optimizer():
+  values = np.arange(6, dtype=np.float32).reshape(3, 2)
+  table = _table(values)
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.Adagrad(0.1),
+                                     table_updates="keras")
+  model = Probe(layer)
+  _step(model, tf_keras.optimizers.SGD(0.5), tf.constant([2, 2]), None, tf.ones([2, 2]))
+  assert list(layer._tpu_embedding.variables_by_table["t"]) == ["parameters"]  # no slots
+  assert layer.embedding_tables[table] in [v.ref().deref() for v in model.trainable_variables]
+  expected = values.copy()
+  expected[2] -= 0.5 * 2.0  # Keras SGD on the summed gradient of two occurrences
+  np.testing.assert_allclose(layer.embedding_tables[table].numpy(), expected)
+
+
+def test_unknown_table_updates_mode_is_refused():
+  with pytest.raises(ValueError, match="table_updates='tpu'; expected one of"):
+    tpu_embedding.TPUEmbedding(E.FeatureConfig(table=_table(np.zeros((2, 1)))), "sgd",
+                               table_updates="tpu")
+
+
+@pytest.mark.parametrize("make_optimizer,slot_names", [
+    (lambda: tf_keras.optimizers.Adam(0.1), ["momenta", "velocities"]),
+    (lambda: tf_keras.optimizers.legacy.Ftrl(0.1), ["accumulators", "linears"]),
+    (lambda: "adagrad", ["accumulators"])])
+def test_translated_optimizer_slots_round_trip_through_a_checkpoint(tmp_path, make_optimizer,
+                                                                    slot_names):
+  def build():
+    table = _table(np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2))
+    return tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), make_optimizer())
+
+  trained = build()
+  model = Probe(trained)
+  for _ in range(2):
+    _step(model, tf_keras.optimizers.SGD(0.0), tf.ragged.constant([[0, 3, 3]]), None,
+          tf.constant([[0.5, -1.0]]))
+  path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+  fresh = build()
+  fresh_model = Probe(fresh)
+  fresh_model((tf.ragged.constant([[0]]), None, tf.zeros([1, 2])))
+  tf.train.Checkpoint(model=fresh_model).read(path).assert_consumed()
+  before = trained._tpu_embedding.variables_by_table["t"]
+  after = fresh._tpu_embedding.variables_by_table["t"]
+  assert sorted(after) == sorted(["parameters"] + slot_names)
+  for name in after:
+    np.testing.assert_array_equal(after[name].numpy(), before[name].numpy())
+  slot = before[slot_names[0]].numpy()
+  assert not np.array_equal(slot[0], slot[1])  # row 0 was trained, row 1 was not
