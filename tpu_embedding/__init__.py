@@ -3,5 +3,6 @@
 from tpu_embedding.hardware import Path
 from tpu_embedding.layer import TPUEmbedding
 from tpu_embedding.optimizers import translate_keras_optimizer
+from tpu_embedding.partial import PartialTPUEmbedding
 
-__all__ = ["Path", "TPUEmbedding", "translate_keras_optimizer"]
+__all__ = ["PartialTPUEmbedding", "Path", "TPUEmbedding", "translate_keras_optimizer"]

@@ -1,0 +1,522 @@
+"""Tests for tpu_embedding.PartialTPUEmbedding: small tables replicated, large ones sharded.
+
+Expected activations and updates are computed here with NumPy from the tables' known initial
+values, never read back from the code under test. The TPU tests at the end are wiring tests: no
+TPU is available, so the hardware seam is patched and TensorFlow's mid-level class is replaced
+by a recording fake; they check what is handed to whom, not TPU execution.
+"""
+
+import math
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tpu_embedding
+from tpu_embedding import backends
+from tpu_embedding import hardware
+from tpu_embedding.partial import PartialTPUEmbedding, ReplicatedTable
+
+emb = tf.tpu.experimental.embedding
+
+
+def values(vocab, dim, offset=0.0):
+  """A table whose row r is offset + [r*dim, ..., r*dim + dim - 1] / 10 (exact in float32)."""
+  return (offset + np.arange(vocab * dim, dtype=np.float32).reshape(vocab, dim) / 8).astype(
+      np.float32)
+
+
+def table(vocab, dim, name=None, combiner="mean", optimizer=None, offset=0.0):
+  return emb.TableConfig(vocab, dim, initializer=tf.constant_initializer(values(vocab, dim, offset)),
+                         combiner=combiner, name=name, optimizer=optimizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tf-recommenders cases: vocabularies 5, 20, 8, 9, 15 with dims 2, 4, 6, 8, 10.
+
+VOCABS = [5, 20, 8, 9, 15]
+DIMS = [2, 4, 6, 8, 10]
+SCALAR_IDS = {"0": 4, "1": 10, "2": 6, "3": 8, "4": 0}
+
+
+def upstream_config():
+  return {str(i): emb.FeatureConfig(table(v, d, name=f"table_{i}"))
+          for i, (v, d) in enumerate(zip(VOCABS, DIMS))}
+
+
+def check_scalar_lookup(layer):
+  output = layer(SCALAR_IDS)
+  assert sorted(output) == sorted(SCALAR_IDS)
+  for key, ids in SCALAR_IDS.items():
+    i = int(key)
+    assert output[key].shape == (DIMS[i],)
+    np.testing.assert_array_equal(output[key].numpy(), values(VOCABS[i], DIMS[i])[ids])
+
+
+def test_threshold_10_shards_the_two_tables_above_it():
+  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
+                              size_threshold=10)
+  sharded = layer.tpu_embedding.embedding_tables
+  assert sorted((t.name, t.vocabulary_size, t.dim) for t in sharded) == [
+      ("table_1", 20, 4), ("table_4", 15, 10)]
+  replicated = layer.keras_embedding_layers
+  assert sorted(replicated) == ["0", "2", "3"]
+  assert [(replicated[k].input_dim, replicated[k].output_dim) for k in ("0", "2", "3")] == [
+      (5, 2), (8, 6), (9, 8)]
+  assert all(isinstance(r, ReplicatedTable) for r in replicated.values())
+  check_scalar_lookup(layer)
+
+
+def test_threshold_none_replicates_every_table():
+  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
+                              size_threshold=None)
+  assert layer.tpu_embedding is None
+  assert len(layer.keras_embedding_layers) == 5
+  check_scalar_lookup(layer)
+
+
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_threshold_0_shards_every_table(pipelining):
+  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
+                              pipeline_execution_with_tensor_core=pipelining, size_threshold=0)
+  assert len(layer.tpu_embedding.embedding_tables) == 5
+  assert layer.keras_embedding_layers == {}
+  check_scalar_lookup(layer)
+
+
+def test_threshold_must_be_a_non_negative_int_or_none():
+  for bad in (-1, 2.5, True, "10"):
+    with pytest.raises(ValueError, match="size_threshold"):
+      PartialTPUEmbedding(upstream_config(), "sgd", size_threshold=bad)
+
+
+def test_exported_from_the_package():
+  assert tpu_embedding.PartialTPUEmbedding is PartialTPUEmbedding
+  assert "PartialTPUEmbedding" in tpu_embedding.__all__
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested configs, shared tables, sequence features, weights
+
+
+def test_nested_config_keeps_its_structure_and_shared_tables_stay_together():
+  big = table(30, 2, name="big")          # 30 > 10: sharded, shared by two features
+  small = table(4, 3, name="small")       # replicated
+  seq = table(6, 2, name="seq")           # replicated sequence feature
+  config = {
+      "user": {"id": emb.FeatureConfig(big), "country": emb.FeatureConfig(small)},
+      "items": [emb.FeatureConfig(big), emb.FeatureConfig(seq, max_sequence_length=3)],
+  }
+  layer = PartialTPUEmbedding(config, "sgd", size_threshold=10)
+  assert (layer.side("big"), layer.side(small), layer.side("seq")) == (
+      "sharded", "replicated", "replicated")
+  placement = layer.placement()
+  assert placement["big"].features == ("items/0", "user/id")
+
+  features = {
+      "user": {"id": tf.constant([29, 3]), "country": tf.constant([[1], [2]])},
+      "items": [tf.constant([0, 29]), tf.ragged.constant([[5, 1, 2, 4], [3]], dtype=tf.int64)],
+  }
+  out = layer(features)
+  assert isinstance(out, dict) and isinstance(out["items"], list)
+  assert sorted(out) == ["items", "user"] and sorted(out["user"]) == ["country", "id"]
+  vb, vs, vq = values(30, 2), values(4, 3), values(6, 2)
+  np.testing.assert_array_equal(out["user"]["id"].numpy(), vb[[29, 3]])
+  np.testing.assert_array_equal(out["user"]["country"].numpy(), vs[[1, 2]])
+  np.testing.assert_array_equal(out["items"][0].numpy(), vb[[0, 29]])
+  expected_seq = np.zeros([2, 3, 2], np.float32)  # truncated to 3 positions, missing are zero
+  expected_seq[0] = vq[[5, 1, 2]]
+  expected_seq[1, 0] = vq[3]
+  np.testing.assert_array_equal(out["items"][1].numpy(), expected_seq)
+
+
+def weighted_rows(table_values, ids_per_row, weights_per_row, combiner):
+  out = []
+  for ids, ws in zip(ids_per_row, weights_per_row):
+    ws = np.asarray(ws, np.float64)
+    total = (table_values[ids].astype(np.float64) * ws[:, None]).sum(0)
+    scale = {"sum": 1.0, "mean": 1 / ws.sum(), "sqrtn": 1 / math.sqrt((ws ** 2).sum())}[combiner]
+    out.append(total * scale)
+  return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_ragged_and_sparse_inputs_with_weights_on_replicated_tables(combiner):
+  small = table(7, 2, name="small", combiner=combiner)
+  config = {"r": emb.FeatureConfig(small), "s": emb.FeatureConfig(small)}
+  layer = PartialTPUEmbedding(config, emb.SGD(learning_rate=0.5), size_threshold=None)
+  ids = [[1, 3, 3], [6]]
+  ws = [[2.0, 0.5, 1.0], [0.25]]
+  ragged = tf.ragged.constant(ids, dtype=tf.int64)
+  ragged_w = tf.ragged.constant(ws, dtype=tf.float32)
+  sparse = tf.sparse.SparseTensor([[0, 0], [0, 1], [0, 2], [1, 0]], [1, 3, 3, 6], [2, 4])
+  sparse_w = tf.sparse.SparseTensor(sparse.indices, [2.0, 0.5, 1.0, 0.25], [2, 4])
+  upstream = np.array([[1.0, -1.0], [0.5, 2.0]], np.float32)
+  with tf.GradientTape() as tape:
+    out = layer({"r": ragged, "s": sparse}, weights={"r": ragged_w, "s": sparse_w})
+    loss = tf.reduce_sum(out["r"] * upstream) + tf.reduce_sum(out["s"] * upstream)
+  tape.gradient(loss, layer.trainable_variables)
+
+  w0 = values(7, 2)
+  expected = weighted_rows(w0, ids, ws, combiner)
+  np.testing.assert_allclose(out["r"].numpy(), expected, rtol=1e-6)
+  np.testing.assert_allclose(out["s"].numpy(), expected, rtol=1e-6)
+  # Both features share the table: each occurrence adds gain x upstream, twice (r and s), then
+  # one SGD step with learning rate 0.5 on the touched rows only.
+  grad = np.zeros_like(w0, np.float64)
+  for row, (row_ids, row_ws) in enumerate(zip(ids, ws)):
+    row_ws = np.asarray(row_ws)
+    scale = {"sum": 1.0, "mean": 1 / row_ws.sum(), "sqrtn": 1 / math.sqrt((row_ws ** 2).sum())}[
+        combiner]
+    for i, w in zip(row_ids, row_ws):
+      grad[i] += 2 * scale * w * upstream[row]
+  np.testing.assert_allclose(layer.embedding_tables[small].numpy(), w0 - 0.5 * grad, rtol=1e-6)
+
+
+def test_replicated_tables_are_not_trained_by_the_dense_optimizer():
+  layer = PartialTPUEmbedding({"a": emb.FeatureConfig(table(4, 2, name="a"))}, "adagrad",
+                              size_threshold=None)
+  layer({"a": tf.constant([1])})
+  (trap,) = layer.trainable_variables  # only the gradient trap; the table is not trainable
+  assert trap.name.endswith("partial_embedding_helper_dummy:0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with TPUEmbedding
+
+
+def parity_config(own_optimizer):
+  shared = table(6, 3, name="shared", combiner="sum")
+  config = {
+      "r": emb.FeatureConfig(shared),
+      "s": emb.FeatureConfig(shared),
+      "q": emb.FeatureConfig(table(7, 2, name="q", combiner="sqrtn", optimizer=own_optimizer)),
+      "seq": emb.FeatureConfig(table(5, 2, name="seq"), max_sequence_length=3),
+      "shaped": emb.FeatureConfig(table(8, 2, name="shaped"), output_shape=[2, 3]),
+      "big": {"d": emb.FeatureConfig(table(40, 4, name="big", offset=1.0)),
+              "w": emb.FeatureConfig(table(50, 2, name="big_w", combiner="sqrtn"))},
+  }
+  return config
+
+
+def parity_batches():
+  batches = []
+  for step in range(2):
+    r = tf.ragged.constant([[1, 3, 3], [5 - step]], dtype=tf.int64)
+    s = tf.sparse.SparseTensor([[0, 0], [1, 0], [1, 2]], [2, 1 + step, 4], [2, 3])
+    q = tf.ragged.constant([[0, 6], [2, 2, 1]], dtype=tf.int64)
+    seq = tf.ragged.constant([[4, 0, 1, 2], [3 - step]], dtype=tf.int64)
+    shaped = tf.ragged.constant([[7, 1], [0, 2, 3, 5]], dtype=tf.int64)
+    d = tf.constant([[39], [step]])
+    w = tf.sparse.SparseTensor([[0, 1], [1, 0], [1, 1]], [49, 7, 7 + step], [2, 2])
+    weights = {
+        "r": tf.ragged.constant([[0.5, 2.0, 1.0], [3.0]]),
+        "s": tf.sparse.SparseTensor(s.indices, [1.5, 0.25, 2.0], s.dense_shape),
+        "q": tf.ragged.constant([[1.0, 2.0], [0.5, 0.5, 4.0]]),
+        "seq": None, "shaped": None,
+        "big": {"d": None, "w": tf.sparse.SparseTensor(w.indices, [2.0, 1.0, 3.0], [2, 2])},
+    }
+    features = {"r": r, "s": s, "q": q, "seq": seq, "shaped": shaped, "big": {"d": d, "w": w}}
+    batches.append((features, weights))
+  return batches
+
+
+def train_step(layer, features, weights):
+  with tf.GradientTape() as tape:
+    out = layer(features, weights=weights)
+    flat = tf.nest.flatten(out)
+    loss = sum(tf.reduce_sum(o * (i + 1.0) * tf.reshape(
+        tf.cast(tf.range(tf.size(o)), tf.float32), tf.shape(o))) / 16.0
+               for i, o in enumerate(flat))
+  tape.gradient(loss, layer.trainable_variables)
+  return [o.numpy() for o in flat]
+
+
+def slots_by_table(variables):
+  return {(t, k): v.numpy() for t, vs in variables.items() for k, v in vs.items()}
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda: emb.SGD(learning_rate=0.25),
+                                            lambda: emb.Adagrad(learning_rate=0.25)],
+                         ids=["sgd", "adagrad"])
+@pytest.mark.parametrize("threshold", [10, None, 0])
+def test_parity_with_tpu_embedding_after_two_steps(make_optimizer, threshold):
+  partial = PartialTPUEmbedding(parity_config(emb.SGD(learning_rate=0.125)), make_optimizer(),
+                                size_threshold=threshold)
+  reference = tpu_embedding.TPUEmbedding(parity_config(emb.SGD(learning_rate=0.125)),
+                                         make_optimizer())
+  if threshold == 10:
+    assert {t: partial.side(t) for t in ("shared", "q", "seq", "shaped", "big", "big_w")} == {
+        "shared": "replicated", "q": "replicated", "seq": "replicated", "shaped": "replicated",
+        "big": "sharded", "big_w": "sharded"}
+  for features, weights in parity_batches():
+    got = train_step(partial, features, weights)
+    want = train_step(reference, features, weights)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+  partial_state = slots_by_table(partial._variables_by_table())
+  reference_state = slots_by_table(reference._tpu_embedding.variables_by_table)
+  assert sorted(partial_state) == sorted(reference_state)
+  for key, value in reference_state.items():
+    np.testing.assert_array_equal(partial_state[key], value, err_msg=str(key))
+  # The tables did move: the first step's gradient reached every table.
+  for user_table, variable in partial.embedding_tables.items():
+    assert not np.array_equal(variable.numpy(),
+                              values(user_table.vocabulary_size, user_table.dim,
+                                     1.0 if user_table.name == "big" else 0.0)), user_table.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement report
+
+
+def test_placement_reports_sides_and_bytes():
+  config = {
+      "a": emb.FeatureConfig(table(5, 2, name="a")),                       # Adam: m, v slots
+      "b": emb.FeatureConfig(table(20, 4, name="b", optimizer=emb.SGD(0.1))),  # no slots
+      "c": emb.FeatureConfig(table(15, 10, name="c",
+                                   optimizer=emb.Adagrad(0.1))),           # one slot
+  }
+  layer = PartialTPUEmbedding(config, emb.Adam(0.1), size_threshold=10)
+  report = layer.placement(num_replicas=4)
+  by_name = {t.table: t for t in report.tables}
+  # a: replicated, 5 rows x 2 x 4 B x (table + 2 slots) = 120 B, whole on each device.
+  assert (by_name["a"].side, by_name["a"].slots) == ("replicated", ("momenta", "velocities"))
+  assert (by_name["a"].bytes, by_name["a"].bytes_per_device) == (120, 120)
+  # b: sharded, 20 x 4 x 4 B = 320 B; ceil(20 / 4) = 5 rows per device = 80 B.
+  assert (by_name["b"].side, by_name["b"].bytes, by_name["b"].bytes_per_device) == (
+      "sharded", 320, 80)
+  # c: sharded, 15 x 10 x 4 B x 2 = 1200 B; ceil(15 / 4) = 4 rows x 80 B = 320 B.
+  assert (by_name["c"].bytes, by_name["c"].bytes_per_device) == (1200, 320)
+  assert report.bytes_per_device("replicated") == 120
+  assert report.bytes_per_device("sharded") == 400
+  assert report.bytes_per_device() == 520
+  text = str(report)
+  assert "4 replica(s)" in text and "momenta,velocities" in text
+  assert "replicated 120 B + sharded 400 B = 520 B" in text
+  # One replica: a sharded table is whole on its one device.
+  assert layer.placement()["c"].bytes_per_device == 1200
+  with pytest.raises(ValueError, match="num_replicas"):
+    layer.placement(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints across thresholds
+
+
+def ckpt_config():
+  return {"a": emb.FeatureConfig(table(5, 2, name="a")),
+          "b": emb.FeatureConfig(table(20, 3, name="b")),
+          "c": emb.FeatureConfig(table(12, 2))}  # unnamed: "table_2" whatever its side
+
+
+def ckpt_features():
+  return {"a": tf.constant([1, 4]), "b": tf.constant([19, 2]), "c": tf.constant([11, 11])}
+
+
+def trained_layer(threshold, optimizer):
+  layer = PartialTPUEmbedding(ckpt_config(), optimizer, size_threshold=threshold)
+  with tf.GradientTape() as tape:
+    out = layer(ckpt_features())
+    loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(out))
+  tape.gradient(loss, layer.trainable_variables)
+  return layer
+
+
+@pytest.mark.parametrize("pipelining", [False, True])
+def test_checkpoint_written_with_threshold_0_restores_under_none_and_10(tmp_path, pipelining):
+  saved = trained_layer(0, emb.Adagrad(0.5)) if not pipelining else None
+  if pipelining:
+    saved = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=0,
+                                pipeline_execution_with_tensor_core=True)
+    with tf.GradientTape() as tape:
+      loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(saved(ckpt_features())))
+    tape.gradient(loss, saved.trainable_variables)  # held back until the save flushes it
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "ckpt"))
+  keys = {name for name, _ in tf.train.list_variables(path)}
+  for name in ("a", "b", "table_2"):
+    assert f"embedding/_tpu_embedding/{name}/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    assert f"embedding/_tpu_embedding/{name}.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE" in keys
+  expected = slots_by_table(saved._variables_by_table())
+  assert not np.array_equal(expected[("a", "accumulators")], np.full([5, 2], 0.1, np.float32))
+
+  for threshold in (None, 10):
+    restored = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=threshold)
+    tf.train.Checkpoint(embedding=restored).restore(path).assert_consumed()
+    got = slots_by_table(restored._variables_by_table())
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+      np.testing.assert_array_equal(got[key], value, err_msg=f"{threshold} {key}")
+
+
+def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path):
+  saved = trained_layer(10, emb.Adagrad(0.5))
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "partial"))
+  expected = slots_by_table(saved._variables_by_table())
+  # Into every table sharded...
+  restored = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=0)
+  tf.train.Checkpoint(embedding=restored).restore(path).assert_consumed()
+  for key, value in slots_by_table(restored._variables_by_table()).items():
+    np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
+  # ...and into a plain TPUEmbedding, which uses the same names.
+  plain = tpu_embedding.TPUEmbedding(ckpt_config(), emb.Adagrad(0.5))
+  plain(ckpt_features())
+  tf.train.Checkpoint(embedding=plain).restore(path).assert_existing_objects_matched()
+  for key, value in slots_by_table(plain._tpu_embedding.variables_by_table).items():
+    np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU wiring (hardware seam patched, mid-level class faked: no TPU execution is tested)
+
+
+class FakeMidLevelV1:
+  """Records how the TPU V1 path drives TensorFlow's mid-level `TPUEmbedding`."""
+
+  instances = []
+
+  def __init__(self, feature_config, optimizer, pipelining=False):
+    self.feature_config = feature_config
+    self.optimizer = optimizer
+    self.pipelining = pipelining
+    self.calls = []
+    self._variables = {}
+    FakeMidLevelV1.instances.append(self)
+
+  def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
+    self.calls.append(("build", per_replica_input_shapes, per_replica_batch_size))
+    for feature in tf.nest.flatten(self.feature_config):
+      t = feature.table
+      self._variables.setdefault(t.name, {"parameters": tf.Variable(
+          tf.zeros([t.vocabulary_size, t.dim]), trainable=False, name=t.name)})
+
+  def enqueue(self, features, weights=None, training=True, name=None):
+    self.calls.append(("enqueue", sorted(features), training, name))
+    self._batch = {k: v.shape[0] for k, v in features.items()}
+
+  def dequeue(self, name=None):
+    self.calls.append(("dequeue", name))
+    return {k: tf.fill([self._batch[k], f.table.dim], 0.5)
+            for k, f in self.feature_config.items()}
+
+  def apply_gradients(self, gradients, name=None):
+    self.calls.append(("apply_gradients", {k: g.numpy() for k, g in gradients.items()}, name))
+
+  @property
+  def embedding_tables(self):
+    return {f.table: self._variables[f.table.name]["parameters"]
+            for f in tf.nest.flatten(self.feature_config)}
+
+
+@pytest.fixture
+def fake_tpu_v1(monkeypatch):
+  FakeMidLevelV1.instances = []
+  monkeypatch.setattr(hardware, "detect_embedding_feature",
+                      lambda strategy: hardware.EmbeddingFeature.V1)
+  monkeypatch.setattr(backends, "mid_level", types.SimpleNamespace(TPUEmbedding=FakeMidLevelV1))
+
+
+def test_wiring_on_tpu_v1_large_tables_go_to_the_embedding_engine(fake_tpu_v1):
+  """Wiring test: only the sharded features reach the (fake) mid-level TPUEmbedding."""
+  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+  assert layer.tpu_embedding.path is hardware.Path.TPU_V1
+  (mid,) = FakeMidLevelV1.instances
+  assert sorted(mid.feature_config) == ["b", "c"]
+  assert sorted(f.table.name for f in mid.feature_config.values()) == ["b", "table_2"]
+  assert all(f.table.optimizer is not None for f in mid.feature_config.values())
+  assert mid.calls == []  # on TPU the engine is built from the first call's shapes
+
+  upstream = {"a": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
+              "b": np.full([2, 3], 2.0, np.float32), "c": np.full([2, 2], 3.0, np.float32)}
+  with tf.GradientTape() as tape:
+    out = layer(ckpt_features())
+    loss = sum(tf.reduce_sum(out[k] * upstream[k]) for k in out)
+  tape.gradient(loss, layer.trainable_variables)
+
+  build, enqueue, dequeue, apply = mid.calls
+  assert build[0] == "build" and sorted(build[1]) == ["b", "c"]
+  assert build[1]["b"].as_list() == [2]
+  assert enqueue[:3] == ("enqueue", ["b", "c"], True)
+  assert dequeue[0] == "dequeue" and apply[0] == "apply_gradients"
+  np.testing.assert_array_equal(apply[1]["b"], upstream["b"])
+  np.testing.assert_array_equal(apply[1]["c"], upstream["c"])
+  np.testing.assert_array_equal(out["b"].numpy(), np.full([2, 3], 0.5))
+  # The replicated table is an ordinary variable looked up and trained by the engine (SGD).
+  a = layer.keras_embedding_layers["a"].embeddings
+  assert isinstance(a, tf.Variable) and not a.trainable
+  expected = values(5, 2)
+  np.testing.assert_array_equal(out["a"].numpy(), expected[[1, 4]])
+  expected[[1, 4]] -= 0.5 * upstream["a"]
+  np.testing.assert_array_equal(a.numpy(), expected)
+
+
+def test_wiring_on_tpu_v1_checkpoint_keeps_the_mid_level_object(fake_tpu_v1):
+  """Wiring test: on TPU the sharded layer stays in the checkpoint graph (TF's TPU save/restore
+  callbacks hang on the mid-level object) while every table also has its side-free name."""
+  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+  layer(ckpt_features())
+  children = layer._trackable_children()
+  assert "_sharded_embedding" in children
+  names = set(children["_tpu_embedding"]._trackable_children())
+  assert names == {"a", "b", "table_2"}
+
+
+def test_wiring_batch_size_reaches_the_tpu_build(fake_tpu_v1):
+  """Wiring test: batch_size is forwarded to the mid-level build on TPU."""
+  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(0.5), batch_size=2, size_threshold=10)
+  layer(ckpt_features())
+  assert FakeMidLevelV1.instances[0].calls[0] == ("build", None, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras fit, and replicated tables as a strategy's replicated variables
+
+
+def test_keras_fit_trains_both_sides():
+  config = {"a": emb.FeatureConfig(table(5, 2, name="a")),
+            "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  inputs = {k: tf_keras.Input(shape=(), dtype=tf.int64, name=k) for k in config}
+  layer = PartialTPUEmbedding(config, emb.SGD(0.1), size_threshold=10)
+  out = layer(inputs)
+  model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(tf.concat([out["a"], out["b"]], 1)))
+  model.compile("sgd", "mse")
+  model.fit({"a": np.array([1, 2, 3, 4]), "b": np.array([5, 6, 7, 19])}, np.ones([4, 1]),
+            epochs=1, verbose=0)
+  for user_table, variable in layer.embedding_tables.items():
+    before = values(user_table.vocabulary_size, 2)
+    assert not np.array_equal(variable.numpy(), before), user_table.name
+    np.testing.assert_array_equal(variable.numpy()[0], before[0])  # row 0 never looked up
+
+
+def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_global_batch():
+  config = lambda: {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
+                    "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  features = {"a": tf.constant([1, 1, 3, 4]), "b": tf.constant([5, 6, 5, 19])}
+  single = PartialTPUEmbedding(config(), emb.Adagrad(0.5), size_threshold=10)
+  with tf.GradientTape() as tape:
+    loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(single(features)))
+  tape.gradient(loss, single.trainable_variables)
+
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    mirrored = PartialTPUEmbedding(config(), emb.Adagrad(0.5), size_threshold=10)
+  assert isinstance(mirrored.keras_embedding_layers["a"].embeddings,
+                    tf.distribute.DistributedValues)
+  dataset = tf.data.Dataset.from_tensor_slices(features).batch(4)
+  batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+
+  @tf.function
+  def step(batch):
+    def replica_step(x):
+      with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(mirrored(x)))
+      tape.gradient(loss, mirrored.trainable_variables)
+    strategy.run(replica_step, args=(batch,))
+
+  step(batch)
+  want = slots_by_table(single._variables_by_table())
+  got = slots_by_table(mirrored._variables_by_table())
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=str(key))
