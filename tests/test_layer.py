@@ -410,3 +410,15 @@ def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table()), "sgd",
                                      embedding_feature=hardware.EmbeddingFeature.V1)
   assert layer.path is hardware.Path.CPU
+
+
+def test_tables_exist_before_the_first_call_and_can_be_replaced():
+  t = table(rows=3, dim=2, name="videos")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "adagrad")
+  np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
+  assert sorted(layer.variables_by_table["videos"]) == ["accumulators", "parameters"]
+  replacement = tf.Variable(np.full((3, 2), 7.0, np.float32))
+  layer.update_embedding_table(t, replacement)
+  np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[7.0, 7.0]])
+  with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
+    layer.update_embedding_table(table(name="other"), replacement)

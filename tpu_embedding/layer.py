@@ -104,10 +104,12 @@ class TPUEmbedding(tf_keras.layers.Layer):
 
   def update_embedding_table(self, table: TableConfig, embedding_table: tf.Variable) -> None:
     """Replaces the variable behind `table` (e.g. with one restored elsewhere)."""
-    clone = self._clone_of(table)
-    variables = self._tpu_embedding.variables if not hasattr(
-        self._tpu_embedding, "variables_by_table") else self._tpu_embedding.variables_by_table
-    variables[clone.name]["parameters"] = embedding_table
+    self.variables_by_table[self._clone_of(table).name]["parameters"] = embedding_table
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}} on every path."""
+    return self._backend.variables_by_table
 
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:

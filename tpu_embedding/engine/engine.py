@@ -50,6 +50,7 @@ class EmbeddingEngine(tf.Module):
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._built = False
+    self._strategy = tf.distribute.get_strategy()  # tables are created under it, as TF does
 
   # -------------------------------------------------------------------------------------------
   # Variables
@@ -63,9 +64,16 @@ class EmbeddingEngine(tf.Module):
     if self._built:
       return
     with tf.init_scope():
-      for table in self._config.tables:
-        self._create_table(table)
+      if tf.distribute.has_strategy():
+        self._create_tables()
+      else:
+        with self._strategy.scope():
+          self._create_tables()
     self._built = True
+
+  def _create_tables(self) -> None:
+    for table in self._config.tables:
+      self._create_table(table)
 
   def _create_table(self, table: TableConfig) -> None:
     shape = [table.vocabulary_size, table.dim]
@@ -108,10 +116,12 @@ class EmbeddingEngine(tf.Module):
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     """{table name: {"parameters": table, slot name: slot}}, as the mid-level `variables`."""
+    self.build()
     return self._variables
 
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
+    self.build()
     return {t: self._variables[t.name]["parameters"] for t in self._config.tables}
 
   # -------------------------------------------------------------------------------------------
@@ -130,9 +140,11 @@ class EmbeddingEngine(tf.Module):
     else:
       @tf.custom_gradient
       def gradient_trap(dummy):
-        def grad(*upstream):
+        def grad(*upstream, variables=None):
+          # Tables are trained here, never by the user's optimizer, even if they are trainable
+          # variables (e.g. one passed to `update_embedding_table`).
           self._apply_gradients(step.upstream_by_table(upstream))
-          return tf.zeros_like(dummy)
+          return tf.zeros_like(dummy), [None] * len(variables or ())
 
         return step.activations(self.parameters), grad
 
