@@ -178,6 +178,28 @@ class TpuV2Backend(Backend):
   def build(self, per_replica_input_shapes):
     self._mid_level.build()
 
+  @property
+  def embedding_tables(self) -> dict:
+    """{TableConfig: variable}; TPUEmbeddingV2 itself keys its tables by *stacked* table name.
+
+    A table stacked alone maps to its stack's variable. Several tables sharing one stack have no
+    variable of their own, which is refused by name rather than silently left out.
+    """
+    stacked = self._mid_level.embedding_tables
+    layouts = self._mid_level.embedding_layouts
+    stack_of = {table: layouts[table.name].stacked_table_name for table in self.config.tables}
+    members: dict[str, list[str]] = {}
+    for table, stack in stack_of.items():
+      members.setdefault(stack, []).append(table.name)
+    shared = {stack: names for stack, names in members.items() if len(names) > 1}
+    if shared:
+      raise ValueError(
+          f"On SparseCore these tables are stacked into shared variables: {shared}; no table has "
+          "a variable of its own. Pass sparse_core_embedding_config=tf.tpu.experimental."
+          "embedding.SparseCoreEmbeddingConfig(disable_table_stacking=True) to keep them apart, "
+          "or read the stacked variables from layer._tpu_embedding.embedding_tables.")
+    return {table: stacked[stack] for table, stack in stack_of.items()}
+
   def lookup(self, features, weights, trap):
     @tf.custom_gradient
     def gradient_trap(dummy):

@@ -30,8 +30,17 @@ _PATH_OF_FEATURE = {
 }
 
 
+_TPU_STRATEGY_TYPES = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy,
+                       tf.compat.v1.distribute.experimental.TPUStrategy)
+
+
 def is_tpu_strategy(strategy: tf.distribute.Strategy) -> bool:
-  return type(strategy).__name__.startswith("TPUStrategy")
+  """TF's TPU strategies and any subclass of them (a user's subclass must not fall to the CPU).
+
+  A class named like a TPU strategy anywhere in the MRO also counts, so stand-ins work in tests.
+  """
+  return isinstance(strategy, _TPU_STRATEGY_TYPES) or any(
+      cls.__name__.startswith("TPUStrategy") for cls in type(strategy).__mro__)
 
 
 def detect_embedding_feature(strategy: tf.distribute.Strategy) -> Optional[EmbeddingFeature]:
