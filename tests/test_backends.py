@@ -677,9 +677,6 @@ def test_tpu_layer_called_outside_its_strategy_is_refused(tpu, path):
   assert "enqueue" not in log.methods() and "__call__" not in log.methods()
 
 
-@pytest.mark.xfail(strict=True, reason="layer.py: Keras runs build() before call() checks the "
-                   "strategy, so the mid-level build (TPU init) or the CPU tables happen under "
-                   "the wrong strategy before the refusal; check the strategy in build() too")
 def test_a_refused_call_builds_nothing(tpu):
   """Wiring only (fakes, no TPU): a refused call must not initialise the TPU."""
   log = tpu(Path.TPU_V1)

@@ -50,6 +50,11 @@ class Backend(abc.ABC):
     return self.mid_level.embedding_tables
 
   @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
+    return self.mid_level._variables  # pylint: disable=protected-access
+
+  @property
   def trainable_tables(self) -> list[tf.Variable]:
     """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
     return []
@@ -84,6 +89,10 @@ class CpuBackend(Backend):
   @property
   def embedding_tables(self) -> dict:
     return self._engine.embedding_tables
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    return self._engine.variables_by_table
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:

@@ -63,6 +63,7 @@ class TPUEmbedding(tf_keras.layers.Layer):
     return self._backend.path
 
   def build(self, input_shape: Any) -> None:
+    self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
     if self._backend.needs_trap:
       setattr(self, _TRAP_NAME, self.add_weight(

@@ -1,0 +1,61 @@
+"""One process of the multi-worker test: trains a fixed set of global batches, writes the table.
+
+Run as `python multiworker_job.py OUT.npy` with TF_CONFIG set for MultiWorkerMirroredStrategy,
+or without TF_CONFIG for the single-process reference run on the same global batches.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tpu_embedding  # noqa: E402
+
+E = tf.tpu.experimental.embedding
+GLOBAL_BATCH = 8
+
+
+def main(out_path: str) -> None:
+  multi_worker = "TF_CONFIG" in os.environ
+  strategy = (tf.distribute.MultiWorkerMirroredStrategy() if multi_worker
+              else tf.distribute.get_strategy())
+  rng = np.random.default_rng(3)
+  values = rng.normal(size=(9, 2)).astype(np.float32)
+  bags = [rng.integers(0, 9, size=(GLOBAL_BATCH, 3)) for _ in range(3)]
+  with strategy.scope():
+    table = E.TableConfig(vocabulary_size=9, dim=2, combiner="sum", name="t",
+                          initializer=tf.constant_initializer(values))
+    layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.Adagrad(0.1))
+    dense = tf_keras.layers.Dense(1, kernel_initializer="ones")
+    optimizer = tf_keras.optimizers.SGD(0.01)
+
+  def replica_step(ids):
+    with tf.GradientTape() as tape:
+      out = dense(layer(tf.RaggedTensor.from_tensor(ids)))
+      loss = tf.reduce_sum(out * out) / GLOBAL_BATCH
+    variables = layer.trainable_variables + dense.trainable_variables
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  dataset = tf.data.Dataset.from_tensor_slices(np.concatenate(bags)).batch(GLOBAL_BATCH)
+  options = tf.data.Options()
+  options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+  dist = strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+  @tf.function
+  def run(ids):
+    strategy.run(replica_step, args=(ids,))
+
+  for ids in dist:
+    run(ids)
+  np.save(out_path, layer.embedding_tables[table].numpy())
+  if multi_worker:
+    print(json.dumps({"task": json.loads(os.environ["TF_CONFIG"])["task"]}))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
