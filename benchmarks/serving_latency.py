@@ -1,0 +1,219 @@
+"""Latency and throughput of an exported serving model: tpu_embedding next to tf-recommenders.
+
+The same ranking model (tables `user` 100,000 x 32 and `movie` 20,000 x 32 with identical
+values, dense 64-relu-1 with identical weights) is exported twice, each in its own fresh
+process: with `tpu_embedding.serving.export_for_serving`, and with tf-recommenders 0.7.7's
+`TPUEmbedding` layer and `tf.saved_model.save` (tfrs needs TF_USE_LEGACY_KERAS=1 before
+TensorFlow is imported). Each export is then loaded in its own fresh process that imports only
+TensorFlow, and its `serving_default` signature is timed on dense ids at batch 1, 64 and 1024:
+p50 and p99 latency per call, and throughput (examples per second at the mean latency). Both
+exports must give the same predictions.
+
+One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}.
+
+Usage: python benchmarks/serving_latency.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+IMPLEMENTATIONS = ("tpu_embedding", "tfrs")
+BATCH_SIZES = (1, 64, 1024)
+USERS, MOVIES, DIM = 100_000, 20_000, 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Export (one fresh process per implementation)
+
+
+def _export(implementation: str, directory: str) -> None:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_keras  # pylint: disable=g-import-not-at-top
+
+  E = tf.tpu.experimental.embedding  # pylint: disable=invalid-name
+
+  def initializer(seed):
+    def init(shape, dtype=tf.float32):
+      return tf.random.stateless_uniform(shape, seed=[seed, 0], minval=-0.05, maxval=0.05,
+                                         dtype=dtype)
+    return init
+
+  config = {
+      "user": E.FeatureConfig(E.TableConfig(USERS, DIM, name="user", initializer=initializer(1))),
+      "movie": E.FeatureConfig(E.TableConfig(MOVIES, DIM, name="movie",
+                                             initializer=initializer(2))),
+  }
+  if implementation == "tfrs":
+    import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+    embedding = tfrs.layers.embedding.TPUEmbedding(config, E.Adagrad(0.1))
+  else:
+    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    embedding = tpu_embedding.TPUEmbedding(config, E.Adagrad(0.1))
+
+  class Ranker(tf_keras.Model):
+
+    def __init__(self):
+      super().__init__()
+      self.embedding = embedding
+      self.hidden = tf_keras.layers.Dense(
+          64, activation="relu", kernel_initializer=tf_keras.initializers.GlorotUniform(seed=3))
+      self.out = tf_keras.layers.Dense(
+          1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=4))
+
+    def call(self, features):
+      activations = self.embedding(features)
+      return self.out(self.hidden(tf.concat([activations["user"], activations["movie"]], 1)))
+
+  model = Ranker()
+  model({"user": tf.constant([0], tf.int64), "movie": tf.constant([0], tf.int64)})
+
+  @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.int64, name="user_id"),
+                                                 tf.TensorSpec([None], tf.int64, name="movie_id")])
+  def serve(user_id, movie_id):
+    return {"score": model({"user": user_id, "movie": movie_id})}
+
+  if implementation == "tfrs":
+    tf.saved_model.save(model, directory, signatures={"serving_default": serve})
+  else:
+    from tpu_embedding.serving import export_for_serving  # pylint: disable=g-import-not-at-top
+    export_for_serving(model, directory, serve)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (one fresh process per export, TensorFlow only)
+
+
+def _measure(directory: str, out: str, quick: bool) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  loaded = tf.saved_model.load(directory)
+  serve = loaded.signatures["serving_default"]
+  rng = np.random.default_rng(0)
+  results = {"rows": []}
+  for batch in BATCH_SIZES:
+    requests = [(tf.constant(rng.integers(0, USERS, batch), tf.int64),
+                 tf.constant(rng.integers(0, MOVIES, batch), tf.int64)) for _ in range(16)]
+    for user_id, movie_id in requests[:4] * 5:  # warm up
+      serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
+    budget = 0.5 if quick else 3.0
+    times = []
+    start = time.perf_counter()
+    while (time.perf_counter() - start < budget or len(times) < 50) and len(times) < 20_000:
+      user_id, movie_id = requests[len(times) % len(requests)]
+      t0 = time.perf_counter()
+      serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
+      times.append(time.perf_counter() - t0)
+    times = np.array(times)
+    results["rows"].append({
+        "batch": batch, "calls": len(times), "p50_ms": float(np.percentile(times, 50) * 1e3),
+        "p99_ms": float(np.percentile(times, 99) * 1e3),
+        "examples_per_s": float(batch / times.mean())})
+  probe = serve(user_id=tf.constant([0, 5, 99_999], tf.int64),
+                movie_id=tf.constant([0, 7, 19_999], tf.int64))["score"].numpy()
+  results["probe"] = probe.ravel().tolist()
+  results["tensorflow_only"] = not [m for m in sys.modules
+                                    if m.startswith(("tpu_embedding", "tensorflow_recommenders"))]
+  results["export_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+                             os.walk(directory) for f in fs) / 1e6
+  with open(out, "w") as f:
+    json.dump(results, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration
+
+
+def _run(args: list[str], tfrs: bool = False) -> None:
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  env.pop("TF_USE_LEGACY_KERAS", None)
+  if tfrs:
+    env["TF_USE_LEGACY_KERAS"] = "1"
+  subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, check=True)
+
+
+def _table(results: dict) -> str:
+  lines = ["| implementation | batch | p50 ms | p99 ms | examples/s | export MB |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for name in IMPLEMENTATIONS:
+    for row in results[name]["rows"]:
+      lines.append(f"| {name} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
+                   f"{row['examples_per_s']:,.0f} | {results[name]['export_mb']:.1f} |")
+  return "\n".join(lines)
+
+
+def _plot(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4))
+  for name, marker in zip(IMPLEMENTATIONS, "os"):
+    rows = results[name]["rows"]
+    batches = [r["batch"] for r in rows]
+    latency.plot(batches, [r["p50_ms"] for r in rows], marker=marker, label=f"{name} p50")
+    latency.plot(batches, [r["p99_ms"] for r in rows], marker=marker, linestyle="--",
+                 label=f"{name} p99")
+    throughput.plot(batches, [r["examples_per_s"] for r in rows], marker=marker, label=name)
+  for axis, title, unit in ((latency, "Latency per call", "ms"),
+                            (throughput, "Throughput", "examples / s")):
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("batch size")
+    axis.set_ylabel(unit)
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+  fig.suptitle("Exported serving model on CPU (loaded with TensorFlow only)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="0.5 s per batch size instead of 3 s")
+  parser.add_argument("--out", default=os.path.join(HERE, "results"))
+  args = parser.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  results = {}
+  with tempfile.TemporaryDirectory() as work:
+    for name in IMPLEMENTATIONS:
+      export_dir = os.path.join(work, name)
+      _run(["_export", name, export_dir], tfrs=name == "tfrs")
+      out = os.path.join(work, f"{name}.json")
+      _run(["_measure", export_dir, out] + (["--quick"] if args.quick else []))
+      with open(out) as f:
+        results[name] = json.load(f)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  difference = float(np.max(np.abs(np.subtract(results["tpu_embedding"]["probe"],
+                                               results["tfrs"]["probe"]))))
+  table = _table(results)
+  note = (f"\nSame predictions from both exports: max |difference| = {difference:.2e}; "
+          f"loaded with TensorFlow only: "
+          f"{all(results[n]['tensorflow_only'] for n in IMPLEMENTATIONS)}.")
+  print(table + note)
+  with open(os.path.join(args.out, "serving_latency.md"), "w") as f:
+    f.write(table + "\n" + note + "\n")
+  with open(os.path.join(args.out, "serving_latency.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  _plot(results, os.path.join(args.out, "serving_latency.png"))
+  print(f"Wrote {os.path.join(args.out, 'serving_latency.png')}")
+
+
+if __name__ == "__main__":
+  if len(sys.argv) > 1 and sys.argv[1] == "_export":
+    _export(sys.argv[2], sys.argv[3])
+  elif len(sys.argv) > 1 and sys.argv[1] == "_measure":
+    _measure(sys.argv[2], sys.argv[3], quick="--quick" in sys.argv[4:])
+  else:
+    main()

@@ -1,0 +1,402 @@
+"""Serving: `call(..., serving_config=...)`, `export_for_serving`, and the README's section.
+
+Exports are loaded back in fresh processes that import only TensorFlow, and must give exactly the
+predictions of the model in memory.
+"""
+
+import glob
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tpu_embedding
+from tpu_embedding import serving
+
+E = tf.tpu.experimental.embedding
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BIN = os.path.dirname(sys.executable)
+INPUTS = {"user_id": [1, 2, 3, 99, 0], "movie_id": [4, 5, 4, 0, 49], "genre_id": [1, 1, 2, 0, 19]}
+
+
+def feature_config():
+  """Three tables with their own optimizers: Adagrad, Adam, and the layer's SGD."""
+  user = E.TableConfig(100, 4, name="user", optimizer=E.Adagrad(0.1))
+  movie = E.TableConfig(50, 8, name="movie", optimizer=E.Adam(0.01))
+  genre = E.TableConfig(20, 3, name="genre", combiner="sum")
+  return {"user": E.FeatureConfig(user), "movie": E.FeatureConfig(movie),
+          "genre": E.FeatureConfig(genre)}
+
+
+class Ranker(tf_keras.Model):
+
+  def __init__(self, config):
+    super().__init__()
+    self.config = config
+    self.embedding = tpu_embedding.TPUEmbedding(config, optimizer="sgd")
+    self.hidden = tf_keras.layers.Dense(8, activation="relu")
+    self.out = tf_keras.layers.Dense(1)
+
+  def call(self, features):
+    activations = self.embedding(features)
+    return self.out(self.hidden(tf.concat([activations[k] for k in sorted(activations)], 1)))
+
+
+def trained_model(seed=0):
+  tf.keras.utils.set_random_seed(seed)
+  model = Ranker(feature_config())
+  optimizer = tf_keras.optimizers.Adam(0.05)
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  for step in range(3):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean((model(features) - step) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+  return model
+
+
+def signatures(model):
+  """The two ways a request arrives: dense ids, or serialized tf.train.Example protos."""
+  ids = [tf.TensorSpec([None], tf.int64, name=name) for name in INPUTS]
+
+  @tf.function(input_signature=ids, autograph=False)
+  def dense_ids(user_id, movie_id, genre_id):
+    return {"score": model({"user": user_id, "movie": movie_id, "genre": genre_id})}
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")],
+               autograph=False)
+  def examples(serialized):
+    parsed = tf.io.parse_example(
+        serialized, {k: tf.io.FixedLenFeature([], tf.int64) for k in ("user", "movie", "genre")})
+    return {"score": model(parsed)}
+
+  @tf.function(input_signature=ids[:2], autograph=False)
+  def user_movie(user_id, movie_id):
+    """Reads two of the three tables, through a serving config covering only them."""
+    config = {"user": model.config["user"], "movie": model.config["movie"]}
+    activations = model.embedding({"user": user_id, "movie": movie_id}, serving_config=config)
+    return {"dot": tf.reduce_sum(activations["user"] * activations["movie"][:, :4], axis=1)}
+
+  return {"serving_default": dense_ids, "examples": examples, "user_movie": user_movie}
+
+
+def serialized_examples():
+  out = []
+  for i in range(len(INPUTS["user_id"])):
+    feature = {k[:-3]: tf.train.Feature(int64_list=tf.train.Int64List(value=[v[i]]))
+               for k, v in INPUTS.items()}
+    out.append(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+  return out
+
+
+def files_digest(directory):
+  digest = hashlib.sha256()
+  for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
+    if os.path.isfile(path):
+      digest.update(os.path.relpath(path, directory).encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()
+
+
+def run_python(code, timeout=120, **kwargs):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """(model, export dir, in-memory outputs of each signature on INPUTS)."""
+  model = trained_model()
+  fns = signatures(model)
+  directory = str(tmp_path_factory.mktemp("export") / "ranker")
+  assert serving.export_for_serving(model, directory, fns) == directory
+  ids = {k: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  expected = {
+      "serving_default": fns["serving_default"](**ids)["score"].numpy(),
+      "examples": fns["examples"](tf.constant(serialized_examples()))["score"].numpy(),
+      "user_movie": fns["user_movie"](ids["user_id"], ids["movie_id"])["dot"].numpy(),
+  }
+  return model, directory, expected
+
+
+# ---------------------------------------------------------------------------------------------
+# call(features, serving_config=...)
+
+
+def test_serving_config_subset_gives_the_layers_activations():
+  model = trained_model()
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  full = model.embedding(features)
+  config = model.config
+  by_object = {"movie": E.FeatureConfig(config["movie"].table)}  # same TableConfig object
+  renamed = E.TableConfig(100, 4, name="user")  # another object, matched by its name
+  by_name = {"u": E.FeatureConfig(renamed)}
+  out = model.embedding({"movie": features["movie"]}, serving_config=by_object)
+  np.testing.assert_array_equal(out["movie"].numpy(), full["movie"].numpy())
+  out = model.embedding({"u": features["user"]}, serving_config=by_name)
+  np.testing.assert_array_equal(out["u"].numpy(), full["user"].numpy())
+  table = model.embedding.embedding_tables[config["genre"].table].numpy()
+  out = model.embedding({"genre": features["genre"]},
+                        serving_config={"genre": config["genre"]})
+  np.testing.assert_array_equal(out["genre"].numpy(), table[INPUTS["genre_id"]])
+
+
+def test_serving_config_with_an_unknown_table_is_refused():
+  model = trained_model()
+  stranger = E.TableConfig(10, 4, name="stranger")
+  with pytest.raises(ValueError, match="uses table 'stranger', which this layer does not have; "
+                                       r"its tables are \['genre', 'movie', 'user'\]"):
+    model.embedding({"x": tf.constant([1], tf.int64)},
+                    serving_config={"x": E.FeatureConfig(stranger)})
+
+
+# ---------------------------------------------------------------------------------------------
+# The export
+
+
+LOAD_WITH_TENSORFLOW_ONLY = textwrap.dedent("""
+    import sys, numpy as np, tensorflow as tf
+    directory, inputs, examples, out = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3]), sys.argv[4]
+    loaded = tf.saved_model.load(directory)
+    ids = {k: tf.constant(v, tf.int64) for k, v in inputs.items()}
+    results = {
+        "serving_default": loaded.signatures["serving_default"](**ids)["score"].numpy(),
+        "examples": loaded.signatures["examples"](examples=tf.constant(examples))["score"].numpy(),
+        "user_movie": loaded.signatures["user_movie"](
+            user_id=ids["user_id"], movie_id=ids["movie_id"])["dot"].numpy(),
+    }
+    tables = sorted(loaded.embedding_tables)
+    assert not [m for m in sys.modules if m.startswith(("tpu_embedding", "tf_keras"))], sys.modules
+    np.savez(out, tables=np.array(tables), **results)
+""")
+
+
+def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_path):
+  model, directory, expected = exported
+  out = str(tmp_path / "served.npz")
+  result = subprocess.run(
+      [sys.executable, "-c", LOAD_WITH_TENSORFLOW_ONLY, directory, repr(INPUTS),
+       repr(serialized_examples()), out],
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+      timeout=120, cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  served = np.load(out)
+  for name, value in expected.items():
+    np.testing.assert_array_equal(served[name], value, err_msg=name)
+  assert list(served["tables"]) == ["genre", "movie", "user"]
+  # ... and those are the model's own predictions.
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  np.testing.assert_allclose(expected["serving_default"], model(features).numpy(), rtol=1e-6)
+  np.testing.assert_array_equal(expected["examples"], expected["serving_default"])
+
+
+def test_exported_graph_holds_only_cpu_ops(exported):
+  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.framework import kernels  # pylint: disable=g-import-not-at-top
+  _, directory, _ = exported
+  proto = saved_model_pb2.SavedModel()
+  with open(os.path.join(directory, "saved_model.pb"), "rb") as f:
+    proto.ParseFromString(f.read())
+  graph = proto.meta_graphs[0].graph_def
+  ops = {n.op for n in graph.node}
+  ops |= {n.op for fn in graph.library.function for n in fn.node_def}
+  assert "ResourceGather" in ops or "GatherV2" in ops  # the lookups are there
+  no_cpu = [op for op in ops if not any(
+      k.device_type in ("CPU", "DEFAULT") for k in kernels.get_registered_kernels_for_op(op).kernel)]
+  assert no_cpu == []
+  assert not [op for op in ops if "TPU" in op.upper()]
+
+
+def saved_keys(directory):
+  return {k for k, _ in tf.train.list_variables(os.path.join(directory, "variables", "variables"))}
+
+
+def test_slots_are_left_out_unless_asked_for(exported, tmp_path):
+  model, directory, _ = exported
+  keys = saved_keys(directory)
+  assert {k.split("/")[0] for k in keys} == {"embedding_tables", "model_variables",
+                                             "_CHECKPOINTABLE_OBJECT_GRAPH"}
+  with_slots = serving.export_for_serving(model, str(tmp_path / "slots"), signatures(model),
+                                          include_optimizer_slots=True)
+  slot_keys = {k for k in saved_keys(with_slots) if k.startswith("optimizer_slots/")}
+  assert slot_keys == {f"optimizer_slots/{s}/.ATTRIBUTES/VARIABLE_VALUE" for s in
+                       ("user/accumulators", "movie/momenta", "movie/velocities")}
+  size = lambda d: sum(os.path.getsize(p) for p in glob.glob(f"{d}/variables/*"))  # noqa: E731
+  assert size(directory) + 4 * (100 * 4 + 2 * 50 * 8) <= size(with_slots)
+  loaded = tf.saved_model.load(with_slots)
+  engine = model.embedding._tpu_embedding.variables_by_table
+  np.testing.assert_array_equal(loaded.optimizer_slots["movie"]["velocities"].numpy(),
+                                engine["movie"]["velocities"].numpy())
+
+
+def test_only_the_tables_the_signatures_read_are_exported(exported, tmp_path):
+  model, _, _ = exported
+  fns = signatures(model)
+  subset = {"user_movie": fns["user_movie"]}
+  path = serving.export_for_serving(model, str(tmp_path / "pruned"), subset)
+  assert sorted(tf.saved_model.load(path).embedding_tables) == ["movie", "user"]
+  path = serving.export_for_serving(model, str(tmp_path / "all"), subset, tables="all")
+  assert sorted(tf.saved_model.load(path).embedding_tables) == ["genre", "movie", "user"]
+  config = model.config
+  path = serving.export_for_serving(model, str(tmp_path / "listed"), subset,
+                                    tables=[config["user"].table, "movie"])
+  assert sorted(tf.saved_model.load(path).embedding_tables) == ["movie", "user"]
+  with pytest.raises(ValueError, match=r"read the table\(s\) \['movie'\], which tables= does "
+                                       r"not list \(\['user'\]\)"):
+    serving.export_for_serving(model, str(tmp_path / "guard"), subset, tables=["user"])
+  with pytest.raises(ValueError, match="'nope', which no TPUEmbedding layer"):
+    serving.export_for_serving(model, str(tmp_path / "guard"), subset, tables=["nope"])
+  assert not os.path.exists(tmp_path / "guard")
+
+
+def test_existing_export_is_refused_unless_overwrite(exported, tmp_path):
+  model, _, _ = exported
+  fns = signatures(model)
+  target = str(tmp_path / "model")
+  serving.export_for_serving(model, target, {"user_movie": fns["user_movie"]})
+  before = files_digest(target)
+  with pytest.raises(FileExistsError, match=re.escape(target)):
+    serving.export_for_serving(model, target, fns)
+  assert files_digest(target) == before
+  serving.export_for_serving(model, target, fns, overwrite=True)
+  assert sorted(tf.saved_model.load(target).signatures) == sorted(fns)
+  assert os.listdir(tmp_path) == ["model"]  # no staging or old copies left behind
+
+
+def test_a_signature_needs_an_input_signature(exported, tmp_path):
+  model, _, _ = exported
+  with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "
+                                       "input_signature"):
+    serving.export_for_serving(model, str(tmp_path / "x"), tf.function(lambda x: model(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# A killed export never leaves a half model at the target
+
+
+def _export_and_hang(directory, marker):
+  """Subprocess: export, but stop for good once the files are written, before moving them."""
+  model = trained_model(seed=1)
+  write = serving._write_saved_model
+
+  def write_then_hang(*args, **kwargs):
+    write(*args, **kwargs)
+    with open(marker, "w") as f:
+      f.write(args[1])
+    time.sleep(600)
+
+  serving._write_saved_model = write_then_hang
+  serving.export_for_serving(model, directory, signatures(model), overwrite=True)
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
+  model, _, expected = exported
+  target = str(tmp_path / "ranker")
+  if previous:
+    serving.export_for_serving(model, target, signatures(model))
+    before = files_digest(target)
+  marker = str(tmp_path / "written")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
+  process = subprocess.Popen(
+      [sys.executable, "-c", f"import test_serving as t; t._export_and_hang({target!r}, "
+       f"{marker!r})"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 120
+  while not os.path.exists(marker) and process.poll() is None and time.time() < deadline:
+    time.sleep(0.1)
+  assert os.path.exists(marker), process.stderr.read().decode()[-3000:] if process.poll() else ""
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  with open(marker) as f:
+    staging = f.read()
+  assert os.path.isfile(os.path.join(staging, "saved_model.pb"))  # killed with the data written
+  assert os.path.dirname(staging) == str(tmp_path) and staging != target
+  if previous:
+    assert files_digest(target) == before
+    loaded = tf.saved_model.load(target)
+    ids = {k: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+    np.testing.assert_array_equal(loaded.signatures["serving_default"](**ids)["score"].numpy(),
+                                  expected["serving_default"])
+  else:
+    assert not os.path.exists(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# README
+
+
+def readme_section():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    text = f.read()
+  match = re.search(r"<!-- section:checkpoints-serving -->(.*)<!-- /section:checkpoints-serving -->",
+                    text, re.S)
+  assert match, "README section checkpoints-serving is missing"
+  return match.group(1)
+
+
+def test_readme_snippets_run(tmp_path):
+  """Every block of the README's "Checkpoints and serving" section, in order, in a temp dir.
+
+  Python blocks start with `# <file>.py`: each is written under that name and run in its own
+  process (`ranker.py` is the module the others import); `text` blocks show checkpoint keys or
+  printed output, checked against what the scripts wrote; the bash block runs saved_model_cli.
+  """
+  blocks = re.findall(r"```(\w*)\n(.*?)```", readme_section(), re.S)
+  assert all(lang in ("python", "text", "bash") for lang, _ in blocks), blocks
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
+             PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+  names = []
+  for lang, code in blocks:
+    if lang == "python":
+      names.append(re.match(r"# (\w+\.py)\n", code).group(1))
+      (tmp_path / names[-1]).write_text(code)
+    elif lang == "bash":
+      (tmp_path / "snippet.sh").write_text(code)
+      names.append("snippet.sh")
+  assert names == ["ranker.py", "train.py", "restore.py", "export.py", "serve.py", "snippet.sh"]
+  # Training, restoring and exporting share one process after train.py's (the restore in a
+  # fresh process is tested above); serve.py runs alone, without this package or tf-keras.
+  run_scripts = ("import runpy, sys\nfor name in sys.argv[1:]:\n"
+                 "  print(f'== {name}', flush=True)\n  runpy.run_path(name, run_name='__main__')")
+  commands = {"train.py": [sys.executable, "-c", run_scripts, "train.py"],
+              "restore.py+export.py": [sys.executable, "-c", run_scripts, "restore.py",
+                                       "export.py"],
+              "serve.py": [sys.executable, "-c", "import runpy, sys; runpy.run_path('serve.py'); "
+                           "assert not [m for m in sys.modules if m.startswith(('tpu_embedding', "
+                           "'tf_keras'))]"],
+              "snippet.sh": ["bash", "-euo", "pipefail", "snippet.sh"]}
+  output = {}
+  for name, command in commands.items():
+    result = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, f"{name}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
+    output[name] = result.stdout
+
+  keys = [k for k, _ in tf.train.list_variables(str(tmp_path / "ckpt" / "ranker-1"))
+          if k.startswith("model/embedding/")]
+  texts = [code for lang, code in blocks if lang == "text"]
+  patterns = [re.escape(line).replace(re.escape("<layer attribute>"), "embedding")
+              .replace(re.escape("<table>"), r"\w+").replace(re.escape("<slot>"), r"\w+")
+              for line in texts[0].splitlines()]
+  assert all(any(re.fullmatch(p, k) for p in patterns) for k in keys) and len(keys) == 5, keys
+  assert all(any(re.fullmatch(p, k) for k in keys) for p in patterns)
+  for line in texts[1].splitlines():
+    if "..." not in line:
+      assert line in output["restore.py+export.py"], (line, output["restore.py+export.py"])
+  assert "score" in output["serve.py"]
+  for shown in ("signature_def['serving_default']", "signature_def['examples']",
+                "inputs['user_id'] tensor_info", "inputs['examples'] tensor_info",
+                "outputs['score'] tensor_info"):
+    assert shown in output["snippet.sh"]

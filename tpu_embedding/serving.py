@@ -1,0 +1,282 @@
+"""Export a model holding `TPUEmbedding` layers as a SavedModel for CPU serving.
+
+The export holds the signatures and exactly the variables they read (plus, on request, more
+tables and the tables' optimizer slots); nothing else of the training model. It is written to a
+temporary directory next to the target and moved into place in one rename, so the target path
+never holds a half-written model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import tempfile
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import tensorflow as tf
+from tensorflow.python.framework import kernels
+
+from tpu_embedding.layer import TPUEmbedding
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+DEFAULT_SIGNATURE = "serving_default"
+# Kernels registered for DEVICE_DEFAULT run on every device, CPU included.
+_CPU_DEVICE_TYPES = frozenset({"CPU", "DEFAULT"})
+
+
+def export_for_serving(model: tf.Module, export_dir: str,
+                       signatures: Union[Any, Mapping[str, Any]], *,
+                       include_optimizer_slots: bool = False,
+                       tables: Union[None, str, Iterable[Union[TableConfig, str]]] = None,
+                       overwrite: bool = False) -> str:
+  """Writes `model`'s serving signatures to `export_dir` as a SavedModel; returns the path.
+
+  Args:
+    model: the model (any `tf.Module`, e.g. a tf-keras model) whose `TPUEmbedding` layers and
+      other variables the signatures read.
+    export_dir: a local directory that must not exist yet (unless `overwrite`).
+    signatures: a `tf.function` with an `input_signature` (exported as "serving_default"), or a
+      dict {signature name: such a function}. The functions call the model as in training code;
+      the graph they trace must hold only ops with a CPU kernel.
+    include_optimizer_slots: also export the optimizer slots of every exported table (to resume
+      training from the export); off by default, which makes the export smaller.
+    tables: which embedding tables the export holds. None: exactly the tables the signatures
+      read. "all": every table of every `TPUEmbedding` layer in `model`, read or not. A list of
+      `TableConfig`s (the objects given to the layer) or table names: exactly these; a signature
+      reading a table not listed is refused, which guards against shipping a table by mistake.
+      Every exported table is reachable as `loaded.embedding_tables[<table name>]`.
+    overwrite: replace an existing export at `export_dir`. The replacement is atomic where the
+      OS can exchange two directories (Linux); elsewhere the old export is moved aside, the new
+      one moved in, then the old one deleted.
+
+  Returns:
+    The absolute path of the export.
+
+  Raises:
+    FileExistsError: `export_dir` exists and `overwrite` is False.
+    ValueError: a signature has no input_signature, reads a table not in `tables`, or its graph
+      holds an op without a CPU kernel (e.g. a TPU op).
+  """
+  target = os.path.abspath(os.fspath(export_dir))
+  if os.path.lexists(target) and not overwrite:
+    raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that export "
+                          "or choose another directory.")
+  layers = _embedding_layers(model)
+  for layer in layers:
+    layer.flush()  # apply updates still held back by pipelining before reading the tables
+  functions = _concrete_signatures(signatures)
+  _check_cpu_only(functions)
+
+  owners = _embedding_variables(layers)
+  read = {}
+  for function in functions.values():
+    for variable in function.variables:
+      read.setdefault(variable.ref(), variable)
+  needed = {owners[r][0] for r in read if r in owners and owners[r][1] is None}
+  kept = _kept_tables(tables, layers, owners, needed)
+
+  root = tf.Module()
+  root.embedding_tables = {name: ref.deref() for ref, (name, slot) in _sorted(owners)
+                           if slot is None and name in kept}
+  if include_optimizer_slots:
+    slots: dict[str, dict[str, tf.Variable]] = {}
+    for ref, (name, slot) in _sorted(owners):
+      if slot is not None and name in kept:
+        slots.setdefault(name, {})[slot] = ref.deref()
+    root.optimizer_slots = slots
+  root.model_variables = [v for r, v in read.items() if r not in owners]
+
+  parent = os.path.dirname(target)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+  try:
+    _chmod_as_umask(staging)  # mkdtemp makes it private; the export gets normal permissions
+    _write_saved_model(root, staging, functions)
+    _sync_tree(staging)
+    _commit(staging, target, overwrite)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return target
+
+
+# ---------------------------------------------------------------------------------------------
+# What to export
+
+
+def _embedding_layers(model: tf.Module) -> list[TPUEmbedding]:
+  found = [model] if isinstance(model, TPUEmbedding) else []
+  found += [m for m in model.submodules if isinstance(m, TPUEmbedding)]
+  return list({id(layer): layer for layer in found}.values())
+
+
+def _concrete_signatures(signatures: Any) -> dict[str, Any]:
+  if not isinstance(signatures, Mapping):
+    signatures = {DEFAULT_SIGNATURE: signatures}
+  functions = {}
+  for name, function in signatures.items():
+    if isinstance(function, tf.types.experimental.ConcreteFunction):
+      functions[name] = function
+      continue
+    if getattr(function, "input_signature", None) is None:
+      raise ValueError(f"Signature {name!r} must be a tf.function with an input_signature "
+                       "(a list of tf.TensorSpec), so its inputs are known at export.")
+    functions[name] = function.get_concrete_function()
+  return functions
+
+
+def _embedding_variables(layers: list[TPUEmbedding]) -> dict[Any, tuple[str, Optional[str]]]:
+  """{variable ref: (table name, slot name or None)} over every layer's tables and slots."""
+  owners: dict[Any, tuple[str, Optional[str]]] = {}
+  for layer in layers:
+    engine = layer._tpu_embedding  # pylint: disable=protected-access
+    by_table = getattr(engine, "variables_by_table", None) or engine.variables
+    for table, entries in by_table.items():
+      for slot, variable in entries.items():
+        key = (table, None if slot == "parameters" else slot)
+        if key in owners.values() and owners.get(variable.ref()) != key:
+          raise ValueError(f"Two TPUEmbedding layers of this model have a table named {table!r}; "
+                           "give the tables unique names to export them.")
+        owners[variable.ref()] = key
+  return owners
+
+
+def _sorted(owners: Mapping[Any, tuple[str, Optional[str]]]):
+  return sorted(owners.items(), key=lambda item: (item[1][0], item[1][1] or ""))
+
+
+def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, Any],
+                 needed: set[str]) -> set[str]:
+  every = {name for name, slot in owners.values() if slot is None}
+  if tables is None:
+    return needed
+  if isinstance(tables, str):
+    if tables != "all":
+      raise ValueError(f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or "
+                       "table names.")
+    return every
+  kept = set()
+  for table in tables:
+    name = table if isinstance(table, str) else _name_of(table, layers)
+    if name not in every:
+      raise ValueError(f"tables= names {name!r}, which no TPUEmbedding layer of the model has; "
+                       f"its tables are {sorted(every)}.")
+    kept.add(name)
+  missing = sorted(needed - kept)
+  if missing:
+    raise ValueError(f"The signatures read the table(s) {missing}, which tables= does not list "
+                     f"({sorted(kept)}). Add them to tables=, or pass tables=None to export "
+                     "exactly the tables the signatures read.")
+  return kept
+
+
+def _name_of(table: Any, layers: list[TPUEmbedding]) -> str:
+  for layer in layers:
+    config = layer._config  # pylint: disable=protected-access
+    for clone, user in config.user_tables.items():
+      if table is user or table is clone:
+        return clone.name
+  raise ValueError(f"tables= holds a TableConfig ({table!r}) that no TPUEmbedding layer of the "
+                   "model was built with.")
+
+
+def _check_cpu_only(functions: Mapping[str, Any]) -> None:
+  """Refuses graphs holding an op without a CPU kernel (TPU ops, for instance)."""
+  for name, function in functions.items():
+    graph_def = function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for library_function in graph_def.library.function:
+      nodes.extend(library_function.node_def)
+    missing = sorted({node.op for node in nodes if not _has_cpu_kernel(node.op)})
+    if missing:
+      raise ValueError(f"Signature {name!r} uses ops with no CPU kernel: {missing}. Export for "
+                       "serving on CPU: call the model outside any TPU strategy (the layer "
+                       "then looks its tables up with CPU ops).")
+
+
+def _has_cpu_kernel(op: str) -> bool:
+  registered = kernels.get_registered_kernels_for_op(op).kernel
+  return any(k.device_type in _CPU_DEVICE_TYPES for k in registered)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_saved_model(root: tf.Module, directory: str, functions: Mapping[str, Any]) -> None:
+  # The training gradient of the layer (its trap) updates tables and slots; a serving export
+  # must not trace it, so custom gradients are not saved.
+  options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+  tf.saved_model.save(root, directory, signatures=dict(functions), options=options)
+
+
+def _chmod_as_umask(directory: str) -> None:
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(directory, 0o777 & ~umask)
+
+
+def _sync_tree(directory: str) -> None:
+  """fsyncs every file and directory, so the rename never exposes unwritten data."""
+  for folder, _, files in os.walk(directory):
+    for name in files:
+      with open(os.path.join(folder, name), "rb") as f:
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(directory: str) -> None:
+  fd = os.open(directory, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2(source: str, target: str, flags: int) -> bool:
+  """Linux renameat2(2); False where the OS or the filesystem does not offer it."""
+  function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+  if function is None:
+    return False
+  if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+    return True
+  error = ctypes.get_errno()
+  if error in (errno.ENOSYS, errno.EINVAL):
+    return False
+  if error == errno.EEXIST:
+    raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that export "
+                          "or choose another directory.")
+  raise OSError(error, os.strerror(error), target)
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  else:
+    os.remove(path)
+
+
+def _commit(staging: str, target: str, overwrite: bool) -> None:
+  """Moves the finished export into place in one step."""
+  if overwrite and os.path.lexists(target):
+    if not _renameat2(staging, target, _RENAME_EXCHANGE):
+      aside = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-",
+                               dir=os.path.dirname(target))
+      os.rename(target, os.path.join(aside, "export"))
+      os.rename(staging, target)
+      staging = aside
+    _remove(staging)  # now the previous export
+  elif not _renameat2(staging, target, _RENAME_NOREPLACE):
+    if os.path.lexists(target):
+      raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that "
+                            "export or choose another directory.")
+    os.rename(staging, target)
+  _fsync_dir(os.path.dirname(target))
