@@ -27,6 +27,8 @@ def main(out_path: str) -> None:
   rng = np.random.default_rng(3)
   values = rng.normal(size=(9, 2)).astype(np.float32)
   bags = [rng.integers(0, 9, size=(GLOBAL_BATCH, 3)) for _ in range(3)]
+  for batch in bags:
+    batch[:2, 1:] = -1  # ragged: the worker holding the first rows gets fewer ids
   with strategy.scope():
     table = E.TableConfig(vocabulary_size=9, dim=2, combiner="sum", name="t",
                           initializer=tf.constant_initializer(values))
@@ -36,7 +38,7 @@ def main(out_path: str) -> None:
 
   def replica_step(ids):
     with tf.GradientTape() as tape:
-      out = dense(layer(tf.RaggedTensor.from_tensor(ids)))
+      out = dense(layer(tf.RaggedTensor.from_tensor(ids, padding=-1)))
       loss = tf.reduce_sum(out * out) / GLOBAL_BATCH
     variables = layer.trainable_variables + dense.trainable_variables
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))

@@ -74,6 +74,11 @@ class TPUEmbedding(tf_keras.layers.Layer):
     super().build(input_shape)
 
   def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+    return self._lookup(features, weights, serving_config)
+
+  # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
+  @tf.autograph.experimental.do_not_convert
+  def _lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
     if serving_config is not None:
       return self._serving_lookup(features, weights, serving_config)
     self._check_strategy()

@@ -146,7 +146,7 @@ class EmbeddingEngine(tf.Module):
           self._apply_gradients(step.upstream_by_table(upstream))
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
-        return step.activations(self.parameters), grad
+        return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
     return tf.nest.pack_sequence_as(features, flat)
@@ -162,34 +162,64 @@ class EmbeddingEngine(tf.Module):
   # Backward: one update per table and step, summed over every replica
 
   def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]]):
-    for table, _, _ in per_table:
+    trainable = []
+    for table, batch, upstream in per_table:
       if table.optimizer is None:
-        raise ValueError(
-            f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= to "
-            "the layer or set this TableConfig's optimizer. (optimizer=None is for serving-only "
-            "layers.)")
+        _refuse_training(table)
+      else:
+        trainable.append((table, batch, upstream))
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-      for table, batch, upstream in per_table:
+      for table, batch, upstream in trainable:
         self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim))
       return
     # In a replica: hand every occurrence's (id, gradient) to one cross-replica update, so the
     # tables get the sum over the global batch, in the same order as on a single device.
-    contributions = []
-    for table, batch, upstream in per_table:
-      occurrence_grads = batch.occurrence_gradients(upstream, table.dim)
-      sizes = [tf.size(b.ids) for b in batch.bags]
-      contributions.append((tf.split(batch.occurrence_ids, tf.stack(sizes), num=len(sizes)),
-                            tf.split(occurrence_grads, tf.stack(sizes), num=len(sizes))))
-    tables = [table for table, _, _ in per_table]
-    tf.distribute.get_replica_context().merge_call(
-        functools.partial(self._merge_and_update, tables), args=(contributions,))
+    strategy = tf.distribute.get_strategy()
+    context = tf.distribute.get_replica_context()
+    bags, sizes = [], []
+    for table, batch, upstream in trainable:
+      bag_sizes = [tf.size(b.ids) for b in batch.bags]
+      split = functools.partial(tf.split, num_or_size_splits=tf.stack(bag_sizes),
+                                num=len(bag_sizes))
+      grads = batch.occurrence_gradients(upstream, table.dim)
+      bags.append(list(zip(split(batch.occurrence_ids), split(grads))))
+      sizes.extend(bag_sizes)
+    sizes = tf.stack(sizes)[None]  # [1, bags]: gathered into [replicas, bags]
+    multi_worker = len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
+    if multi_worker:
+      # Replicas on other workers can only be reached by a collective gather, which needs equal
+      # shapes: pad each bag to the largest size any replica has; the merge drops the padding.
+      largest = tf.reduce_max(context.all_gather(sizes, axis=0), axis=0)
+      flat = [pair for table_bags in bags for pair in table_bags]
+      padded = iter([(_pad_rows(i, largest[n]), _pad_rows(g, largest[n]))
+                     for n, (i, g) in enumerate(flat)])
+      bags = [[next(padded) for _ in table_bags] for table_bags in bags]
+    context.merge_call(
+        functools.partial(self._merge_and_update, [t for t, _, _ in trainable], multi_worker),
+        args=(bags, sizes))
 
-  def _merge_and_update(self, tables, strategy, contributions) -> None:
-    for table, (ids_per_bag, grads_per_bag) in zip(tables, contributions):
-      ids = tf.concat([strategy.gather(i, axis=0) for i in ids_per_bag], axis=0)
-      grads = tf.concat([strategy.gather(g, axis=0) for g in grads_per_bag], axis=0)
-      unique_ids, index = tf.unique(ids, out_idx=tf.int32)
-      row_grads = tf.math.unsorted_segment_sum(grads, index, tf.size(unique_ids))
+  def _merge_and_update(self, tables, multi_worker, strategy, bags, sizes) -> None:
+    if multi_worker:
+      all_sizes = strategy.gather(sizes, axis=0)  # [replicas, bags]
+
+    def gather(value, bag_index):
+      if not multi_worker:  # every replica is on this worker: concatenate, no communication
+        return tf.concat(strategy.experimental_local_results(value), axis=0)
+      replica_sizes = all_sizes[:, bag_index]
+      gathered = strategy.gather(value, axis=0)
+      width = tf.shape(gathered)[0] // tf.size(replica_sizes)
+      return tf.boolean_mask(gathered,
+                             tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1]))
+
+    position = 0
+    for table, table_bags in zip(tables, bags):
+      ids, grads = [], []
+      for bag_ids, bag_grads in table_bags:
+        ids.append(gather(bag_ids, position))
+        grads.append(gather(bag_grads, position))
+        position += 1
+      unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int32)
+      row_grads = tf.math.unsorted_segment_sum(tf.concat(grads, 0), index, tf.size(unique_ids))
       self._update(table, unique_ids, row_grads)
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor) -> None:
@@ -244,6 +274,25 @@ def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
                            trainable=False, name=f"{table.name}/pending_grads"),
       "learning_rate": tf.Variable(0.0, trainable=False, name=f"{table.name}/pending_lr"),
   }
+
+
+def _pad_rows(x: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+  padding = [[0, size - tf.shape(x)[0]]] + [[0, 0]] * (x.shape.rank - 1)
+  return tf.pad(x, padding)
+
+
+def _refuse_training(table: TableConfig) -> None:
+  """Fails a training step on a table without optimizer, when the step runs.
+
+  The check is an op rather than a Python error so that tracing gradients without running them
+  (as `tf.saved_model.save` does for serving-only layers) still works.
+  """
+  message = (f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= "
+             "to the layer or set this TableConfig's optimizer. (optimizer=None is for "
+             "serving-only layers.)")
+  if tf.executing_eagerly():
+    raise ValueError(message)
+  tf.debugging.Assert(tf.constant(False), [message])
 
 
 def _row_applier(optimizer, slot_names: Sequence[str]) -> Callable:

@@ -16,6 +16,7 @@ Rules chosen where TF's own CPU lookups disagree with each other (documented in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -249,19 +250,26 @@ def _gains(feature: Feature, weights: Optional[Tensor], samples: Tensor,
 # One table's step: dedupe once, look up, assemble row gradients
 
 
-@dataclasses.dataclass
 class TableBatch:
-  """All bags of one table in one step, with their ids deduplicated once."""
+  """All bags of one table in one step; ids are deduplicated (once) only when training."""
 
-  bags: list[Bags]
-  unique_ids: Tensor   # int64 [U]
-  index: Tensor        # int32 [N_total], position of each occurrence in unique_ids
+  def __init__(self, bags: Sequence[Bags]):
+    self.bags = list(bags)
 
-  @classmethod
-  def from_bags(cls, bags: Sequence[Bags]) -> "TableBatch":
-    ids = bags[0].ids if len(bags) == 1 else tf.concat([b.ids for b in bags], axis=0)
-    unique_ids, index = tf.unique(ids, out_idx=tf.int32)
-    return cls(list(bags), unique_ids, index)
+  @functools.cached_property
+  def _deduplicated(self) -> tuple[Tensor, Tensor]:
+    ids = self.bags[0].ids if len(self.bags) == 1 else tf.concat([b.ids for b in self.bags], 0)
+    return tuple(tf.unique(ids, out_idx=tf.int32))
+
+  @property
+  def unique_ids(self) -> Tensor:
+    """int64 [U]: the rows this step touches."""
+    return self._deduplicated[0]
+
+  @property
+  def index(self) -> Tensor:
+    """int32 [N_total]: position of each occurrence in `unique_ids`."""
+    return self._deduplicated[1]
 
   def _split_index(self) -> list[Tensor]:
     if len(self.bags) == 1:
@@ -269,19 +277,22 @@ class TableBatch:
     sizes = tf.stack([tf.size(b.ids) for b in self.bags])
     return tf.split(self.index, sizes, num=len(self.bags))
 
-  def activations(self, unique_rows: Tensor) -> list[Tensor]:
-    """Combined activations of each bag from the gathered unique rows [U, D]."""
-    dim = tf.shape(unique_rows, out_type=tf.int64)[1:]
-    outputs = []
-    for bag, index in zip(self.bags, self._split_index()):
-      rows = tf.gather(unique_rows, index)
-      if bag.gains is not None:
-        rows = rows * bag.gains[:, None]
-      if bag.samples is not None:
-        rows = tf.math.unsorted_segment_sum(rows, bag.samples, bag.num_samples)
-      out = tf.reshape(rows, tf.concat([bag.output_shape, dim], axis=0))
-      outputs.append(_set_static_shape(out, bag, unique_rows.shape[-1]))
-    return outputs
+  def activations(self, table: Tensor, deduplicate: bool) -> list[Tensor]:
+    """Combined activations of each bag.
+
+    Training reads each touched row once and reuses the deduplication for the update; inference
+    (nothing to update) skips it and gathers every occurrence directly.
+    """
+    if deduplicate:
+      unique_rows = quantize(tf.gather(table, self.unique_ids), self._table)
+      rows = [tf.gather(unique_rows, index) for index in self._split_index()]
+    else:
+      rows = [quantize(tf.gather(table, bag.ids), self._table) for bag in self.bags]
+    return [_combine(bag, r) for bag, r in zip(self.bags, rows)]
+
+  @property
+  def _table(self):
+    return self.bags[0].feature.table
 
   def occurrence_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
     """Each occurrence's gradient contribution (gain x its sample's activation gradient)."""
@@ -306,6 +317,17 @@ class TableBatch:
   @property
   def occurrence_ids(self) -> Tensor:
     return tf.gather(self.unique_ids, self.index)
+
+
+def _combine(bag: Bags, rows: Tensor) -> Tensor:
+  """Reduces each occurrence's row [N, D] into the bag's activations, shaped for the model."""
+  if bag.gains is not None:
+    rows = rows * bag.gains[:, None]
+  if bag.samples is not None:
+    rows = tf.math.unsorted_segment_sum(rows, bag.samples, bag.num_samples)
+  dim = tf.shape(rows, out_type=tf.int64)[1:]
+  out = tf.reshape(rows, tf.concat([bag.output_shape, dim], axis=0))
+  return _set_static_shape(out, bag, rows.shape[-1])
 
 
 def _set_static_shape(out: Tensor, bag: Bags, dim: Optional[int]) -> Tensor:
@@ -343,14 +365,14 @@ class Step:
     grouped: dict = {}
     for bag in bags:
       grouped.setdefault(bag.feature.table, []).append(bag)
-    return cls(bags, {table: TableBatch.from_bags(b) for table, b in grouped.items()})
+    return cls(bags, {table: TableBatch(b) for table, b in grouped.items()})
 
-  def activations(self, read_table: Callable[[Any], Tensor]) -> list[Tensor]:
+  def activations(self, read_table: Callable[[Any], Tensor],
+                  deduplicate: bool = False) -> list[Tensor]:
     """Activations of every bag, in input order; `read_table(table)` gives the table to read."""
     by_bag = {}
     for table, batch in self.batches.items():
-      rows = quantize(tf.gather(read_table(table), batch.unique_ids), table)
-      for bag, activation in zip(batch.bags, batch.activations(rows)):
+      for bag, activation in zip(batch.bags, batch.activations(read_table(table), deduplicate)):
         by_bag[id(bag)] = activation
     return [by_bag[id(bag)] for bag in self.bags]
 
