@@ -31,6 +31,7 @@ from tensorflow.python.util import nest as tf_nest  # path-aware flattening, sam
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer import TPUEmbedding
 
@@ -304,7 +305,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
 
   def call(self, features: Any, weights: Any = None) -> Any:
     pairs = config_lib.match_structure(self._config, features)
-    weight_leaves = _weight_leaves(features, weights, len(pairs))
+    weight_leaves = lookup.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
     input_weights = {REPLICATED: {}, SHARDED: {}}
     side_of_path = dict(self._paths)
@@ -383,19 +384,5 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
 
 def _sharded_variables(layer: TPUEmbedding) -> dict[str, dict[str, tf.Variable]]:
   """The sharded layer's {table name: {"parameters"/slot: variable}}, on every path."""
-  mid_level = layer._tpu_embedding  # pylint: disable=protected-access
-  by_table = getattr(mid_level, "variables_by_table", None)  # our CPU engine
-  if by_table is None:
-    by_table = getattr(mid_level, "_variables", None) or {}  # TF mid-level: keyed by table name
-  return {name: dict(variables) for name, variables in by_table.items() if isinstance(name, str)}
-
-
-def _weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
-  if weights is None:
-    return [None] * count
-  try:
-    tf.nest.assert_same_structure(features, weights, check_types=False)
-  except (TypeError, ValueError):
-    raise ValueError("The structure of weights does not match the structure of features: pass "
-                     "one weight (or None) per feature.") from None
-  return tf.nest.flatten(weights)
+  return {name: dict(variables) for name, variables in layer.variables_by_table.items()
+          if isinstance(name, str)}

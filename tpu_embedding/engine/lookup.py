@@ -361,7 +361,7 @@ class Step:
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`)."""
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [to_bags(feature, ids, w)
-            for (feature, ids), w in zip(pairs, _weight_leaves(features, weights, len(pairs)))]
+            for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))]
     grouped: dict = {}
     for bag in bags:
       grouped.setdefault(bag.feature.table, []).append(bag)
@@ -383,7 +383,8 @@ class Step:
             for table, batch in self.batches.items()]
 
 
-def _weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
+def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
+  """One weight (or None) per feature leaf, after checking both nests have one structure."""
   if weights is None:
     return [None] * count
   try:
