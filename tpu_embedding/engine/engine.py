@@ -219,7 +219,7 @@ class EmbeddingEngine(tf.Module):
         grads.append(gather(bag_grads, position))
         position += 1
       unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int32)
-      row_grads = tf.math.unsorted_segment_sum(tf.concat(grads, 0), index, tf.size(unique_ids))
+      row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
       self._update(table, unique_ids, row_grads)
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor) -> None:
