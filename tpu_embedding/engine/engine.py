@@ -16,6 +16,7 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
@@ -79,9 +80,7 @@ class EmbeddingEngine(tf.Module):
     shape = [table.vocabulary_size, table.dim]
     initializer = table.initializer or tf.initializers.TruncatedNormal(
         mean=0.0, stddev=1.0 / (table.dim ** 0.5))
-    parameters = tf.Variable(
-        initial_value=functools.partial(initializer, shape=shape, dtype=tf.float32),
-        trainable=self._keras_managed, name=table.name)
+    parameters = _new_variable(initializer, shape, table.name, self._keras_managed)
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
@@ -101,9 +100,7 @@ class EmbeddingEngine(tf.Module):
     slots = {}
     for name, initializer, dims in zip(names, initializers, slot_dims):
       shape = [table.vocabulary_size, table.dim][:dims]
-      slots[name] = tf.Variable(
-          initial_value=functools.partial(initializer, shape=shape, dtype=tf.float32),
-          trainable=False, name=f"{table.name}/{name}")
+      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
       self._track_trackable(slots[name], name=f"{table.name}/{name}")
     return slots
 
@@ -262,6 +259,25 @@ class EmbeddingEngine(tf.Module):
   def _pending_state(self, table: TableConfig) -> list[tf.Variable]:
     pending = self._pending[table.name]
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
+
+
+def _new_variable(initializer: Callable, shape: list[int], name: str,
+                  trainable: bool) -> tf.Variable:
+  """A variable holding `initializer(shape)`, without a second copy of it in memory.
+
+  `tf.Variable(initial_value=...)` keeps the initial tensor alive while copying it into the
+  variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
+  Off any strategy the value is instead computed and assigned inside one function, where it is
+  an intermediate that TF writes straight into the variable's buffer. Strategies create their
+  own (e.g. mirrored) variables, so there the plain constructor is used.
+  """
+  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
+  if tf.distribute.has_strategy():
+    return tf.Variable(initial_value=value, trainable=trainable, name=name)
+  variable = resource_variable_ops.UninitializedVariable(
+      shape=shape, dtype=tf.float32, trainable=trainable, name=name)
+  tf.function(lambda: variable.assign(value()), autograph=False)()
+  return variable
 
 
 def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
