@@ -103,11 +103,14 @@ def _check_id_range(feature: Feature, ids: Tensor) -> Tensor:
       offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
       raise ValueError(f"{message} Offending ids: {offending}.")
     return ids
-  check = tf.debugging.Assert(tf.reduce_all(in_range),
-                              [message, "Offending ids:", tf.boolean_mask(ids, ~in_range)],
-                              summarize=5)
-  with tf.control_dependencies([check]):
-    return tf.identity(ids)
+
+  def fail():  # the offending ids are only gathered when there are some
+    offending = tf.boolean_mask(ids, tf.logical_not(in_range))
+    with tf.control_dependencies([tf.debugging.Assert(
+        False, [message, "Offending ids:", offending], summarize=5)]):
+      return tf.identity(ids)
+
+  return tf.cond(tf.reduce_all(in_range), lambda: ids, fail)
 
 
 def _static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
