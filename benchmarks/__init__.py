@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: `python -m benchmarks all [--quick]` (see benchmarks/__main__.py)."""

@@ -1,0 +1,64 @@
+"""`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
+
+Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
+benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
+benchmarks/results/<cases>[-quick]/ (single cases), unless --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from benchmarks import cases as cases_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("cases", nargs="+", choices=("all",) + cases_lib.CASES)
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer repetitions, steps, sizes and batches (< 5 minutes)")
+  parser.add_argument("--rounds", type=int, default=None,
+                      help="fresh processes per implementation (default 1)")
+  parser.add_argument("--out", default=None)
+  parser.add_argument("--report-only", metavar="RESULTS_JSON", default=None,
+                      help="rebuild RESULTS.md and the plots from a results.json; run nothing")
+  args = parser.parse_args(argv)
+  selected = set(cases_lib.CASES) if "all" in args.cases else set(args.cases)
+  settings = cases_lib.Settings.make(args.quick)
+  if args.rounds:
+    settings.rounds = args.rounds
+  if args.out:
+    out_dir = args.out
+  elif "all" in args.cases:
+    out_dir = os.path.join(HERE, "results", "quick") if args.quick else os.path.join(
+        HERE, "results")
+  else:
+    out_dir = os.path.join(HERE, "results", "-".join(sorted(selected)) +
+                           ("-quick" if args.quick else ""))
+  os.makedirs(out_dir, exist_ok=True)
+  command = "python -m benchmarks " + " ".join(args.cases) + (" --quick" if args.quick else "")
+  if args.rounds:
+    command += f" --rounds {args.rounds}"
+  if args.report_only:
+    with open(args.report_only, encoding="utf-8") as f:
+      raw = json.load(f)
+    settings = cases_lib.Settings(**raw["settings"])
+  else:
+    raw = cases_lib.run(selected, settings, out_dir)
+    with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
+      json.dump(raw, f, indent=1)
+  report = cases_lib.Report(raw, settings, out_dir, command).build()
+  with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
+    f.write(report)
+  print(report)
+  print(f"Wrote {os.path.join(out_dir, 'RESULTS.md')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,294 @@
+"""One measurement in one fresh process: `python -m benchmarks.worker '<json spec>'`.
+
+The runner (`benchmarks.harness`) starts this module once per (case, implementation, round) so
+that every implementation gets a clean interpreter, a clean TensorFlow runtime and its own
+peak-RSS figure. It prints one line `RESULT {json}` on stdout.
+
+Implementations (spec["impl"]):
+  ours             tpu_embedding.TPUEmbedding, default engine (tables trained by the engine)
+  ours-keras       tpu_embedding.TPUEmbedding(..., table_updates="keras")
+  tfrs             tensorflow-recommenders 0.7.7 tfrs.layers.embedding.TPUEmbedding (CPU path)
+  keras-embedding  one tf_keras.layers.Embedding per table, trained by the same Keras optimizer
+
+Workloads (spec["workload"]):
+  dlrm   13 dense features -> bottom MLP 512-256-16; 26 embeddings; concat interaction;
+         top MLP 512-256-1; binary cross-entropy
+  emb    the embedding layer alone, loss = sum of squared activations
+  limit  the machine's random-row gather / scatter bandwidth (NumPy and tf.gather)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SPEC = json.loads(sys.argv[1]) if __name__ == "__main__" else {}
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if SPEC.get("impl") == "tfrs":
+  # tfrs 0.7.7 only imports with legacy Keras; must be set before TensorFlow is imported.
+  os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+ZIPF_A = 1.2
+MULTI_HOT = (0, 1, 2)  # features with 1-5 ids each (ragged, sum combiner)
+LR = {"adagrad": 0.01, "adam": 0.001}
+
+
+def vmhwm_bytes() -> int:
+  """Peak resident set size of this process (VmHWM), in bytes."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def zipf_ids(rng: np.random.Generator, vocab: int, n: int) -> np.ndarray:
+  return ((rng.zipf(ZIPF_A, n) - 1) % vocab).astype(np.int64)
+
+
+def make_id_batches(sizes, batch, num_batches, multi_hot, seed=0):
+  """[{feature: (ids, row_lengths or None)}]: the same ids for every implementation."""
+  rng = np.random.default_rng(seed)
+  batches = []
+  for _ in range(num_batches):
+    feats = {}
+    for i, vocab in enumerate(sizes):
+      if i in multi_hot:
+        lens = rng.integers(1, 6, batch)
+        feats[f"f{i}"] = (zipf_ids(rng, vocab, int(lens.sum())), lens)
+      else:
+        feats[f"f{i}"] = (zipf_ids(rng, vocab, batch), None)
+    batches.append(feats)
+  return batches
+
+
+def unique_rows(batches) -> float:
+  """Mean number of distinct (table, row) pairs touched per step."""
+  return float(np.mean([sum(len(np.unique(ids)) for ids, _ in b.values()) for b in batches]))
+
+
+def run_limit(spec) -> dict:
+  """Random-row gather and scatter bandwidth of this machine, GB/s (row bytes moved / s)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  out = {}
+  for rows, dim in spec["shapes"]:
+    table = np.ones((rows, dim), np.float32)
+    n = spec["n_rows"]
+    idx = rng.integers(0, rows, n)
+    uidx = np.unique(idx)
+    vals = np.ones((len(uidx), dim), np.float32)
+    tt = tf.Variable(table)
+    tidx = tf.constant(idx)
+
+    def best(fn, reps=spec["reps"]):  # all repetitions, not just the best
+      times = []
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+      return times
+
+    row_bytes = dim * 4
+    out_rows = np.empty((n, dim), np.float32)
+    tk = best(lambda: np.take(table, idx, axis=0, out=out_rows))
+    g = best(lambda: table[idx])
+    s = best(lambda: table.__setitem__(uidx, vals))
+    gather = tf.function(lambda: tf.reduce_sum(tf.gather(tt, tidx)[:, 0]))
+    gather()
+    tg = best(lambda: gather().numpy())
+    key = f"{rows}x{dim}"
+    out[key] = {
+        "numpy_take_gbs": [n * row_bytes / t / 1e9 for t in tk],
+        "numpy_gather_gbs": [n * row_bytes / t / 1e9 for t in g],
+        "numpy_scatter_gbs": [len(uidx) * row_bytes / t / 1e9 for t in s],
+        "tf_gather_gbs": [n * row_bytes / t / 1e9 for t in tg],
+    }
+    del table, tt
+  return {"limit": out, "vmhwm": vmhwm_bytes()}
+
+
+def build(spec):
+  """(layer, keras optimizer, feature dict -> activations list, list of table configs)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  e = tf.tpu.experimental.embedding
+  impl, opt, dim = spec["impl"], spec["opt"], spec["dim"]
+  # Same values' law for every implementation. RandomUniform, not TF's default TruncatedNormal:
+  # both peak at table + 2 temporaries while initialising, but TruncatedNormal takes 2.5x longer.
+  init = tf.initializers.RandomUniform(-0.05, 0.05)
+  tables = [e.TableConfig(vocabulary_size=int(v), dim=dim, name=f"t{i}", combiner="sum",
+                          initializer=init) for i, v in enumerate(spec["sizes"])]
+  fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
+  lr = LR[opt]
+  if impl == "tfrs":
+    k = tf.keras.optimizers.legacy
+  else:
+    k = tf_keras.optimizers.legacy
+  keras_opt = k.Adagrad(lr) if opt == "adagrad" else k.Adam(lr)
+  mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
+  if impl == "ours":
+    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    layer = tpu_embedding.TPUEmbedding(fc, mid_opt)
+  elif impl == "ours-keras":
+    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    layer = tpu_embedding.TPUEmbedding(fc, mid_opt, table_updates="keras")
+  elif impl == "tfrs":
+    import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+    layer = tfrs.layers.embedding.TPUEmbedding(fc, keras_opt)
+  elif impl == "keras-embedding":
+    layer = KerasEmbeddings(tables, tf_keras)
+  else:
+    raise ValueError(impl)
+  return layer, keras_opt
+
+
+class KerasEmbeddings:
+  """Plain `tf_keras.layers.Embedding` per table; ragged multi-hot features summed."""
+
+  def __init__(self, tables, tf_keras):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    self._tf = tf
+    self.layers = {
+        f"f{i}": tf_keras.layers.Embedding(
+            t.vocabulary_size, t.dim, embeddings_initializer=t.initializer, name=t.name)
+        for i, t in enumerate(tables)}
+
+  def __call__(self, feats):
+    out = {}
+    for name, x in feats.items():
+      y = self.layers[name](x)
+      out[name] = self._tf.reduce_sum(y, axis=1) if isinstance(x, self._tf.RaggedTensor) else y
+    return out
+
+  @property
+  def trainable_variables(self):
+    return [v for l in self.layers.values() for v in l.trainable_variables]
+
+
+def run_train(spec) -> dict:
+  """Builds each table group once, then measures its workloads in order.
+
+  spec: impl, opt, dim, warmup, reps, rep_seconds, max_steps, budget_s and
+  groups: [{"sizes": [rows per table], "multi_hot": [feature indices],
+            "measure": [{"workload": "emb"|"dlrm", "batch": int}, ...]}].
+  Returns {"measurements": [...], ...}; each measurement has its own VmHWM, read right after it
+  (the first group's figure is the clean peak of a fresh process, building included).
+  """
+  t_start = time.perf_counter()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  t_import = time.perf_counter() - t_start
+  rss_after_import = vmhwm_bytes()
+  results = []
+  for group in spec["groups"]:
+    sizes = group["sizes"]
+    t0 = time.perf_counter()
+    layer, opt = build(dict(spec, sizes=sizes, dim=group.get("dim", spec["dim"])))
+    t_construct = time.perf_counter() - t0
+    models = {}
+    for m in group["measure"]:
+      res = measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m)
+      res["construct_s"] = t_construct
+      res["kind"] = group.get("kind", "")
+      res["load_avg"] = os.getloadavg()[0]
+      results.append(res)
+    del layer, opt, models
+    gc.collect()
+  return {"measurements": results, "import_s": t_import, "rss_after_import": rss_after_import}
+
+
+def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
+  """Warm-up, then up to spec["reps"] timed repetitions of `steps` steps each."""
+  batch, workload = m["batch"], m["workload"]
+  multi = tuple(group.get("multi_hot", ()))
+  raw = make_id_batches(sizes, batch, spec["num_batches"], multi, seed=spec.get("seed", 0))
+  uniq = unique_rows(raw)
+  rng = np.random.default_rng(1)
+
+  def to_tf(b):
+    feats = {}
+    for name, (ids, lens) in b.items():
+      if lens is None:
+        feats[name] = tf.constant(ids)
+      else:
+        feats[name] = tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lens))
+    dense = tf.constant(rng.standard_normal((batch, 13)).astype(np.float32))
+    labels = tf.constant(rng.integers(0, 2, (batch, 1)).astype(np.float32))
+    return feats, dense, labels
+
+  batches = [to_tf(b) for b in raw]
+  del raw
+  dlrm = workload == "dlrm"
+  if dlrm and "mlp" not in models:
+    mlp = lambda units, last: tf_keras.Sequential(
+        [tf_keras.layers.Dense(u, activation="relu") for u in units] +
+        [tf_keras.layers.Dense(last, activation="relu" if last > 1 else None)])
+    models["mlp"] = (mlp([512, 256], 16), mlp([512, 256], 1),
+                     tf_keras.losses.BinaryCrossentropy(from_logits=True))
+
+  @tf.function
+  def step(feats, dense, labels):
+    with tf.GradientTape() as tape:
+      acts = layer(feats)
+      flat = [acts[k] for k in sorted(acts, key=lambda s: int(s[1:]))]
+      if dlrm:
+        bottom, top, bce = models["mlp"]
+        x = tf.concat([bottom(dense)] + flat, axis=1)  # concat interaction
+        loss = bce(labels, top(x))
+      else:
+        loss = tf.add_n([tf.reduce_sum(tf.square(a)) for a in flat])
+    variables = list(layer.trainable_variables)
+    if dlrm:
+      variables += models["mlp"][0].trainable_variables + models["mlp"][1].trainable_variables
+    grads = tape.gradient(loss, variables)
+    opt.apply_gradients(zip(grads, variables))
+    return loss
+
+  t0 = time.perf_counter()
+  float(step(*batches[0]).numpy())  # traces (and, the first time, builds the tables)
+  t_first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  n_warm = 0
+  # At least one warm-up step after the tracing one; more while they fit in a quarter budget.
+  while n_warm < max(1, spec["warmup"]) and (
+      n_warm == 0 or time.perf_counter() - t0 < spec["budget_s"] / 4):
+    n_warm += 1
+    loss = step(*batches[n_warm % len(batches)])
+    float(loss.numpy())
+  t_one = (time.perf_counter() - t0) / n_warm
+  steps = int(max(1, min(spec["max_steps"], round(spec["rep_seconds"] / max(t_one, 1e-6)))))
+  deadline = time.perf_counter() + spec["budget_s"]
+  times, k = [], 0
+  for _ in range(spec["reps"]):
+    if times and time.perf_counter() + steps * t_one > deadline:
+      break
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      loss = step(*batches[k % len(batches)])
+      k += 1
+    float(loss.numpy())  # wait for the last step
+    times.append((time.perf_counter() - t0) / steps)
+  return {
+      "workload": workload, "batch": batch, "sizes": sizes, "step_s": times,
+      "steps_per_rep": steps, "warmup_steps": n_warm, "warmup_step_s": t_one,
+      "first_step_s": t_first, "unique_rows": uniq, "vmhwm": vmhwm_bytes(),
+      "partial": len(times) < spec["reps"],
+  }
+
+
+def main() -> None:
+  spec = SPEC
+  t0 = time.perf_counter()
+  result = run_limit(spec) if spec.get("workload") == "limit" else run_train(spec)
+  result["wall_s"] = time.perf_counter() - t0
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,101 @@
+"""The benchmark harness's own logic on fake numbers: no timing, no TensorFlow."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import cases
+from benchmarks import harness as h
+
+
+def test_summarize_median_spread_and_quartiles():
+  s = h.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+  assert (s.n, s.median, s.lo, s.hi, s.q1, s.q3) == (5, 3.0, 1.0, 5.0, 2.0, 4.0)
+  assert h.summarize([1.0, 2.0]).median == 1.5
+  with pytest.raises(ValueError):
+    h.summarize([])
+
+
+def test_scaled_by_decreasing_map_keeps_lo_below_hi():
+  s = h.summarize([0.1, 0.2, 0.4]).scaled(lambda t: 100 / t)  # seconds/step -> examples/s
+  assert s.median == pytest.approx(500)
+  assert (s.lo, s.hi) == (pytest.approx(250), pytest.approx(1000))
+  assert s.q1 <= s.median <= s.q3
+
+
+def test_alternation_runs_every_implementation_once_per_round():
+  assert h.alternate(["A", "B"], 2) == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
+  order = h.schedule(["adagrad", "adam"], ["A", "B"], 2)
+  assert [impl for _, _, impl in order] == ["A", "B"] * 4
+  assert [v for _, v, _ in order[:4]] == ["adagrad", "adagrad", "adam", "adam"]
+
+
+def test_markdown_table_and_formatting():
+  table = h.markdown_table(["a", "b"], [[1, "x|y"], [h.fmt_num(12345.6), h.fmt_num(0.012345)]])
+  assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | x\\|y |",
+                                "| 12,346 | 0.0123 |"]
+  with pytest.raises(ValueError):
+    h.markdown_table(["a"], [[1, 2]])
+  assert h.fmt_stat(h.summarize([1, 2, 3])) == "2.00 (1.00–3.00, n=3)"
+  assert h.fmt_ratio(2.345) == "2.35x" and h.fmt_ratio(None) == "–"
+  assert h.target_mark(5.1, 5) == "MET" and h.target_mark(1.4, 1.3, False) == "NOT MET"
+  assert h.target_mark(None, 1) == "n/a"
+
+
+def test_parse_result_and_worker_env():
+  assert h.parse_result("noise\nRESULT {\"x\": 1}\n") == {"x": 1}
+  assert h.parse_result("no result") is None
+  assert h.worker_env("tfrs")["TF_USE_LEGACY_KERAS"] == "1"
+  assert "TF_USE_LEGACY_KERAS" not in h.worker_env("ours")
+
+
+def test_plan_shares_processes_and_alternates():
+  s = cases.Settings.make(quick=True)
+  jobs = cases.plan(set(cases.CASES), s)
+  train = [spec for fam, _, spec in jobs if fam == "train"]
+  assert [j["impl"] for j in train] == list(h.IMPLS) * 2
+  assert [j["opt"] for j in train] == ["adagrad"] * 4 + ["adam"] * 4
+  groups = train[0]["groups"]
+  # memory: the 1e7 table first, in a fresh process; then DLRM tables; then smaller tables
+  assert [g["kind"] for g in groups] == ["table", "dlrm", "table"]
+  assert groups[0]["sizes"] == [10**7] and groups[2]["sizes"] == [10**4]
+  assert {m["batch"] for m in groups[1]["measure"]} == {4096, *s.batches}
+  assert {m["batch"] for m in train[4]["groups"][1]["measure"]} == {4096}  # Adam: no sweep
+  memory_only = cases.plan({"memory"}, s)
+  assert [len(spec["groups"]) for _, _, spec in memory_only] == [1] * 8
+
+
+def _fake_raw(s):
+  runs = []
+  for fam, _, spec in cases.plan(set(cases.CASES) - {"serving"}, s):
+    if fam == "limit":
+      one = {"numpy_take_gbs": [2.0] * 5, "numpy_gather_gbs": [1.0] * 5,
+             "numpy_scatter_gbs": [1.0] * 5, "tf_gather_gbs": [1.0] * 5}
+      runs.append({"family": fam, "spec": spec,
+                   "result": {"limit": {"1000000x16": one, "10000000x32": one}}})
+      continue
+
+    speed = {"ours": 1.0, "ours-keras": 2.0, "tfrs": 4.0, "keras-embedding": 3.0}[spec["impl"]]
+    ms = [{"workload": m["workload"], "batch": m["batch"], "sizes": g["sizes"],
+           "step_s": [0.01 * speed * k for k in (1, 1, 1.1, 0.9, 1)], "partial": False,
+           "steps_per_rep": 3, "unique_rows": 1000.0, "vmhwm": 3 * 2**30,
+           "first_step_s": 1.0, "kind": g["kind"]} for g in spec["groups"] for m in g["measure"]]
+    runs.append({"family": fam, "spec": spec, "result": {"measurements": ms}})
+  return {"settings": {}, "cases": sorted(set(cases.CASES) - {"serving"}), "runs": runs,
+          "started": "now", "load_avg_start": [0.0], "load_avg_end": [0.0], "total_s": 60}
+
+
+def test_report_on_fake_results(tmp_path):
+  s = cases.Settings.make(quick=True)
+  raw = json.loads(json.dumps(_fake_raw(s)))
+  report = cases.Report(raw, s, str(tmp_path), "python -m benchmarks all --quick")
+  text = report.build()
+  assert not report.errors, report.errors
+  targets = {t[0]: t for t in report.targets}
+  assert targets["DLRM Adam: ours >= 5x tfrs"][1:3] == ("4.00x", "NOT MET")
+  assert targets["DLRM Adagrad: ours >= 1.15x tfrs"][1:3] == ("4.00x", "MET")
+  assert "| DLRM | adam | tfrs | 40.0 (36.0–44.0, n=5) |" in text
+  assert "t(1e+07)/t(1e+04)" in text
+  for png in ("dlrm.png", "table_size.png", "batch.png"):
+    assert os.path.exists(tmp_path / png)
