@@ -55,12 +55,6 @@ class EmbeddingConfig:
   user_tables: dict[TableConfig, TableConfig]
   optimizer: Optional[optimizers.MidLevelOptimizer]
 
-  def table_named(self, name: str) -> TableConfig:
-    for table in self.tables:
-      if table.name == name:
-        return table
-    raise KeyError(name)
-
   def features_of(self, table: TableConfig) -> list[Feature]:
     return [f for f in self.features if f.table is table]
 

@@ -63,11 +63,6 @@ def clip_weights(optimizer, rows: tf.Tensor) -> tf.Tensor:
                getattr(optimizer, "clip_weight_max", None))
 
 
-def has_weight_clipping(optimizer) -> bool:
-  return (getattr(optimizer, "clip_weight_min", None) is not None or
-          getattr(optimizer, "clip_weight_max", None) is not None)
-
-
 def has_weight_decay(optimizer) -> bool:
   # The proto only receives a truthy factor, so 0.0 means "no decay" (SPEC §2.0).
   return bool(getattr(optimizer, "weight_decay_factor", None))
