@@ -24,6 +24,8 @@ from typing import Any, Optional
 import tensorflow as tf
 from absl import logging
 
+from tpu_embedding import config as config_lib
+
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
 
@@ -42,10 +44,8 @@ def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[
       continue
     if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
       continue
-    names = optimizer._slot_names()  # pylint: disable=protected-access
-    dims = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
-    for name, rank in zip(names, dims):
-      shapes[f"{table.name}/{name}"] = (table.name, full[:rank])
+    for name, shape in config_lib.slot_shapes(table):
+      shapes[f"{table.name}/{name}"] = (table.name, shape)
   return shapes
 
 

@@ -96,6 +96,20 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   )
 
 
+def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
+  """(slot name, shape) of each slot the table's optimizer needs, in the optimizer's order.
+
+  Slots are [vocabulary_size, dim], or [vocabulary_size] for a CustomOptimizer slot of rank 1.
+  """
+  optimizer = table.optimizer
+  if optimizer is None:
+    return []
+  names = optimizer._slot_names()  # pylint: disable=protected-access
+  ranks = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
+  full = [table.vocabulary_size, table.dim]
+  return [(name, full[:rank]) for name, rank in zip(names, ranks)]
+
+
 def _clone_table(table: TableConfig, index: int,
                  global_optimizer: Optional[optimizers.MidLevelOptimizer]) -> TableConfig:
   clone = copy.copy(table)

@@ -114,16 +114,6 @@ class Placement:
     return "\n".join([title, line(header), *map(line, rows), footer])
 
 
-def _slot_widths(table: TableConfig) -> list[tuple[str, int]]:
-  """(slot name, floats per row) of the table's optimizer, as the engine creates them."""
-  optimizer = table.optimizer
-  if optimizer is None:
-    return []
-  names = optimizer._slot_names()  # pylint: disable=protected-access
-  dims = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
-  return [(name, table.dim if d >= 2 else 1) for name, d in zip(names, dims)]
-
-
 # ---------------------------------------------------------------------------------------------
 # What serves a replicated feature
 
@@ -267,7 +257,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
       raise ValueError(f"num_replicas={num_replicas!r}; expected an int >= 1.")
     entries = []
     for table in self._config.tables:
-      slots = _slot_widths(table)
+      slots = [(name, math.prod(shape[1:])) for name, shape in config_lib.slot_shapes(table)]
       row_bytes = _FLOAT32_BYTES * (table.dim + sum(width for _, width in slots))
       side = self.side(table.name)
       rows_per_device = (table.vocabulary_size if side == REPLICATED

@@ -96,10 +96,8 @@ class EmbeddingEngine(tf.Module):
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
-    slot_dims = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
     slots = {}
-    for name, initializer, dims in zip(names, initializers, slot_dims):
-      shape = [table.vocabulary_size, table.dim][:dims]
+    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
       slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
       self._track_trackable(slots[name], name=f"{table.name}/{name}")
     return slots
