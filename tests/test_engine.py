@@ -87,9 +87,14 @@ bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, ma
     optimizer=optimizers(),
     steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=3),
     weighted=st.booleans(),
+    compiled=st.booleans(),
     seed=st.integers(0, 2**16))
-def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, seed):
-  """Two features sharing one table, duplicate-heavy bags, several steps: tables and slots."""
+def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, compiled, seed):
+  """Two features sharing one table, duplicate-heavy bags, several steps: tables and slots.
+
+  Compiled steps take the graph-only paths (one id check per step, the update reusing the rows
+  the lookup read); eager steps the others.
+  """
   rng = np.random.default_rng(seed)
   rows = 6
   values = rng.uniform(-1, 1, size=(rows, dim)).astype(np.float32)
@@ -98,6 +103,7 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, see
                                       "b": E.FeatureConfig(table=table)}, optimizer)
   model = Probe(layer)
   dense = tf_keras.optimizers.SGD(0.0)
+  run_step = tf.function(_step, reduce_retracing=True) if compiled else _step
   params = reference.params_from_optimizer(optimizer)
   w = values.astype(np.float64)
   slots = reference.initial_slots(params, w.shape)
@@ -110,7 +116,7 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, see
            "b": tf.ragged.constant(bags_b, tf.int64, ragged_rank=1)}
     tf_weights = None if not weighted else {
         k: tf.ragged.constant(weights[k], tf.float32, ragged_rank=1) for k in weights}
-    out = _step(model, dense, ids, tf_weights, upstream)
+    out = run_step(model, dense, ids, tf_weights, upstream)
     for k, bags in (("a", bags_a), ("b", bags_b)):
       expected = [reference.combine_bag(w, b, None if not weighted else weights[k][i], combiner)
                   for i, b in enumerate(bags)]
@@ -126,6 +132,62 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, see
   np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=2e-4, atol=2e-5)
   for name, value in slots.items():
     np.testing.assert_allclose(variables[name].numpy(), value, rtol=2e-4, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update writes back rows computed from the rows the lookup read: never stale ones
+
+
+def _sgd_layer(values):
+  return tpu_embedding.TPUEmbedding(E.FeatureConfig(table=_table(values)), E.SGD(1.0))
+
+
+def test_two_lookups_of_one_table_in_one_step_both_reach_the_table():
+  values = np.arange(8, dtype=np.float32).reshape(4, 2)
+  layer = _sgd_layer(values)
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      first = layer(tf.constant([1, 2]))
+      second = layer(tf.constant([2, 3]))
+      loss = tf.reduce_sum(first) + 2.0 * tf.reduce_sum(second)
+    tape.gradient(loss, layer.trainable_variables)
+
+  step()
+  expected = values - np.array([[0], [1], [1 + 2], [2]], np.float32)  # row 2 gets both
+  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(), expected)
+
+
+def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
+  values = np.zeros((3, 1), np.float32)
+  layer = _sgd_layer(values)
+
+  @tf.function
+  def step():
+    with tf.GradientTape(persistent=True) as tape:
+      loss = tf.reduce_sum(layer(tf.constant([1, 1, 2])))
+    tape.gradient(loss, layer.trainable_variables)
+    tape.gradient(loss, layer.trainable_variables)
+
+  step()
+  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
+                                [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
+
+
+def test_a_compiled_training_step_reads_each_touched_table_row_once():
+  layer = tpu_embedding.TPUEmbedding(
+      E.FeatureConfig(table=_table(np.zeros((5, 2), np.float32))), E.Adagrad(0.1))
+
+  @tf.function
+  def step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(ids))
+    tape.gradient(loss, layer.trainable_variables)
+
+  graph = step.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
+  gathers = [op for op in graph.get_operations() if op.type == "ResourceGather"]
+  assert len(gathers) == 2  # the table's rows (looked up, then updated) and the accumulator's
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ checkpoint written here restores into `TPUEmbedding`, `TPUEmbeddingForServing` a
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -39,7 +41,7 @@ class EmbeddingEngine(tf.Module):
   """
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
-  _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_pending"}).union(
+  _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_pending", "_training_lookups"}).union(
       tf.Module._TF_MODULE_IGNORED_PROPERTIES)
 
   def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
@@ -50,6 +52,9 @@ class EmbeddingEngine(tf.Module):
     self._keras_managed = keras_managed
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    # Per graph being traced: how many training lookups read each table (see
+    # `_register_training_lookup`).
+    self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
     self._built = False
     self._strategy = tf.distribute.get_strategy()  # tables are created under it, as TF does
 
@@ -73,33 +78,39 @@ class EmbeddingEngine(tf.Module):
     self._built = True
 
   def _create_tables(self) -> None:
+    maker = _InPlaceVariables()
     for table in self._config.tables:
-      self._create_table(table)
+      self._create_table(table, maker)
+    maker.initialize()
+    # Only now: tracking a variable restores a pending checkpoint into it (restore on creation),
+    # which its initial value must not overwrite.
+    for name, variable in maker.created:
+      self._track_trackable(variable, name=name)
 
-  def _create_table(self, table: TableConfig) -> None:
+  def _create_table(self, table: TableConfig, maker: "_InPlaceVariables") -> None:
     shape = [table.vocabulary_size, table.dim]
     initializer = table.initializer or tf.initializers.TruncatedNormal(
         mean=0.0, stddev=1.0 / (table.dim ** 0.5))
-    parameters = _new_variable(initializer, shape, table.name, self._keras_managed)
+    parameters = maker.create(initializer, shape, table.name, self._keras_managed)
     variables = {"parameters": parameters}
-    self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
-      variables.update(self._create_slots(table, parameters))
+      variables.update(self._create_slots(table, parameters, maker))
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
       self._pending[table.name] = _pending_buffers(table)
 
-  def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
+  def _create_slots(self, table: TableConfig, parameters: tf.Variable,
+                    maker: "_InPlaceVariables") -> dict[str, tf.Variable]:
     optimizer = table.optimizer
     names = optimizer._slot_names()  # pylint: disable=protected-access
     initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
+      maker.initialize()  # the user's function may read the table
       return dict(creator(parameters, names, initializers))
     slots = {}
     for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
-      self._track_trackable(slots[name], name=f"{table.name}/{name}")
+      slots[name] = maker.create(initializer, shape, f"{table.name}/{name}", False)
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -133,18 +144,44 @@ class EmbeddingEngine(tf.Module):
     if trap is None:
       flat = step.activations(self.parameters)
     else:
+      reusable = self._register_training_lookup(step)
+
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(step.upstream_by_table(upstream))
+          self._apply_gradients(step.upstream_by_table(upstream), reusable())
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
     return tf.nest.pack_sequence_as(features, flat)
+
+  def _register_training_lookup(self, step: lookup.Step) -> Callable[[], frozenset]:
+    """Counts this lookup; returns what tells its gradient which forward rows it may reuse.
+
+    The update may write back rows computed from the rows the forward pass read, instead of
+    reading them again, only where nothing can have written them in between: in the graph
+    that looked them up, for a table looked up only once in that graph, for the first
+    gradient of this lookup, off any strategy and without pipelining (whose update is
+    applied a step later).
+    """
+    if self._pipelining or tf.executing_eagerly() or tf.distribute.has_strategy():
+      return frozenset
+    graph = tf.compat.v1.get_default_graph()
+    counts = self._training_lookups.setdefault(graph, collections.Counter())
+    counts.update(table.name for table in step.batches)
+    first_gradient = [True]
+
+    def reusable() -> frozenset:
+      if not first_gradient[0] or tf.compat.v1.get_default_graph() is not graph:
+        return frozenset()
+      first_gradient[0] = False
+      return frozenset(table.name for table in step.batches if counts[table.name] == 1)
+
+    return reusable
 
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
@@ -156,7 +193,8 @@ class EmbeddingEngine(tf.Module):
   # -------------------------------------------------------------------------------------------
   # Backward: one update per table and step, summed over every replica
 
-  def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]]):
+  def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
+                       reusable: frozenset = frozenset()):
     trainable = []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
@@ -165,7 +203,8 @@ class EmbeddingEngine(tf.Module):
         trainable.append((table, batch, upstream))
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
       for table, batch, upstream in trainable:
-        self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim))
+        rows = batch.looked_up_rows if table.name in reusable else None
+        self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim), rows)
       return
     # In a replica: hand every occurrence's (id, gradient) to one cross-replica update, so the
     # tables get the sum over the global batch, in the same order as on a single device.
@@ -213,16 +252,17 @@ class EmbeddingEngine(tf.Module):
         ids.append(gather(bag_ids, position))
         grads.append(gather(bag_grads, position))
         position += 1
-      unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int32)
+      unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int64)
       row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
       self._update(table, unique_ids, row_grads)
 
-  def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor) -> None:
+  def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor,
+              table_rows: Optional[tf.Tensor] = None) -> None:
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
     names, state = self._state(table)
     apply = _row_applier(table.optimizer, names)
     if not self._pipelining:
-      _on_each_copy(state, lambda *copy: apply(copy, ids, grads, learning_rate))
+      _on_each_copy(state, lambda *copy: apply(copy, ids, grads, learning_rate, table_rows))
       return
 
     def apply_pending_then_store(*copy):
@@ -259,23 +299,46 @@ class EmbeddingEngine(tf.Module):
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
-def _new_variable(initializer: Callable, shape: list[int], name: str,
-                  trainable: bool) -> tf.Variable:
-  """A variable holding `initializer(shape)`, without a second copy of it in memory.
+class _InPlaceVariables:
+  """Creates table-sized variables without a second copy of their initial value in memory.
 
   `tf.Variable(initial_value=...)` keeps the initial tensor alive while copying it into the
   variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
-  Off any strategy the value is instead computed and assigned inside one function, where it is
-  an intermediate that TF writes straight into the variable's buffer. Strategies create their
-  own (e.g. mirrored) variables, so there the plain constructor is used.
+  Off any strategy the values are instead computed and assigned inside one function, one
+  variable after the other, where each is an intermediate that TF writes straight into the
+  variable's buffer. Strategies create their own (e.g. mirrored) variables, so there the plain
+  constructor is used.
   """
-  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
-  if tf.distribute.has_strategy():
-    return tf.Variable(initial_value=value, trainable=trainable, name=name)
-  variable = resource_variable_ops.UninitializedVariable(
-      shape=shape, dtype=tf.float32, trainable=trainable, name=name)
-  tf.function(lambda: variable.assign(value()), autograph=False)()
-  return variable
+
+  def __init__(self):
+    self.created: list[tuple[str, tf.Variable]] = []
+    self._uninitialized: list[tuple[tf.Variable, Callable[[], tf.Tensor]]] = []
+
+  def create(self, initializer: Callable, shape: list[int], name: str,
+             trainable: bool) -> tf.Variable:
+    """A variable that holds `initializer(shape)` once `initialize` has run."""
+    value = functools.partial(initializer, shape=shape, dtype=tf.float32)
+    if tf.distribute.has_strategy():
+      variable = tf.Variable(initial_value=value, trainable=trainable, name=name)
+    else:
+      variable = resource_variable_ops.UninitializedVariable(
+          shape=shape, dtype=tf.float32, trainable=trainable, name=name)
+      self._uninitialized.append((variable, value))
+    self.created.append((name, variable))
+    return variable
+
+  def initialize(self) -> None:
+    pending, self._uninitialized = self._uninitialized, []
+    if not pending:
+      return
+
+    def assign_all():
+      done = []
+      for variable, value in pending:
+        with tf.control_dependencies(done):  # one initial value alive at a time
+          done = [variable.assign(value(), read_value=False)]
+
+    tf.function(assign_all, autograph=False)()
 
 
 def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
@@ -311,9 +374,9 @@ def _refuse_training(table: TableConfig) -> None:
 
 def _row_applier(optimizer, slot_names: Sequence[str]) -> Callable:
   """`apply(state, ids, grads, lr)` for one copy of a table's state (table, then slots)."""
-  def apply(state, ids, grads, learning_rate) -> None:
+  def apply(state, ids, grads, learning_rate, table_rows=None) -> None:
     apply_sparse_update(optimizer, state[0], dict(zip(slot_names, state[1:])), ids, grads,
-                        learning_rate)
+                        learning_rate, table_rows)
   return apply
 
 

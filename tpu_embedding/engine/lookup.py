@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -48,8 +49,11 @@ class Bags:
 # Input conversion
 
 
-def to_bags(feature: Feature, ids: Any, weights: Any = None, check_ids: bool = True) -> Bags:
-  """Validates one feature's ids (and weights) and turns them into bags."""
+def to_bags(feature: Feature, ids: Any, weights: Any = None) -> Bags:
+  """Validates one feature's ids' type (and weights) and turns them into bags.
+
+  The ids' range is checked once for all features by `check_id_ranges`.
+  """
   name = feature.name
   if isinstance(ids, tf.SparseTensor):
     _check_weights_kind(name, weights, tf.SparseTensor)
@@ -64,8 +68,6 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None, check_ids: bool = T
           "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
           "RaggedTensor to weight them, or pass None for this feature's weights.")
     bags = _dense_bags(feature, _as_id_tensor(name, ids))
-  if check_ids:
-    bags.ids = _check_id_range(feature, bags.ids)
   return bags
 
 
@@ -92,25 +94,49 @@ def _check_weights_kind(name: str, weights: Any, kind: type) -> None:
     raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
 
 
-def _check_id_range(feature: Feature, ids: Tensor) -> Tensor:
-  """Returns `ids`, which in graph mode only become available once they passed the check."""
-  size = feature.table.vocabulary_size
-  message = (f"Feature {feature.name!r} (table {feature.table.name!r}, vocabulary_size={size}): "
-             f"every id must be in [0, {size}).")
-  in_range = tf.logical_and(ids >= 0, ids < size)
+def check_id_ranges(bags: Sequence[Bags]) -> None:
+  """Lets every bag's ids through only once all of them are in range.
+
+  Graph mode makes one check for the whole step (an unsigned max per feature, so a negative id
+  counts as too large); only when it fails does it find which feature and ids are at fault.
+  """
   if tf.executing_eagerly():
-    if not bool(tf.reduce_all(in_range)):
-      offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
-      raise ValueError(f"{message} Offending ids: {offending}.")
-    return ids
+    for bag in bags:
+      in_range = _in_range(bag)
+      if not bool(tf.reduce_all(in_range)):
+        offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))[:5].numpy().tolist()
+        raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
+    return
+  if not bags:
+    return
+  largest = tf.stack([tf.reduce_max(tf.bitcast(bag.ids, tf.uint64)) for bag in bags])
+  sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
 
-  def fail():  # the offending ids are only gathered when there are some
-    offending = tf.boolean_mask(ids, tf.logical_not(in_range))
-    with tf.control_dependencies([tf.debugging.Assert(
-        False, [message, "Offending ids:", offending], summarize=5)]):
-      return tf.identity(ids)
+  def fail():
+    asserts = []
+    for bag in bags:
+      in_range = _in_range(bag)
+      offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))
+      asserts.append(tf.debugging.Assert(
+          tf.reduce_all(in_range), [_range_message(bag), "Offending ids:", offending],
+          summarize=5))
+    with tf.control_dependencies(asserts):
+      return tf.constant(False)
 
-  return tf.cond(tf.reduce_all(in_range), lambda: ids, fail)
+  checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
+  with tf.control_dependencies([checked]):
+    for bag in bags:
+      bag.ids = tf.identity(bag.ids)
+
+
+def _in_range(bag: Bags) -> Tensor:
+  return tf.logical_and(bag.ids >= 0, bag.ids < bag.feature.table.vocabulary_size)
+
+
+def _range_message(bag: Bags) -> str:
+  table = bag.feature.table
+  return (f"Feature {bag.feature.name!r} (table {table.name!r}, vocabulary_size="
+          f"{table.vocabulary_size}): every id must be in [0, {table.vocabulary_size}).")
 
 
 def _static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
@@ -264,11 +290,11 @@ class TableBatch:
 
   def __init__(self, bags: Sequence[Bags]):
     self.bags = list(bags)
+    self.looked_up_rows: Optional[Tensor] = None  # the table's unique rows, as training read them
 
   @functools.cached_property
   def _deduplicated(self) -> tuple[Tensor, Tensor]:
-    ids = self.bags[0].ids if len(self.bags) == 1 else tf.concat([b.ids for b in self.bags], 0)
-    return tuple(tf.unique(ids, out_idx=tf.int32))
+    return tuple(tf.unique(_concat([b.ids for b in self.bags]), out_idx=tf.int64))
 
   @property
   def unique_ids(self) -> Tensor:
@@ -277,23 +303,23 @@ class TableBatch:
 
   @property
   def index(self) -> Tensor:
-    """int32 [N_total]: position of each occurrence in `unique_ids`."""
+    """int64 [N_total]: position of each occurrence in `unique_ids`."""
     return self._deduplicated[1]
 
   @functools.cached_property
-  def _sample_matrix(self) -> tf.SparseTensor:
+  def _sample_matrix(self) -> "SampleMatrix":
     """S [samples of all bags, U]: one entry (sample, unique row) = gain per occurrence."""
+    if len(self.bags) == 1:
+      bag = self.bags[0]
+      return SampleMatrix.build(_sample_rows(bag), self.index, _gains_or_ones(bag),
+                                bag.num_samples, tf.size(self.unique_ids, out_type=tf.int64))
     offsets = tf.cumsum(tf.stack([b.num_samples for b in self.bags]), exclusive=True)
-    rows, gains = [], []
-    for bag, offset in zip(self.bags, tf.unstack(offsets, num=len(self.bags))):
-      samples = tf.range(tf.size(bag.ids, out_type=tf.int64)) if bag.samples is None \
-          else bag.samples
-      rows.append(samples + offset)
-      gains.append(tf.ones(tf.shape(bag.ids), tf.float32) if bag.gains is None else bag.gains)
-    columns = tf.cast(self.index, tf.int64)
+    rows = [_sample_rows(bag) + offset
+            for bag, offset in zip(self.bags, tf.unstack(offsets, num=len(self.bags)))]
     total = offsets[-1] + self.bags[-1].num_samples
-    return tf.SparseTensor(tf.stack([tf.concat(rows, 0), columns], axis=1), tf.concat(gains, 0),
-                           tf.stack([total, tf.size(self.unique_ids, out_type=tf.int64)]))
+    return SampleMatrix.build(tf.concat(rows, 0), self.index,
+                              tf.concat([_gains_or_ones(b) for b in self.bags], 0), total,
+                              tf.size(self.unique_ids, out_type=tf.int64))
 
   def activations(self, table: Tensor, deduplicate: bool) -> list[Tensor]:
     """Combined activations of each bag.
@@ -304,17 +330,22 @@ class TableBatch:
     if not deduplicate:
       return [_combine(bag, quantize(tf.gather(table, bag.ids), self._table))
               for bag in self.bags]
-    unique_rows = quantize(tf.gather(table, self.unique_ids), self._table)
+    self.looked_up_rows = tf.gather(table, self.unique_ids)
+    unique_rows = quantize(self.looked_up_rows, self._table)
     one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
     if one_id_per_sample and _needs_blocks(unique_rows):
       # One id per sample, weight 1, wide rows: a gather beats the blocked sparse matmul.
-      sizes = tf.stack([tf.size(b.ids) for b in self.bags])
-      indices = tf.split(self.index, sizes, num=len(self.bags))
-      return [_shape_activations(bag, tf.gather(unique_rows, index))
-              for bag, index in zip(self.bags, indices)]
-    flat = sparse_matmul(self._sample_matrix, unique_rows)
-    parts = tf.split(flat, tf.stack([b.num_samples for b in self.bags]), num=len(self.bags))
+      rows = tf.gather(unique_rows, self.index)
+      return [_shape_activations(bag, part)
+              for bag, part in zip(self.bags, self._split(rows, [tf.size(b.ids) for b in self.bags]))]
+    flat = self._sample_matrix.matmul(unique_rows)
+    parts = self._split(flat, [b.num_samples for b in self.bags])
     return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
+
+  def _split(self, flat: Tensor, sizes: list[Tensor]) -> list[Tensor]:
+    if len(self.bags) == 1:
+      return [flat]
+    return tf.split(flat, tf.stack(sizes), num=len(self.bags))
 
   @property
   def _table(self):
@@ -333,37 +364,76 @@ class TableBatch:
       if bag.gains is not None:
         grad = grad * bag.gains[:, None]
       parts.append(grad)
-    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    return _concat(parts)
 
   def row_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
     """The summed gradient of each unique row [U, D] (spec 2.1), never a dense table gradient."""
     grads = [tf.zeros([bag.num_samples, dim]) if g is None
              else tf.reshape(tf.cast(g, tf.float32), [-1, dim])
              for bag, g in zip(self.bags, upstream)]
-    return sparse_matmul(self._sample_matrix, tf.concat(grads, 0), adjoint=True)
+    return self._sample_matrix.matmul(_concat(grads), adjoint=True)
 
   @property
   def occurrence_ids(self) -> Tensor:
     return tf.gather(self.unique_ids, self.index)
 
 
+def _concat(parts: Sequence[Tensor]) -> Tensor:
+  return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+
+def _sample_rows(bag: Bags) -> Tensor:
+  """int64 [N]: the activation row each of the bag's ids goes to."""
+  if bag.samples is None:
+    return tf.range(tf.size(bag.ids, out_type=tf.int64))
+  return bag.samples
+
+
+def _gains_or_ones(bag: Bags) -> Tensor:
+  return tf.ones(tf.shape(bag.ids), tf.float32) if bag.gains is None else bag.gains
+
+
 _MATMUL_BLOCK = 16
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def sparse_matmul(matrix: tf.SparseTensor, dense: Tensor, adjoint: bool = False) -> Tensor:
-  """`matrix @ dense` (or its adjoint), in column blocks of 16.
+@dataclasses.dataclass
+class SampleMatrix:
+  """A sparse [rows, columns] matrix in the layout of TF's sparse-dense matmul kernel."""
 
-  TF's CPU kernel vectorises only over fewer than 32 columns and takes a per-row path above;
-  blocks keep it on the fast path (measured 2x faster at dim 32 and 64). Columns are
-  independent, so the result is bit-identical.
-  """
-  if not _needs_blocks(dense):
-    return tf.sparse.sparse_dense_matmul(matrix, dense, adjoint_a=adjoint)
-  width = dense.shape[-1]
-  blocks = tf.split(dense, [min(_MATMUL_BLOCK, width - c) for c in range(0, width, _MATMUL_BLOCK)],
-                    axis=1)
-  return tf.concat([tf.sparse.sparse_dense_matmul(matrix, b, adjoint_a=adjoint) for b in blocks],
-                   axis=1)
+  indices: Tensor  # [nnz, 2] (row, column), int32 where they fit, else int64
+  values: Tensor   # float32 [nnz]
+  shape: Tensor    # int64 [2]
+
+  @classmethod
+  def build(cls, rows: Tensor, columns: Tensor, values: Tensor, num_rows: Tensor,
+            num_columns: Tensor) -> "SampleMatrix":
+    """From int64 coordinates, which must be below 2**31 (they count samples and rows)."""
+    if _LITTLE_ENDIAN:
+      # (row, column) int32 pairs are the two halves of row + column * 2**32: one add and one
+      # shift instead of stacking two columns, which TF's CPU kernels do element by element.
+      indices = tf.bitcast(rows + tf.bitwise.left_shift(columns, tf.constant(32, tf.int64)),
+                           tf.int32)
+    else:
+      indices = tf.stack([rows, columns], axis=1)
+    return cls(indices, values, tf.stack([tf.cast(num_rows, tf.int64),
+                                          tf.cast(num_columns, tf.int64)]))
+
+  def matmul(self, dense: Tensor, adjoint: bool = False) -> Tensor:
+    """`self @ dense` (or its adjoint), in column blocks of 16.
+
+    TF's CPU kernel vectorises only over fewer than 32 columns and takes a per-row path above;
+    blocks keep it on the fast path (measured 2x faster at dim 32 and 64). Columns are
+    independent, so the result is bit-identical.
+    """
+    product = functools.partial(tf.raw_ops.SparseTensorDenseMatMul, a_indices=self.indices,
+                                a_values=self.values, a_shape=self.shape, adjoint_a=adjoint)
+    if not _needs_blocks(dense):
+      return product(b=dense)
+    width = dense.shape[-1]
+    blocks = tf.split(
+        dense, [min(_MATMUL_BLOCK, width - c) for c in range(0, width, _MATMUL_BLOCK)], axis=1)
+    return tf.concat([product(b=b) for b in blocks], axis=1)
 
 
 def _needs_blocks(dense: Tensor) -> bool:
@@ -373,21 +443,19 @@ def _needs_blocks(dense: Tensor) -> bool:
 def sum_by_index(values: Tensor, index: Tensor, count: Tensor) -> Tensor:
   """out[i] = sum of values[k] where index[k] == i, as a sparse matmul (see TableBatch)."""
   size = tf.size(index, out_type=tf.int64)
-  matrix = tf.SparseTensor(tf.stack([tf.range(size), tf.cast(index, tf.int64)], axis=1),
-                           tf.ones([size], values.dtype), tf.stack([size, tf.cast(count, tf.int64)]))
-  return sparse_matmul(matrix, values, adjoint=True)
+  matrix = SampleMatrix.build(tf.range(size), index,
+                              tf.ones([size], values.dtype), size, count)
+  return matrix.matmul(values, adjoint=True)
 
 
 def _combine(bag: Bags, rows: Tensor) -> Tensor:
   """Reduces each occurrence's row [N, D] into the bag's activations, shaped for the model."""
   if bag.samples is None and bag.gains is None:
     return _shape_activations(bag, rows)
-  samples = tf.range(tf.size(bag.ids, out_type=tf.int64)) if bag.samples is None else bag.samples
-  gains = tf.ones(tf.shape(bag.ids), tf.float32) if bag.gains is None else bag.gains
   occurrences = tf.range(tf.size(bag.ids, out_type=tf.int64))
-  matrix = tf.SparseTensor(tf.stack([samples, occurrences], axis=1), gains,
-                           tf.stack([bag.num_samples, tf.size(bag.ids, out_type=tf.int64)]))
-  return _shape_activations(bag, sparse_matmul(matrix, rows))
+  matrix = SampleMatrix.build(_sample_rows(bag), occurrences, _gains_or_ones(bag),
+                              bag.num_samples, tf.size(bag.ids, out_type=tf.int64))
+  return _shape_activations(bag, matrix.matmul(rows))
 
 
 def _shape_activations(bag: Bags, flat: Tensor) -> Tensor:
@@ -428,6 +496,7 @@ class Step:
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [to_bags(feature, ids, w)
             for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))]
+    check_id_ranges(bags)
     grouped: dict = {}
     for bag in bags:
       grouped.setdefault(bag.feature.table, []).append(bag)

@@ -11,7 +11,8 @@ one `UpdateRule` subclass that names the mid-level optimizer class it serves.
 Adding an optimizer means adding one class.
 
 How rows move (chosen from `benchmarks/update_kernels.py`, see its table):
-touched rows of the table and its slots are gathered, the rule runs on those
+touched rows of the table and its slots are gathered (the table's rows are
+taken from the lookup when it has just read them), the rule runs on those
 `[U, D]` tensors and the results are written back with `ResourceScatterUpdate`.
 No dense `[V, D]` tensor is built, so the cost follows the number of touched
 rows, not the vocabulary. TF's fused `ResourceSparseApply*` kernels were
@@ -318,22 +319,26 @@ def scatter_rows(table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.T
     _scatter(variable, row_ids, tf.cast(values, variable.dtype))
 
 
-def gather_rows(table: tf.Variable, slots: Sequence[tf.Variable],
-                row_ids: tf.Tensor) -> Rows:
-  """Reads the rows `row_ids` of the table and of each slot."""
-  return _gather(table, row_ids), tuple(_gather(s, row_ids) for s in slots)
+def gather_rows(table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.Tensor,
+                table_rows: Optional[tf.Tensor] = None) -> Rows:
+  """Reads the rows `row_ids` of the table (unless given) and of each slot."""
+  if table_rows is None:
+    table_rows = _gather(table, row_ids)
+  return table_rows, tuple(_gather(s, row_ids) for s in slots)
 
 
 def _apply_every_row(rule: UpdateRule, table: tf.Variable,
                      slots: Tuple[tf.Variable, ...], row_ids: tf.Tensor,
-                     grads: tf.Tensor, learning_rate: tf.Tensor) -> None:
+                     grads: tf.Tensor, learning_rate: tf.Tensor,
+                     table_rows: Optional[tf.Tensor]) -> None:
   """Non-lazy step: touched rows with their gradient, all others with g = 0.
 
   The touched rows are read before the dense pass and written after it, so
   no dense gradient is built. Weight decay stays on touched rows only (the
   provisional §2.9 rule); weight clipping covers every row, as all are updated.
   """
-  touched = update_rows(rule, *gather_rows(table, slots, row_ids), grads, learning_rate)
+  touched = update_rows(rule, *gather_rows(table, slots, row_ids, table_rows), grads,
+                        learning_rate)
   _zero_gradient_pass(rule.optimizer, table, slots, learning_rate)
   scatter_rows(table, slots, row_ids, touched)
 
@@ -363,7 +368,8 @@ def _zero_gradient_pass(optimizer, table: tf.Variable,
 
 def apply_sparse_update(optimizer, table: tf.Variable,
                         slots: Mapping[str, tf.Variable], row_ids: tf.Tensor,
-                        grads: tf.Tensor, learning_rate: tf.Tensor) -> None:
+                        grads: tf.Tensor, learning_rate: tf.Tensor,
+                        table_rows: Optional[tf.Tensor] = None) -> None:
   """Applies one optimizer step to the touched rows of `table` and its slots.
 
   Args:
@@ -375,6 +381,8 @@ def apply_sparse_update(optimizer, table: tf.Variable,
     row_ids: `[U]` int32/int64 row ids, unique (the caller merged duplicates).
     grads: `[U, D]` gradient per row, already summed over the step (SPEC §2.1).
     learning_rate: scalar learning rate of this step (dynamic LRs evaluated).
+    table_rows: the current `[U, D]` rows of `table` at `row_ids`, when the caller has just
+      read them (saves one random read per row); read here otherwise.
 
   Works eagerly and in `tf.function`. Rows outside `row_ids` are untouched,
   except with non-lazy Adam, which updates every row (SPEC §2.6).
@@ -385,7 +393,8 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   learning_rate = tf.cast(learning_rate, table.dtype)
   grads = clip_gradient(optimizer, tf.cast(grads, table.dtype))
   if rule.updates_every_row:
-    _apply_every_row(rule, table, slot_vars, row_ids, grads, learning_rate)
+    _apply_every_row(rule, table, slot_vars, row_ids, grads, learning_rate, table_rows)
     return
-  rows = update_rows(rule, *gather_rows(table, slot_vars, row_ids), grads, learning_rate)
+  rows = update_rows(rule, *gather_rows(table, slot_vars, row_ids, table_rows), grads,
+                     learning_rate)
   scatter_rows(table, slot_vars, row_ids, rows)
