@@ -78,39 +78,33 @@ class EmbeddingEngine(tf.Module):
     self._built = True
 
   def _create_tables(self) -> None:
-    maker = _InPlaceVariables()
     for table in self._config.tables:
-      self._create_table(table, maker)
-    maker.initialize()
-    # Only now: tracking a variable restores a pending checkpoint into it (restore on creation),
-    # which its initial value must not overwrite.
-    for name, variable in maker.created:
-      self._track_trackable(variable, name=name)
+      self._create_table(table)
 
-  def _create_table(self, table: TableConfig, maker: "_InPlaceVariables") -> None:
+  def _create_table(self, table: TableConfig) -> None:
     shape = [table.vocabulary_size, table.dim]
     initializer = table.initializer or tf.initializers.TruncatedNormal(
         mean=0.0, stddev=1.0 / (table.dim ** 0.5))
-    parameters = maker.create(initializer, shape, table.name, self._keras_managed)
+    parameters = _new_variable(initializer, shape, table.name, self._keras_managed)
     variables = {"parameters": parameters}
+    self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
-      variables.update(self._create_slots(table, parameters, maker))
+      variables.update(self._create_slots(table, parameters))
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
       self._pending[table.name] = _pending_buffers(table)
 
-  def _create_slots(self, table: TableConfig, parameters: tf.Variable,
-                    maker: "_InPlaceVariables") -> dict[str, tf.Variable]:
+  def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
     optimizer = table.optimizer
     names = optimizer._slot_names()  # pylint: disable=protected-access
     initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
-      maker.initialize()  # the user's function may read the table
       return dict(creator(parameters, names, initializers))
     slots = {}
     for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      slots[name] = maker.create(initializer, shape, f"{table.name}/{name}", False)
+      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
+      self._track_trackable(slots[name], name=f"{table.name}/{name}")
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -299,46 +293,30 @@ class EmbeddingEngine(tf.Module):
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
-class _InPlaceVariables:
-  """Creates table-sized variables without a second copy of their initial value in memory.
+def _new_variable(initializer: Callable, shape: list[int], name: str,
+                  trainable: bool) -> tf.Variable:
+  """A variable holding `initializer(shape)`, without a second copy of it in memory.
 
   `tf.Variable(initial_value=...)` keeps the initial tensor alive while copying it into the
   variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
-  Off any strategy the values are instead computed and assigned inside one function, one
-  variable after the other, where each is an intermediate that TF writes straight into the
-  variable's buffer. Strategies create their own (e.g. mirrored) variables, so there the plain
-  constructor is used.
+  Off any strategy the value is instead computed and assigned inside one function, where it is
+  an intermediate that TF writes straight into the variable's buffer. Strategies create their
+  own (e.g. mirrored) variables, so there the plain constructor is used.
   """
+  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
+  if tf.distribute.has_strategy():
+    return tf.Variable(initial_value=value, trainable=trainable, name=name)
+  variable = resource_variable_ops.UninitializedVariable(
+      shape=shape, dtype=tf.float32, trainable=trainable, name=name)
+  # One function per variable (in one function for all, TF holds every constant initial value
+  # at once). A partial, not a lambda: TF counts traces per code object and would warn that a
+  # function meant to run once per variable is "retracing".
+  tf.function(functools.partial(_assign, variable, value), autograph=False)()
+  return variable
 
-  def __init__(self):
-    self.created: list[tuple[str, tf.Variable]] = []
-    self._uninitialized: list[tuple[tf.Variable, Callable[[], tf.Tensor]]] = []
 
-  def create(self, initializer: Callable, shape: list[int], name: str,
-             trainable: bool) -> tf.Variable:
-    """A variable that holds `initializer(shape)` once `initialize` has run."""
-    value = functools.partial(initializer, shape=shape, dtype=tf.float32)
-    if tf.distribute.has_strategy():
-      variable = tf.Variable(initial_value=value, trainable=trainable, name=name)
-    else:
-      variable = resource_variable_ops.UninitializedVariable(
-          shape=shape, dtype=tf.float32, trainable=trainable, name=name)
-      self._uninitialized.append((variable, value))
-    self.created.append((name, variable))
-    return variable
-
-  def initialize(self) -> None:
-    pending, self._uninitialized = self._uninitialized, []
-    if not pending:
-      return
-
-    def assign_all():
-      done = []
-      for variable, value in pending:
-        with tf.control_dependencies(done):  # one initial value alive at a time
-          done = [variable.assign(value(), read_value=False)]
-
-    tf.function(assign_all, autograph=False)()
+def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
+  variable.assign(value(), read_value=False)
 
 
 def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
