@@ -11,6 +11,9 @@ import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 IMPLS = ("ours", "ours-keras", "tfrs", "keras-embedding")
+# The DLRM model with constant activations and no embedding work: what no embedding layer
+# can beat, measured beside the others (DLRM workload only).
+DENSE_ONLY = "dense-only"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -9,6 +9,7 @@ Implementations (spec["impl"]):
   ours-keras       tpu_embedding.TPUEmbedding(..., table_updates="keras")
   tfrs             tensorflow-recommenders 0.7.7 tfrs.layers.embedding.TPUEmbedding (CPU path)
   keras-embedding  one tf_keras.layers.Embedding per table, trained by the same Keras optimizer
+  dense-only       constant activations, no embedding work (DLRM workload only: the bound)
 
 Workloads (spec["workload"]):
   dlrm   13 dense features -> bottom MLP 512-256-16; 26 embeddings; concat interaction;
@@ -142,6 +143,8 @@ def build(spec):
     layer = tfrs.layers.embedding.TPUEmbedding(fc, keras_opt)
   elif impl == "keras-embedding":
     layer = KerasEmbeddings(tables, tf_keras)
+  elif impl == "dense-only":
+    layer = ConstantActivations(dim)
   else:
     raise ValueError(impl)
   return layer, keras_opt
@@ -168,6 +171,20 @@ class KerasEmbeddings:
   @property
   def trainable_variables(self):
     return [v for l in self.layers.values() for v in l.trainable_variables]
+
+
+class ConstantActivations:
+  """The DLRM's embedding inputs as constants: the model's dense part alone."""
+
+  trainable_variables = ()
+
+  def __init__(self, dim: int):
+    self._dim = dim
+
+  def __call__(self, feats):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    batch = lambda x: x.nrows() if isinstance(x, tf.RaggedTensor) else tf.shape(x, tf.int64)[0]
+    return {name: tf.fill(tf.stack([batch(x), self._dim]), 0.01) for name, x in feats.items()}
 
 
 def run_train(spec) -> dict:

@@ -54,14 +54,16 @@ def test_plan_shares_processes_and_alternates():
   s = cases.Settings.make(quick=True)
   jobs = cases.plan(set(cases.CASES), s)
   train = [spec for fam, _, spec in jobs if fam == "train"]
-  assert [j["impl"] for j in train] == list(h.IMPLS) * 2
-  assert [j["opt"] for j in train] == ["adagrad"] * 4 + ["adam"] * 4
+  assert [j["impl"] for j in train] == (list(h.IMPLS) + [h.DENSE_ONLY]) * 2
+  assert [j["opt"] for j in train] == ["adagrad"] * 5 + ["adam"] * 5
+  # The dense-only bound runs the DLRM alone.
+  assert [[m["workload"] for m in g["measure"]] for g in train[4]["groups"]] == [["dlrm"]]
   groups = train[0]["groups"]
   # memory: the 1e7 table first, in a fresh process; then DLRM tables; then smaller tables
   assert [g["kind"] for g in groups] == ["table", "dlrm", "table"]
   assert groups[0]["sizes"] == [10**7] and groups[2]["sizes"] == [10**4]
   assert {m["batch"] for m in groups[1]["measure"]} == {4096, *s.batches}
-  assert {m["batch"] for m in train[4]["groups"][1]["measure"]} == {4096}  # Adam: no sweep
+  assert {m["batch"] for m in train[5]["groups"][1]["measure"]} == {4096}  # Adam: no sweep
   memory_only = cases.plan({"memory"}, s)
   assert [len(spec["groups"]) for _, _, spec in memory_only] == [1] * 8
 
@@ -76,7 +78,8 @@ def _fake_raw(s):
                    "result": {"limit": {"1000000x16": one, "10000000x32": one}}})
       continue
 
-    speed = {"ours": 1.0, "ours-keras": 2.0, "tfrs": 4.0, "keras-embedding": 3.0}[spec["impl"]]
+    speed = {"ours": 1.0, "ours-keras": 2.0, "tfrs": 4.0, "keras-embedding": 3.0,
+             "dense-only": 0.5}[spec["impl"]]
     ms = [{"workload": m["workload"], "batch": m["batch"], "sizes": g["sizes"],
            "step_s": [0.01 * speed * k for k in (1, 1, 1.1, 0.9, 1)], "partial": False,
            "steps_per_rep": 3, "unique_rows": 1000.0, "vmhwm": 3 * 2**30,
@@ -96,6 +99,9 @@ def test_report_on_fake_results(tmp_path):
   assert targets["DLRM Adam: ours >= 5x tfrs"][1:3] == ("4.00x", "NOT MET")
   assert targets["DLRM Adagrad: ours >= 1.15x tfrs"][1:3] == ("4.00x", "MET")
   assert "| DLRM | adam | tfrs | 40.0 (36.0–44.0, n=5) |" in text
+  # dense-only takes half of ours' time: bound 8x tfrs, ours 4x = (4-1)/(8-1) of the gain.
+  assert "dense MLPs alone run at 8.00x tfrs's examples/s" in text
+  assert "Ours is at 4.00x, i.e. 43% of the speed-up" in text
   assert "t(1e+07)/t(1e+04)" in text
   for png in ("dlrm.png", "table_size.png", "batch.png"):
     assert os.path.exists(tmp_path / png)
