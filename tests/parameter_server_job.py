@@ -9,7 +9,6 @@ amount) and Adagrad's accumulators (every step adds squares of small integers).
 """
 
 import os
-import socket
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,6 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import loopback  # noqa: E402
 import tpu_embedding  # noqa: E402
 
 E = tf.tpu.experimental.embedding
@@ -24,18 +24,8 @@ E = tf.tpu.experimental.embedding
 BATCHES = [([0, 2, 2], [1, 4]), ([2, 3, 0], [4, 4]), ([5, 5, 5], [0, 1]), ([0, 1, 2], [3, 3])]
 
 
-def _free_ports(count: int) -> list[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
-
-
 def _in_process_cluster(num_workers: int) -> tf.distribute.cluster_resolver.ClusterResolver:
-  ports = _free_ports(num_workers + 1)
+  ports = loopback.free_ports(num_workers + 1)
   spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
                                "ps": [f"127.0.0.1:{ports[-1]}"]})
   config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=num_workers + 1)

@@ -7,23 +7,14 @@ so the tables equal a single-process run on the same global batches.
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
+import loopback
+
 JOB = pathlib.Path(__file__).with_name("multiworker_job.py")
-
-
-def _free_ports(count: int) -> list[int]:
-  sockets = [socket.socket() for _ in range(count)]
-  for s in sockets:
-    s.bind(("127.0.0.1", 0))
-  ports = [s.getsockname()[1] for s in sockets]
-  for s in sockets:
-    s.close()
-  return ports
 
 
 def _env(**extra):
@@ -33,7 +24,7 @@ def _env(**extra):
 
 
 def test_two_workers_on_loopback_equal_one_process(tmp_path):
-  workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+  workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
   processes = []
   for index in range(2):
     config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
