@@ -4,6 +4,8 @@ Expected values come from NumPy computations on tables with known constant initi
 from the hand-worked examples of the semantics spec.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -376,6 +378,16 @@ def test_out_of_range_ids_name_feature_table_and_size(bad):
     layer({"watched": tf.constant([1, bad]), "liked": tf.constant([0, 0])})
   with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
     tf.function(layer)({"watched": tf.ragged.constant([[1, bad]]), "liked": tf.constant([0])})
+
+
+def test_one_check_per_step_still_names_the_feature_at_fault():
+  layer = _layer()  # in a compiled step all features are checked at once
+  with pytest.raises(tf.errors.InvalidArgumentError) as error:
+    tf.function(layer)({"watched": tf.constant([1, 4]), "liked": tf.constant([0, 7, 2])})
+  message = str(error.value)
+  assert re.search(r"Feature \\*'liked\\*' \(table \\*'videos\\*'", message), message
+  assert "[Offending ids:] [7]" in message
+  assert not re.search(r"Feature \\*'watched", message)
 
 
 @pytest.mark.parametrize("ids,dtype", [([1.0, 2.0], "float32"), (["a", "b"], "string")])
