@@ -163,7 +163,7 @@ class EmbeddingEngine(tf.Module):
     applied a step later).
     """
     if self._pipelining or tf.executing_eagerly() or tf.distribute.has_strategy():
-      return frozenset
+      return lambda: frozenset()  # re-read everything
     graph = tf.compat.v1.get_default_graph()
     counts = self._training_lookups.setdefault(graph, collections.Counter())
     counts.update(table.name for table in step.batches)
@@ -351,7 +351,8 @@ def _refuse_training(table: TableConfig) -> None:
 
 
 def _row_applier(optimizer, slot_names: Sequence[str]) -> Callable:
-  """`apply(state, ids, grads, lr)` for one copy of a table's state (table, then slots)."""
+  """`apply(state, ids, grads, lr[, table_rows])` for one copy of a table's state (table, then
+  slots); `table_rows` are the table's rows at `ids` when the lookup has just read them."""
   def apply(state, ids, grads, learning_rate, table_rows=None) -> None:
     apply_sparse_update(optimizer, state[0], dict(zip(slot_names, state[1:])), ids, grads,
                         learning_rate, table_rows)
