@@ -8,9 +8,12 @@ DEMO_DIR ?= demo_output
 
 .PHONY: demo test bench bench-quick clean
 
-$(STAMP): setup.cfg setup.py constraints.txt
+# TensorFlow is installed first: the engine's kernels are compiled against it (no build
+# isolation, so pip does not fetch a second copy of TensorFlow to build with).
+$(STAMP): setup.cfg setup.py pyproject.toml constraints.txt tpu_embedding/engine/cc/*.cc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
+	$(PY) -m pip install --quiet -c constraints.txt setuptools wheel tensorflow
+	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test,examples]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,4 +29,4 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks all --quick
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) build dist *.egg-info
+	rm -rf $(VENV) $(DEMO_DIR) build dist *.egg-info tpu_embedding/engine/_kernels*.so

@@ -16,3 +16,15 @@ try:
       _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 except RuntimeError:  # already initialised by an earlier import in this process
   pass
+
+
+import pytest  # noqa: E402
+
+from tpu_embedding.engine import native  # noqa: E402
+
+
+@pytest.fixture(params=["native", "tf_ops"])
+def update_path(request, monkeypatch) -> str:
+  """Runs a test on the compiled kernels and again on TF's own ops (the two update paths)."""
+  monkeypatch.setenv(native.ENV_SWITCH, "1" if request.param == "native" else "0")
+  return request.param

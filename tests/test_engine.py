@@ -79,8 +79,10 @@ def optimizers(draw):
 bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
 
 
+@pytest.mark.usefixtures("update_path")  # the same for every example: only sets the path
 @hypothesis.settings(max_examples=30, deadline=None,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                                            hypothesis.HealthCheck.function_scoped_fixture])
 @hypothesis.given(
     dim=st.integers(1, 3),
     combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
@@ -175,7 +177,7 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
                                 [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
 
 
-def test_a_compiled_training_step_reads_each_touched_table_row_once():
+def test_a_compiled_training_step_reads_each_touched_table_row_once(update_path):
   layer = tpu_embedding.TPUEmbedding(
       E.FeatureConfig(table=_table(np.zeros((5, 2), np.float32))), E.Adagrad(0.1))
 
@@ -186,8 +188,11 @@ def test_a_compiled_training_step_reads_each_touched_table_row_once():
     tape.gradient(loss, layer.trainable_variables)
 
   graph = step.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
-  gathers = [op for op in graph.get_operations() if op.type == "ResourceGather"]
-  assert len(gathers) == 2  # the table's rows (looked up, then updated) and the accumulator's
+  types = [op.type for op in graph.get_operations()]
+  if update_path == "native":  # the lookup reads the table; one kernel updates table and slot
+    assert (types.count("ResourceGather"), types.count("TpuEmbeddingApplyRows")) == (1, 1)
+  else:  # the table's rows (looked up, then updated) and the accumulator's
+    assert (types.count("ResourceGather"), types.count("TpuEmbeddingApplyRows")) == (2, 0)
 
 
 # ---------------------------------------------------------------------------------------------

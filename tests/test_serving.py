@@ -219,6 +219,39 @@ def test_exported_graph_holds_only_cpu_ops(exported):
   assert not [op for op in ops if "TPU" in op.upper()]
 
 
+def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(tmp_path):
+  """`tf.saved_model.save` also saves the training graph's gradients, where the engine's compiled
+  kernels run; they are traced for the SavedModel with TF's own ops, so it loads anywhere."""
+  tf.keras.utils.set_random_seed(0)
+  model = Ranker(feature_config())
+  optimizer = tf_keras.optimizers.SGD(0.1)
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+
+  @tf.function
+  def train_step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(model(features) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables))
+
+  train_step()
+  kernel_ops = [op.type for op in train_step.get_concrete_function().graph.get_operations()
+                if op.type == "TpuEmbeddingApplyRows"]
+  assert len(kernel_ops) == 3  # one per table: the kernels did the training
+  directory = str(tmp_path / "whole")
+  tf.saved_model.save(model, directory)
+  result = run_python(textwrap.dedent(f"""
+      import sys
+      import numpy as np, tensorflow as tf
+      loaded = tf.saved_model.load({directory!r})
+      features = {{k[:-3]: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
+      np.save({str(tmp_path / "scores.npy")!r}, loaded(features).numpy())
+      assert not [m for m in sys.modules if m.startswith("tpu_embedding")]
+      """))
+  assert result.returncode == 0, result.stderr[-3000:]
+  np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), model(features).numpy(), rtol=1e-6)
+
+
 def saved_keys(directory):
   return {k for k, _ in tf.train.list_variables(os.path.join(directory, "variables", "variables"))}
 

@@ -11,14 +11,19 @@ one `UpdateRule` subclass that names the mid-level optimizer class it serves.
 Adding an optimizer means adding one class.
 
 How rows move (chosen from `benchmarks/update_kernels.py`, see its table):
+on a CPU of this process, SGD, Adagrad and lazy Adam run as one compiled
+kernel per table (`native.apply_rows`, cc/apply_rows.cc) that reads and
+writes each touched row of the table and slots once, in place. Elsewhere
+(GPU, parameter servers, the other optimizers, no compiler at install),
 touched rows of the table and its slots are gathered (the table's rows are
 taken from the lookup when it has just read them), the rule runs on those
 `[U, D]` tensors and the results are written back with `ResourceScatterUpdate`.
-No dense `[V, D]` tensor is built, so the cost follows the number of touched
-rows, not the vocabulary. TF's fused `ResourceSparseApply*` kernels were
-measured slower on CPU and are not used. The one exception to the sparse
-path is non-lazy Adam, which by definition updates every row every step
-(SPEC §2.6); its dense pass is XLA-compiled so it streams each variable once.
+Both paths compute the same float32 operations in the same order. No dense
+`[V, D]` tensor is built, so the cost follows the number of touched rows, not
+the vocabulary. TF's fused `ResourceSparseApply*` kernels were measured slower
+on CPU and are not used. The one exception to the sparse path is non-lazy
+Adam, which by definition updates every row every step (SPEC §2.6); its dense
+pass is XLA-compiled so it streams each variable once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import abc
 from typing import ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type
 
 import tensorflow as tf
+
+from tpu_embedding.engine import native
 
 Rows = Tuple[tf.Tensor, Tuple[tf.Tensor, ...]]
 """A table block and the matching blocks of its slots, in `_slot_names()` order."""
@@ -135,6 +142,10 @@ class UpdateRule(abc.ABC):
     """True when untouched rows also change every step (non-lazy Adam)."""
     return False
 
+  def native_form(self) -> Optional[Tuple[str, Tuple[float, ...]]]:
+    """(rule, hyperparameters) of the compiled kernel that computes `compute`, if one does."""
+    return None
+
   @abc.abstractmethod
   def compute(self, table_rows: tf.Tensor, slot_rows: Tuple[tf.Tensor, ...],
               grads: tf.Tensor, learning_rate: tf.Tensor) -> Rows:
@@ -160,6 +171,9 @@ class SGDRule(UpdateRule):
 
   optimizer_class = _embedding.SGD
 
+  def native_form(self):
+    return "sgd", ()
+
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     return table_rows - learning_rate * grads, ()
 
@@ -168,6 +182,9 @@ class AdagradRule(UpdateRule):
   """SPEC §2.4: `A <- A + g^2; W <- W - lr * g / sqrt(A)` with no epsilon."""
 
   optimizer_class = _embedding.Adagrad
+
+  def native_form(self):
+    return "adagrad", ()
 
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     (accumulators,) = slot_rows
@@ -216,6 +233,19 @@ class AdamRule(UpdateRule):
   def updates_every_row(self) -> bool:
     return not self.optimizer.lazy_adam
 
+  def native_form(self):
+    if self.updates_every_row:
+      return None
+    opt = self.optimizer
+    return "adam", (opt.beta_1, 1 - opt.beta_1, opt.beta_2, 1 - opt.beta_2,
+                    self._epsilon_term, float(opt.sum_inside_sqrt))
+
+  @property
+  def _epsilon_term(self) -> float:
+    """What is added to the velocity inside the sqrt, or to its sqrt outside."""
+    opt = self.optimizer
+    return opt.epsilon**2 if opt.sum_inside_sqrt else opt.epsilon
+
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     opt = self.optimizer
     momenta, velocities = slot_rows
@@ -223,10 +253,11 @@ class AdamRule(UpdateRule):
     momenta = _const(opt.beta_1, dtype) * momenta + _const(1 - opt.beta_1, dtype) * grads
     velocities = (_const(opt.beta_2, dtype) * velocities +
                   _const(1 - opt.beta_2, dtype) * (grads * grads))
+    epsilon = tf.constant(self._epsilon_term, dtype)
     if opt.sum_inside_sqrt:
-      denominator = tf.sqrt(velocities + tf.constant(opt.epsilon**2, dtype))
+      denominator = tf.sqrt(velocities + epsilon)
     else:
-      denominator = tf.sqrt(velocities) + tf.constant(opt.epsilon, dtype)
+      denominator = tf.sqrt(velocities) + epsilon
     return (table_rows - learning_rate * momenta / denominator,
             (momenta, velocities))
 
@@ -391,6 +422,18 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   slot_names = optimizer._slot_names()  # pylint: disable=protected-access
   slot_vars = tuple(slots[name] for name in slot_names)
   learning_rate = tf.cast(learning_rate, table.dtype)
+  native_form = rule.native_form()
+  if native_form is not None and native.can_update((table,) + slot_vars):
+    native.apply_rows(
+        *native_form, table, slot_vars, row_ids, grads, learning_rate,
+        clip_gradient=(getattr(optimizer, "clip_gradient_min", None),
+                       getattr(optimizer, "clip_gradient_max", None)),
+        weight_decay=optimizer.weight_decay_factor if has_weight_decay(optimizer) else 0.0,
+        weight_decay_by_learning_rate=bool(getattr(
+            optimizer, "multiply_weight_decay_factor_by_learning_rate", False)),
+        clip_weight=(getattr(optimizer, "clip_weight_min", None),
+                     getattr(optimizer, "clip_weight_max", None)))
+    return
   grads = clip_gradient(optimizer, tf.cast(grads, table.dtype))
   if rule.updates_every_row:
     _apply_every_row(rule, table, slot_vars, row_ids, grads, learning_rate, table_rows)

@@ -1,0 +1,139 @@
+"""Tests of `tpu_embedding.engine.native`: the compiled update kernel gives the same bits as the
+TF-op path run eagerly (itself checked against the NumPy reference in test_updates), runs where
+it should, and refuses bad input.
+
+Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqrt(y)`, which is
+up to an ulp off; the kernel keeps the exact division.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_embedding.engine import native
+from tpu_embedding.engine import updates
+
+E = tf.tpu.experimental.embedding
+
+# Every option the kernel implements, on each optimizer it serves.
+OPTIONS = {
+    "plain": {},
+    "clipped": dict(clipvalue=(-0.3, 0.25), clip_weight_min=-0.2, clip_weight_max=0.3),
+    "one_sided_clips": dict(clipvalue=(None, 0.25), clip_weight_min=-0.2),
+    "decay": dict(weight_decay_factor=0.05),
+    "decay_by_lr": dict(weight_decay_factor=0.05,
+                        multiply_weight_decay_factor_by_learning_rate=True),
+}
+OPTIMIZERS = {
+    "sgd": lambda **kw: E.SGD(learning_rate=0.1, **kw),
+    "adagrad": lambda **kw: E.Adagrad(learning_rate=0.1, initial_accumulator_value=0.05, **kw),
+    "adam": lambda **kw: E.Adam(learning_rate=0.1, **kw),
+    "adam_eps_outside": lambda **kw: E.Adam(learning_rate=0.1, sum_inside_sqrt=False,
+                                            epsilon=1e-3, **kw),
+}
+
+
+def test_kernels_were_built_by_the_install():
+  assert native.enabled(), (
+      "tpu_embedding/engine/_kernels*.so is missing: `make` (pip install) should compile it")
+
+
+def _run(optimizer, path: str, monkeypatch, vocab: int, dim: int, steps: int, seed: int,
+         compiled: bool = True):
+  """Final table and slots after `steps` updates on the given path."""
+  monkeypatch.setenv(native.ENV_SWITCH, "1" if path == "native" else "0")
+  rng = np.random.default_rng(seed)
+  table = tf.Variable(rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32))
+  slots = {name: tf.Variable(rng.uniform(0.01, 0.2, (vocab, dim)).astype(np.float32))
+           for name in optimizer._slot_names()}  # pylint: disable=protected-access
+
+  def step(ids, grads, learning_rate):
+    updates.apply_sparse_update(optimizer, table, slots, ids, grads, learning_rate)
+
+  if compiled:
+    step = tf.function(step, reduce_retracing=True)
+  for n in range(steps):
+    ids = rng.choice(vocab, size=rng.integers(1, vocab), replace=False)
+    grads = rng.normal(0, 0.5, (len(ids), dim)).astype(np.float32)
+    args = (tf.constant(ids, tf.int64), tf.constant(grads), tf.constant(0.1 / (n + 1)))
+    step(*args)
+  if compiled:
+    graph_ops = [op.type for op in step.get_concrete_function(*args).graph.get_operations()]
+    assert ("TpuEmbeddingApplyRows" in graph_ops) == (path == "native"), graph_ops
+  return [table.numpy()] + [v.numpy() for v in slots.values()]
+
+
+def _assert_same_bits(optimizer, monkeypatch, **problem):
+  native_result = _run(optimizer, "native", monkeypatch, **problem)
+  tf_ops_result = _run(optimizer, "tf_ops", monkeypatch, compiled=False, **problem)
+  for got, want in zip(native_result, tf_ops_result):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_kernel_matches_tf_ops_bit_for_bit(name, options, monkeypatch):
+  kwargs = dict(OPTIONS[options])
+  clip = kwargs.pop("clipvalue", None)
+  _assert_same_bits(OPTIMIZERS[name](clipvalue=clip, **kwargs), monkeypatch, vocab=300, dim=7,
+                    steps=3, seed=1)
+
+
+def test_compiled_tf_ops_differ_from_the_kernel_only_by_rounding(monkeypatch):
+  """What the graph rewrite of `x / sqrt(y)` costs the TF-op path over three steps."""
+  optimizer = E.Adagrad(learning_rate=0.1)
+  problem = dict(vocab=300, dim=7, steps=3, seed=1)
+  native_result = _run(optimizer, "native", monkeypatch, **problem)
+  tf_ops_result = _run(optimizer, "tf_ops", monkeypatch, **problem)
+  (table, accumulators), (tf_ops_table, tf_ops_accumulators) = native_result, tf_ops_result
+  np.testing.assert_array_equal(accumulators, tf_ops_accumulators)  # no division involved
+  assert np.any(table != tf_ops_table)
+  np.testing.assert_allclose(table, tf_ops_table, rtol=0, atol=2.5e-7)  # |W| < 1: ~2 ulps
+
+
+def test_kernel_shards_large_updates_without_changing_them(monkeypatch):
+  """Enough rows for the kernel to split them across threads: still the same bits."""
+  _assert_same_bits(E.Adam(learning_rate=0.1), monkeypatch, vocab=60_000, dim=16, steps=2,
+                    seed=2)
+
+
+def test_optimizers_without_a_kernel_stay_on_tf_ops(monkeypatch):
+  for optimizer in (E.Adam(learning_rate=0.1, lazy_adam=False), E.FTRL(learning_rate=0.1),
+                    E.AdagradMomentum(learning_rate=0.1, momentum=0.9)):
+    assert updates.rule_for(optimizer).native_form() is None
+  assert updates.rule_for(E.Adam(learning_rate=0.1)).native_form()[0] == "adam"
+
+
+def test_kernel_refuses_row_ids_outside_the_table():
+  table, accumulators = tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.ones([4, 2]))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"row id 4 is not in \[0, 4\)"):
+    native.apply_rows("adagrad", (), table, [accumulators], tf.constant([1, 4]),
+                      tf.ones([2, 2]), 0.1, (None, None), 0.0, False, (None, None))
+  np.testing.assert_array_equal(table.numpy(), np.zeros([4, 2]))  # nothing was written
+
+
+def test_kernel_refuses_slots_of_another_shape():
+  table, accumulators = tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.ones([4, 3]))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"slot 0 has shape \[4,3\]"):
+    native.apply_rows("adagrad", (), table, [accumulators], tf.constant([1]),
+                      tf.ones([1, 2]), 0.1, (None, None), 0.0, False, (None, None))
+
+
+def test_switch_and_placement_decide_where_the_kernel_runs(monkeypatch):
+  local = tf.Variable(tf.zeros([2, 2]))
+  assert native.can_update([local])
+  assert not native.can_update([tf.Variable(tf.zeros([2, 2], tf.float64))])
+  monkeypatch.setenv(native.ENV_SWITCH, "0")
+  assert not native.can_update([local])
+
+
+@pytest.mark.parametrize("device,local,same", [
+    ("/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0", True),
+    ("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:1", True),
+    ("/job:ps/replica:0/task:0/device:CPU:0", "/job:chief/replica:0/task:0", False),
+    ("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1", False),
+])
+def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
+  """Another task's process may not have loaded the kernels."""
+  assert native._same_task(tf.DeviceSpec.from_string(device),  # pylint: disable=protected-access
+                           tf.DeviceSpec.from_string(local)) == same

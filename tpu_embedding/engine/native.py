@@ -1,0 +1,88 @@
+"""The engine's compiled kernels (cc/), and where they may run.
+
+`pip install` compiles them against the installed TensorFlow (see setup.py). Without them, or
+with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's own ops, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.eager import context  # the address space of this process's devices
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
+
+ENV_SWITCH = "TPU_EMBEDDING_NATIVE_KERNELS"
+
+
+@functools.cache
+def _library():
+  """The loaded op library, or None (with one warning) if it was not built."""
+  here = pathlib.Path(__file__).parent
+  built = sorted(here.glob("_kernels*.so"))
+  if not built:
+    logging.warning("tpu_embedding: compiled kernels not found in %s (was the package installed "
+                    "without a C++ compiler?); the CPU engine runs on TF ops, which is slower.",
+                    here)
+    return None
+  return tf.load_op_library(str(built[0]))
+
+
+def enabled() -> bool:
+  """Whether the kernels are built and not switched off by the environment."""
+  return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
+
+
+def can_update(variables: Sequence[tf.Variable]) -> bool:
+  """Whether the kernels can update these variables in place.
+
+  They need float32 variables on a CPU of this process: a parameter server's tasks are other
+  processes, which may not have loaded the kernels. Nor are they traced into a SavedModel
+  (training functions, gradients included, are saved too), which must load where this package
+  is not installed.
+  """
+  if not enabled() or save_context.in_save_context():
+    return False
+  local = tf.DeviceSpec.from_string(context.context().host_address_space())
+  for variable in variables:
+    if variable.dtype != tf.float32:
+      return False
+    device = tf.DeviceSpec.from_string(variable.device)
+    if device.device_type != "CPU" or not _same_task(device, local):
+      return False
+  return True
+
+
+def _same_task(device: tf.DeviceSpec, local: tf.DeviceSpec) -> bool:
+  if device.job in (None, "localhost"):
+    return True
+  return (device.job, device.replica or 0, device.task or 0) == (
+      local.job, local.replica or 0, local.task or 0)
+
+
+def apply_rows(rule: str, hyperparameters: Sequence[float], table: tf.Variable,
+               slots: Sequence[tf.Variable], row_ids: tf.Tensor, grads: tf.Tensor,
+               learning_rate: tf.Tensor, clip_gradient: tuple[Optional[float], Optional[float]],
+               weight_decay: float, weight_decay_by_learning_rate: bool,
+               clip_weight: tuple[Optional[float], Optional[float]]) -> None:
+  """One fused optimizer step on the unique rows `row_ids`, in place (cc/apply_rows.cc).
+
+  Limits given as None are absent.
+  """
+  infinity = float("inf")
+  bound = lambda value, default: default if value is None else float(value)
+  _library().tpu_embedding_apply_rows(
+      table=table.handle, slots=[s.handle for s in slots],
+      row_ids=tf.cast(row_ids, tf.int64), gradients=tf.cast(grads, tf.float32),
+      learning_rate=tf.cast(learning_rate, tf.float32), rule=rule,
+      hyperparameters=[float(h) for h in hyperparameters],
+      clip_gradient_min=bound(clip_gradient[0], -infinity),
+      clip_gradient_max=bound(clip_gradient[1], infinity),
+      weight_decay=float(weight_decay or 0.0),
+      weight_decay_by_learning_rate=bool(weight_decay_by_learning_rate),
+      clip_weight_min=bound(clip_weight[0], -infinity),
+      clip_weight_max=bound(clip_weight[1], infinity))
