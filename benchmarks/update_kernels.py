@@ -7,6 +7,7 @@ row ids, the candidates `tpu_embedding.engine.updates` can choose from:
   gcs+xla    same, with the compute part compiled by XLA (fixed batch shape)
   fused      TF's ResourceSparseApply* training kernel, where its maths is the spec's
   scatter_sub  SGD only: ResourceScatterSub(lr * g)
+  kernel     our compiled kernel (engine/cc/apply_rows.cc), where it serves the optimizer
   chosen     `apply_sparse_update` itself
 
 and prints ms per update and GB/s of table+slot rows moved (each row read and
@@ -29,6 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from tpu_embedding.engine import native  # pylint: disable=g-import-not-at-top
 from tpu_embedding.engine import updates  # pylint: disable=g-import-not-at-top
 
 E = tf.tpu.experimental.embedding
@@ -127,6 +129,11 @@ def _candidates(optimizer, table, slots) -> Dict[str, Callable]:
           lr_power=o.learning_rate_power,
           multiply_linear_by_lr=o.multiply_linear_by_learning_rate)
     out["fused"] = ftrl_fused
+  form = rule.native_form()
+  if form is not None and native.can_update((table,) + slot_vars):
+    out["kernel"] = lambda ids, g, lr: native.apply_rows(
+        *form, table, slot_vars, ids, g, lr, clip_gradient=(None, None), weight_decay=0.0,
+        weight_decay_by_learning_rate=False, clip_weight=(None, None))
   out["chosen"] = chosen
   return out
 
