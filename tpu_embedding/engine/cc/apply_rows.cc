@@ -7,7 +7,8 @@
 // the next rows prefetched: their random reads are what the step waits on.
 //
 // The arithmetic is the Python update rules' (tpu_embedding/engine/updates.py), operation for
-// operation in float32, so both paths give the same bits (the tests compare them).
+// operation in float32, so it gives the bits those ops give eagerly (tests/test_native.py); in a
+// graph, TF rewrites their `x / sqrt(y)` into the less exact `x * rsqrt(y)`.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
