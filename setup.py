@@ -18,6 +18,7 @@ class BuildTensorFlowKernels(build_ext.build_ext):
   def build_extension(self, ext):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
+    ext.include_dirs.append(".")  # "tpu_embedding/engine/cc/kernels.h"
     ext.extra_compile_args = tf.sysconfig.get_compile_flags() + [
         "-O3", "-fno-math-errno", "-ffp-contract=off", "-Wno-deprecated-declarations"]
     ext.extra_link_args = tf.sysconfig.get_link_flags()
@@ -32,7 +33,9 @@ class BuildTensorFlowKernels(build_ext.build_ext):
 setuptools.setup(
     ext_modules=[
         setuptools.Extension("tpu_embedding.engine._kernels",
-                             sources=["tpu_embedding/engine/cc/apply_rows.cc"], language="c++"),
+                             sources=["tpu_embedding/engine/cc/apply_rows.cc",
+                                      "tpu_embedding/engine/cc/lookup.cc"],
+                             depends=["tpu_embedding/engine/cc/kernels.h"], language="c++"),
     ],
     cmdclass={"build_ext": BuildTensorFlowKernels},
 )

@@ -130,7 +130,7 @@ def _candidates(optimizer, table, slots) -> Dict[str, Callable]:
           multiply_linear_by_lr=o.multiply_linear_by_learning_rate)
     out["fused"] = ftrl_fused
   form = rule.native_form()
-  if form is not None and native.can_update((table,) + slot_vars):
+  if form is not None and native.runs_on((table,) + slot_vars):
     out["kernel"] = lambda ids, g, lr: native.apply_rows(
         *form, table, slot_vars, ids, g, lr, clip_gradient=(None, None), weight_decay=0.0,
         weight_decay_by_learning_rate=False, clip_weight=(None, None))

@@ -24,7 +24,7 @@ from tpu_embedding.engine import native  # noqa: E402
 
 
 @pytest.fixture(params=["native", "tf_ops"])
-def update_path(request, monkeypatch) -> str:
-  """Runs a test on the compiled kernels and again on TF's own ops (the two update paths)."""
+def engine_path(request, monkeypatch) -> str:
+  """Runs a test on the engine's compiled kernels and again on TF's own ops (its two paths)."""
   monkeypatch.setenv(native.ENV_SWITCH, "1" if request.param == "native" else "0")
   return request.param

@@ -79,7 +79,7 @@ def optimizers(draw):
 bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
 
 
-@pytest.mark.usefixtures("update_path")  # the same for every example: only sets the path
+@pytest.mark.usefixtures("engine_path")  # the same for every example: only sets the path
 @hypothesis.settings(max_examples=30, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow,
                                             hypothesis.HealthCheck.function_scoped_fixture])
@@ -177,7 +177,7 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
                                 [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
 
 
-def test_a_compiled_training_step_reads_each_touched_table_row_once(update_path):
+def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path):
   layer = tpu_embedding.TPUEmbedding(
       E.FeatureConfig(table=_table(np.zeros((5, 2), np.float32))), E.Adagrad(0.1))
 
@@ -189,10 +189,12 @@ def test_a_compiled_training_step_reads_each_touched_table_row_once(update_path)
 
   graph = step.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
   types = [op.type for op in graph.get_operations()]
-  if update_path == "native":  # the lookup reads the table; one kernel updates table and slot
-    assert (types.count("ResourceGather"), types.count("TpuEmbeddingApplyRows")) == (1, 1)
+  counted = ("Unique", "ResourceGather", "TpuEmbeddingDedupLookup", "TpuEmbeddingRowGradients",
+             "TpuEmbeddingApplyRows")
+  if engine_path == "native":  # one kernel looks up, one sums the gradients, one updates
+    assert [types.count(t) for t in counted] == [0, 0, 1, 1, 1]
   else:  # the table's rows (looked up, then updated) and the accumulator's
-    assert (types.count("ResourceGather"), types.count("TpuEmbeddingApplyRows")) == (2, 0)
+    assert [types.count(t) for t in counted] == [1, 2, 0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Tests of `tpu_embedding.engine.native`: the compiled update kernel gives the same bits as the
-TF-op path run eagerly (itself checked against the NumPy reference in test_updates), runs where
-it should, and refuses bad input.
+"""Tests of `tpu_embedding.engine.native`: the compiled lookup kernels against NumPy; the update
+kernel gives the same bits as the TF-op path run eagerly (itself checked against the NumPy
+reference in test_updates); the kernels run where they should and refuse bad input.
 
 Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqrt(y)`, which is
 up to an ulp off; the kernel keeps the exact division.
@@ -31,6 +31,69 @@ OPTIMIZERS = {
     "adam_eps_outside": lambda **kw: E.Adam(learning_rate=0.1, sum_inside_sqrt=False,
                                             epsilon=1e-3, **kw),
 }
+
+
+def _numpy_lookup(table, ids, samples, gains, num_samples):
+  """activations[samples[k]] += gains[k] * table[ids[k]]; unique ids in first-seen order."""
+  first = sorted(np.unique(ids, return_index=True)[1])
+  unique = ids[first]
+  index = np.array([list(unique).index(i) for i in ids], np.int64)
+  samples = np.arange(len(ids)) if samples is None else samples
+  gains = np.ones(len(ids), np.float32) if gains is None else gains
+  out = np.zeros((num_samples, table.shape[1]), np.float64)
+  for k, i in enumerate(ids):
+    out[samples[k]] += gains[k] * table[i]
+  return out, unique, index
+
+
+@pytest.mark.parametrize("with_samples", [False, True])
+@pytest.mark.parametrize("with_gains", [False, True])
+def test_dedup_lookup_and_row_gradients_match_numpy(with_samples, with_gains):
+  rng = np.random.default_rng(3)
+  values = rng.normal(size=(40, 5)).astype(np.float32)
+  ids = rng.zipf(1.5, 300) % 40  # duplicate-heavy
+  num_samples = 120 if with_samples else 300
+  samples = rng.integers(0, num_samples, 300) if with_samples else None
+  gains = rng.normal(size=300).astype(np.float32) if with_gains else None
+  table = tf.Variable(values)
+  activations, unique_ids, index = native.dedup_lookup(
+      table, tf.constant(ids), None if samples is None else tf.constant(samples),
+      None if gains is None else tf.constant(gains), num_samples)
+  want, want_unique, want_index = _numpy_lookup(values, ids, samples, gains, num_samples)
+  np.testing.assert_allclose(activations.numpy(), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(unique_ids.numpy(), want_unique)
+  np.testing.assert_array_equal(index.numpy(), want_index)
+
+  upstream = rng.normal(size=(num_samples, 5)).astype(np.float32)
+  grads = native.row_gradients(index, None if samples is None else tf.constant(samples),
+                               None if gains is None else tf.constant(gains),
+                               tf.constant(upstream), len(want_unique))
+  want_grads = np.zeros((len(want_unique), 5))
+  for k in range(300):
+    s = k if samples is None else samples[k]
+    want_grads[want_index[k]] += (1 if gains is None else gains[k]) * upstream[s]
+  np.testing.assert_allclose(grads.numpy(), want_grads, rtol=1e-5, atol=1e-5)
+
+
+def test_dedup_lookup_of_a_hand_worked_bag():
+  table = tf.Variable([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+  activations, unique_ids, index = native.dedup_lookup(
+      table, tf.constant([2, 0, 2]), tf.constant([0, 0, 1]), tf.constant([0.5, 1.0, 2.0]), 3)
+  np.testing.assert_array_equal(activations.numpy(), [[2.0, 1.0], [4.0, 4.0], [0.0, 0.0]])
+  np.testing.assert_array_equal(unique_ids.numpy(), [2, 0])
+  np.testing.assert_array_equal(index.numpy(), [0, 1, 0])
+
+
+@pytest.mark.parametrize("ids,samples,message", [
+    ([0, 5], None, r"id 5 is not in \[0, 5\)"),
+    ([0, -1], None, r"id -1 is not in \[0, 5\)"),
+    ([0, 1], [0, 3], r"sample 3 is not in \[0, 2\)"),
+])
+def test_dedup_lookup_refuses_ids_and_samples_out_of_range(ids, samples, message):
+  table = tf.Variable(tf.zeros([5, 2]))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+    native.dedup_lookup(table, tf.constant(ids), None if samples is None else tf.constant(samples),
+                        None, 2)
 
 
 def test_kernels_were_built_by_the_install():
@@ -121,10 +184,10 @@ def test_kernel_refuses_slots_of_another_shape():
 
 def test_switch_and_placement_decide_where_the_kernel_runs(monkeypatch):
   local = tf.Variable(tf.zeros([2, 2]))
-  assert native.can_update([local])
-  assert not native.can_update([tf.Variable(tf.zeros([2, 2], tf.float64))])
+  assert native.runs_on([local])
+  assert not native.runs_on([tf.Variable(tf.zeros([2, 2], tf.float64))])
   monkeypatch.setenv(native.ENV_SWITCH, "0")
-  assert not native.can_update([local])
+  assert not native.runs_on([local])
 
 
 @pytest.mark.parametrize("device,local,same", [
@@ -137,3 +200,39 @@ def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
   """Another task's process may not have loaded the kernels."""
   assert native._same_task(tf.DeviceSpec.from_string(device),  # pylint: disable=protected-access
                            tf.DeviceSpec.from_string(local)) == same
+
+
+def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
+  """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import tpu_embedding  # pylint: disable=g-import-not-at-top
+
+  table = E.TableConfig(8, 2, name="t", initializer=tf.constant_initializer(0.5))
+  module = tf.Module()
+  module.layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.Adagrad(0.1))
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+  def train(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(module.layer(ids))
+    tape.gradient(loss, module.layer.trainable_variables)
+    return tf.identity(list(module.layer.embedding_tables.values())[0])
+
+  module.train = train
+  graph_ops = {op.type for op in train.get_concrete_function().graph.get_operations()}
+  assert "TpuEmbeddingDedupLookup" in graph_ops
+  tf.saved_model.save(module, str(tmp_path / "module"))
+  code = (f"import sys, numpy as np, tensorflow as tf\n"
+          f"loaded = tf.saved_model.load({str(tmp_path / 'module')!r})\n"
+          f"np.save({str(tmp_path / 'table.npy')!r}, "
+          f"loaded.train(tf.constant([1, 1, 3], tf.int64)).numpy())\n"
+          f"assert not [m for m in sys.modules if m.startswith('tpu_embedding')]\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # Adagrad from A0 = 0.1: row 1 has g = 2 (two occurrences), A = 4.1; row 3 has g = 1, A = 1.1.
+  want = np.full((8, 2), 0.5, np.float32)
+  want[1] -= 0.1 * 2 / np.sqrt(np.float32(4.1))
+  want[3] -= 0.1 * 1 / np.sqrt(np.float32(1.1))
+  np.testing.assert_allclose(np.load(tmp_path / "table.npy"), want, rtol=1e-6)

@@ -134,7 +134,7 @@ for _reg, _multiply, _w, _lin in [
        (_w[1], {"accumulators": [0.12, 0.30], "linears": _lin[1]})])
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(WORKED))
 def test_worked_example_two_steps(name, mode):
@@ -148,14 +148,14 @@ def test_reference_reproduces_worked_example(name):
   check_states(reference_one_row(make(), [G1, G2]), expected)
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_clipping_example(mode):
   (w, _), = run_one_row(E.SGD(learning_rate=LR, clipvalue=0.15), [G1], mode)
   assert_close(w, [0.49, -0.485])
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_weight_clipping_example(mode):
   opt = E.SGD(learning_rate=1.0, clip_weight_min=-1.0, clip_weight_max=1.0)
@@ -163,7 +163,7 @@ def test_weight_clipping_example(mode):
   assert_close(w, [1.0, -1.0])
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_weight_decay_example(mode):
   # SPEC §2.9 (provisional): [0.5, -0.5] -> decay [0.495, -0.495] -> SGD [0.485, -0.475].
@@ -177,7 +177,7 @@ def test_weight_decay_example(mode):
   assert_close(w, [0.485, -0.475])
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("lazy", [True, False])
 def test_adam_row_absent_in_second_step(mode, lazy):
@@ -196,7 +196,7 @@ def test_adam_row_absent_in_second_step(mode, lazy):
   assert_close(slots["velocities"].numpy()[0], want[2])
 
 
-@pytest.mark.usefixtures("update_path")
+@pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_duplicates_example(mode):
   """SPEC §2.1: ids [1, 1] and [1] under `mean` give one update with g = [1, 1]."""
@@ -402,7 +402,7 @@ def problems(draw):
   return table, steps
 
 
-@pytest.mark.usefixtures("update_path")  # the same for every example: only sets the path
+@pytest.mark.usefixtures("engine_path")  # the same for every example: only sets the path
 @hypothesis.settings(max_examples=60, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow,
                                             hypothesis.HealthCheck.function_scoped_fixture])

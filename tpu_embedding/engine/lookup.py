@@ -21,9 +21,11 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.eager import record  # whether a gradient tape may be recording
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.config import Feature
+from tpu_embedding.engine import native
 
 Tensor = tf.Tensor
 
@@ -291,6 +293,7 @@ class TableBatch:
   def __init__(self, bags: Sequence[Bags]):
     self.bags = list(bags)
     self.looked_up_rows: Optional[Tensor] = None  # the table's unique rows, as training read them
+    self._native = False  # whether the compiled kernels did the lookup (and so the dedupe)
 
   @functools.cached_property
   def _deduplicated(self) -> tuple[Tensor, Tensor]:
@@ -307,29 +310,55 @@ class TableBatch:
     return self._deduplicated[1]
 
   @functools.cached_property
-  def _sample_matrix(self) -> "SampleMatrix":
-    """S [samples of all bags, U]: one entry (sample, unique row) = gain per occurrence."""
+  def _occurrences(self) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """(sample rows, gains, number of samples) of all bags' occurrences, in bag order.
+
+    Sample rows count across the bags' activations stacked in order; None where each
+    occurrence is its own sample (rows) or every gain is 1 (gains).
+    """
     if len(self.bags) == 1:
       bag = self.bags[0]
-      return SampleMatrix.build(_sample_rows(bag), self.index, _gains_or_ones(bag),
-                                bag.num_samples, tf.size(self.unique_ids, out_type=tf.int64))
+      return bag.samples, bag.gains, bag.num_samples
     offsets = tf.cumsum(tf.stack([b.num_samples for b in self.bags]), exclusive=True)
     rows = [_sample_rows(bag) + offset
             for bag, offset in zip(self.bags, tf.unstack(offsets, num=len(self.bags)))]
-    total = offsets[-1] + self.bags[-1].num_samples
-    return SampleMatrix.build(tf.concat(rows, 0), self.index,
-                              tf.concat([_gains_or_ones(b) for b in self.bags], 0), total,
+    gains = None
+    if any(b.gains is not None for b in self.bags):
+      gains = tf.concat([_gains_or_ones(b) for b in self.bags], 0)
+    return tf.concat(rows, 0), gains, offsets[-1] + self.bags[-1].num_samples
+
+  @functools.cached_property
+  def _sample_matrix(self) -> "SampleMatrix":
+    """S [samples of all bags, U]: one entry (sample, unique row) = gain per occurrence."""
+    rows, gains, total = self._occurrences
+    ids = self.index
+    if rows is None:
+      rows = tf.range(tf.size(ids, out_type=tf.int64))
+    if gains is None:
+      gains = tf.ones(tf.shape(ids), tf.float32)
+    return SampleMatrix.build(rows, ids, gains, total,
                               tf.size(self.unique_ids, out_type=tf.int64))
 
-  def activations(self, table: Tensor, deduplicate: bool) -> list[Tensor]:
+  def activations(self, table: Any, deduplicate: bool) -> list[Tensor]:
     """Combined activations of each bag.
 
     Training reads each touched row once and reuses the deduplication for the update; inference
-    (nothing to update) skips it and gathers every occurrence directly.
+    (nothing to update) skips it and gathers every occurrence directly. Where the compiled
+    kernels may run, one of them does the training lookup, but only under a recording gradient
+    tape: a function traced without one (a serving signature) keeps TF's ops, so that it can be
+    exported and loaded with TensorFlow alone.
     """
     if not deduplicate:
       return [_combine(bag, quantize(tf.gather(table, bag.ids), self._table))
               for bag in self.bags]
+    if (self._table.quantization_config is None and record.could_possibly_record() and
+        native.runs_on([table])):
+      rows, gains, total = self._occurrences
+      flat, unique_ids, index = native.dedup_lookup(
+          table, _concat([b.ids for b in self.bags]), rows, gains, total)
+      self._deduplicated, self._native = (unique_ids, index), True
+      parts = self._split(flat, [b.num_samples for b in self.bags])
+      return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
     self.looked_up_rows = tf.gather(table, self.unique_ids)
     unique_rows = quantize(self.looked_up_rows, self._table)
     one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
@@ -368,10 +397,14 @@ class TableBatch:
 
   def row_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
     """The summed gradient of each unique row [U, D] (spec 2.1), never a dense table gradient."""
-    grads = [tf.zeros([bag.num_samples, dim]) if g is None
-             else tf.reshape(tf.cast(g, tf.float32), [-1, dim])
-             for bag, g in zip(self.bags, upstream)]
-    return self._sample_matrix.matmul(_concat(grads), adjoint=True)
+    grads = _concat([tf.zeros([bag.num_samples, dim]) if g is None
+                     else tf.reshape(tf.cast(g, tf.float32), [-1, dim])
+                     for bag, g in zip(self.bags, upstream)])
+    if self._native:
+      rows, gains, _ = self._occurrences
+      return native.row_gradients(self.index, rows, gains, grads,
+                                  tf.size(self.unique_ids, out_type=tf.int64))
+    return self._sample_matrix.matmul(grads, adjoint=True)
 
   @property
   def occurrence_ids(self) -> Tensor:

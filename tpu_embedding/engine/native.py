@@ -1,8 +1,7 @@
 """The engine's compiled kernels (cc/), and where they may run.
 
 `pip install` compiles them against the installed TensorFlow (see setup.py). Without them, or
-with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's own ops, slower.
-"""
+with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's own ops, slower."""
 
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ def enabled() -> bool:
   return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
 
 
-def can_update(variables: Sequence[tf.Variable]) -> bool:
-  """Whether the kernels can update these variables in place.
+def runs_on(variables: Sequence[tf.Variable]) -> bool:
+  """Whether the kernels can read and update these variables in place.
 
   They need float32 variables on a CPU of this process: a parameter server's tasks are other
   processes, which may not have loaded the kernels. Nor are they traced into a SavedModel
@@ -86,3 +85,31 @@ def apply_rows(rule: str, hyperparameters: Sequence[float], table: tf.Variable,
       weight_decay_by_learning_rate=bool(weight_decay_by_learning_rate),
       clip_weight_min=bound(clip_weight[0], -infinity),
       clip_weight_max=bound(clip_weight[1], infinity))
+
+
+def _optional(value: Optional[tf.Tensor], dtype: tf.DType) -> tf.Tensor:
+  """The kernels' encoding of an absent per-occurrence input: an empty tensor."""
+  return tf.zeros([0], dtype) if value is None else tf.cast(value, dtype)
+
+
+def dedup_lookup(table: tf.Variable, ids: tf.Tensor, samples: Optional[tf.Tensor],
+                 gains: Optional[tf.Tensor], num_samples: tf.Tensor
+                 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+  """(activations [num_samples, D], unique ids, index) of one table's training lookup.
+
+  activations[samples[k]] += gains[k] * table[ids[k]]; samples None means sample k is id k,
+  gains None means gains of 1; unique_ids[index[k]] == ids[k], in first-occurrence order.
+  """
+  activations, unique_ids, index = _library().tpu_embedding_dedup_lookup(
+      table=table.handle, ids=tf.cast(ids, tf.int64), samples=_optional(samples, tf.int64),
+      gains=_optional(gains, tf.float32), num_samples=tf.cast(num_samples, tf.int64))
+  activations.set_shape([None, table.shape[-1]])
+  return activations, unique_ids, index
+
+
+def row_gradients(index: tf.Tensor, samples: Optional[tf.Tensor], gains: Optional[tf.Tensor],
+                  upstream: tf.Tensor, num_unique: tf.Tensor) -> tf.Tensor:
+  """The lookup's transpose: out[index[k]] += gains[k] * upstream[samples[k]], [U, D]."""
+  return _library().tpu_embedding_row_gradients(
+      index=index, samples=_optional(samples, tf.int64), gains=_optional(gains, tf.float32),
+      upstream=tf.cast(upstream, tf.float32), num_unique=tf.cast(num_unique, tf.int64))

@@ -423,7 +423,7 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   slot_vars = tuple(slots[name] for name in slot_names)
   learning_rate = tf.cast(learning_rate, table.dtype)
   native_form = rule.native_form()
-  if native_form is not None and native.can_update((table,) + slot_vars):
+  if native_form is not None and native.runs_on((table,) + slot_vars):
     native.apply_rows(
         *native_form, table, slot_vars, row_ids, grads, learning_rate,
         clip_gradient=(getattr(optimizer, "clip_gradient_min", None),

@@ -9,29 +9,17 @@
 // The arithmetic is the Python update rules' (tpu_embedding/engine/updates.py), operation for
 // operation in float32, so it gives the bits those ops give eagerly (tests/test_native.py); in a
 // graph, TF rewrites their `x / sqrt(y)` into the less exact `x * rsqrt(y)`.
-#define EIGEN_USE_THREADS
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tpu_embedding/engine/cc/kernels.h"
 #include "tensorflow/core/util/work_sharder.h"
 
 namespace tpu_embedding {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using CPUDevice = ::Eigen::ThreadPoolDevice;
 
 REGISTER_OP("TpuEmbeddingApplyRows")
     .Input("table: resource")
@@ -92,9 +80,6 @@ struct Adam {  // SPEC 2.6, lazy: no bias correction.
   }
 };
 
-// Rows ahead to prefetch: enough to cover memory latency at ~100 ns per row.
-constexpr int64_t kPrefetchAhead = 12;
-
 class ApplyRowsOp : public OpKernel {
  public:
   explicit ApplyRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -104,7 +89,7 @@ class ApplyRowsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("hyperparameters", &values));
     if (rule_ == "adam") {
       OP_REQUIRES(ctx, values.size() == 6,
-                  ::tensorflow::errors::InvalidArgument(
+                  InvalidArgument(
                       "adam takes 6 hyperparameters (beta1, 1 - beta1, beta2, 1 - beta2, "
                       "epsilon term, sum_inside_sqrt), got ", values.size()));
       hyper_ = {values[0], values[1], values[2], values[3], values[4], values[5] != 0};
@@ -118,7 +103,7 @@ class ApplyRowsOp : public OpKernel {
     const int expected = rule_ == "sgd" ? Sgd::kSlots : rule_ == "adagrad" ? Adagrad::kSlots
                                                                             : Adam::kSlots;
     OP_REQUIRES(ctx, num_slots_ == expected,
-                ::tensorflow::errors::InvalidArgument(rule_, " takes ", expected,
+                InvalidArgument(rule_, " takes ", expected,
                                                       " slot variables, got ", num_slots_));
   }
 
@@ -133,12 +118,12 @@ class ApplyRowsOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ::tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
                               ctx, i, /*lock_held=*/true, /*sparse=*/true, &vars[i]));
       OP_REQUIRES(ctx, vars[i].dtype() == ::tensorflow::DT_FLOAT && vars[i].dims() == 2,
-                  ::tensorflow::errors::InvalidArgument(
+                  InvalidArgument(
                       "variable ", i, " must be a float32 matrix, got ",
                       ::tensorflow::DataTypeString(vars[i].dtype()), " ",
                       vars[i].shape().DebugString()));
       OP_REQUIRES(ctx, vars[i].shape() == vars[0].shape(),
-                  ::tensorflow::errors::InvalidArgument(
+                  InvalidArgument(
                       "slot ", i - 1, " has shape ", vars[i].shape().DebugString(),
                       ", the table ", vars[0].shape().DebugString()));
     }
@@ -150,14 +135,14 @@ class ApplyRowsOp : public OpKernel {
     const int64_t n = ids.NumElements();
     OP_REQUIRES(ctx, ids.dims() == 1 && grads.dims() == 2 && grads.dim_size(0) == n &&
                          grads.dim_size(1) == dim && lr.dims() == 0,
-                ::tensorflow::errors::InvalidArgument(
+                InvalidArgument(
                     "expected row_ids [U], gradients [U, ", dim, "] and a scalar learning "
                     "rate, got ", ids.shape().DebugString(), ", ",
                     grads.shape().DebugString(), ", ", lr.shape().DebugString()));
     const int64_t* id = ids.flat<int64_t>().data();
     for (int64_t u = 0; u < n; ++u) {
       OP_REQUIRES(ctx, id[u] >= 0 && id[u] < rows,
-                  ::tensorflow::errors::InvalidArgument("row id ", id[u], " is not in [0, ",
+                  InvalidArgument("row id ", id[u], " is not in [0, ",
                                                         rows, ")"));
     }
     std::vector<float*> base(num_vars);
