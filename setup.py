@@ -20,7 +20,7 @@ class BuildTensorFlowKernels(build_ext.build_ext):
 
     ext.include_dirs.append(".")  # "tpu_embedding/engine/cc/kernels.h"
     ext.extra_compile_args = tf.sysconfig.get_compile_flags() + [
-        "-O3", "-fno-math-errno", "-ffp-contract=off", "-Wno-deprecated-declarations"]
+        "-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-Wno-deprecated-declarations"]
     ext.extra_link_args = tf.sysconfig.get_link_flags()
     try:
       super().build_extension(ext)
