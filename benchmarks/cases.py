@@ -402,8 +402,9 @@ class Report:
          for k, d in bw.items()]))
     out += ["", "Engine traffic (`ours`): per step every distinct touched row of the table and "
             "of each slot is read once and written once: bytes = 2 x unique rows x dim x 4 x "
-            "(1 + slots). The table's rows are read by the lookup, whose read the update reuses, "
-            "and are counted once. Fraction = engine GB/s over "
+            "(1 + slots). The table's rows are counted once although the lookup reads them and "
+            "the update kernel reads them again, so the figure is a lower bound. "
+            "Fraction = engine GB/s over "
             "the NumPy take GB/s of the matching shape (1e6x16 for case 1, 1e7x32 for "
             "case 2). Zipf ids are cache-friendlier than uniform ones.", ""]
     table, fractions = [], []

@@ -88,7 +88,8 @@ absl::Status ReadOccurrences(const Tensor& samples, const Tensor& gains, int64_t
   return absl::OkStatus();
 }
 
-// Open addressing with linear probing over a power-of-two table at most half full.
+// Open addressing with linear probing over a power-of-two table at most half full; each slot
+// keeps its id and that id's position side by side, so a probe touches one cache line.
 class IdDeduplicator {
  public:
   explicit IdDeduplicator(int64_t n) {
@@ -100,32 +101,36 @@ class IdDeduplicator {
     }
     shift_ = 64 - bits;
     mask_ = capacity - 1;
-    keys_.assign(capacity, -1);  // ids are checked to be >= 0
-    positions_.resize(capacity);
+    slots_.assign(capacity, Slot{-1, 0});  // ids are checked to be >= 0
     unique_.reserve(n);
   }
 
   // The position of `id` among the unique ids, adding it if new.
   int64_t Find(int64_t id) {
-    uint64_t slot = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_;
+    uint64_t at = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_;
     while (true) {
-      if (keys_[slot] == id) return positions_[slot];
-      if (keys_[slot] < 0) {
-        keys_[slot] = id;
-        positions_[slot] = static_cast<int64_t>(unique_.size());
+      Slot& slot = slots_[at];
+      if (slot.id == id) return slot.position;
+      if (slot.id < 0) {
+        slot = Slot{id, static_cast<int64_t>(unique_.size())};
         unique_.push_back(id);
-        return positions_[slot];
+        return slot.position;
       }
-      slot = (slot + 1) & mask_;
+      at = (at + 1) & mask_;
     }
   }
 
   const std::vector<int64_t>& unique() const { return unique_; }
 
  private:
+  struct Slot {
+    int64_t id;
+    int64_t position;
+  };
   int shift_;
   uint64_t mask_;
-  std::vector<int64_t> keys_, positions_, unique_;
+  std::vector<Slot> slots_;
+  std::vector<int64_t> unique_;
 };
 
 class DedupLookupOp : public OpKernel {
@@ -153,30 +158,36 @@ class DedupLookupOp : public OpKernel {
     Tensor* index = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, ids.shape(), &index));
     int64_t* position = index->flat<int64_t>().data();
-    IdDeduplicator deduplicator(n);
     for (int64_t k = 0; k < n; ++k) {
       OP_REQUIRES(ctx, id[k] >= 0 && id[k] < rows,
                   InvalidArgument("id ", id[k], " is not in [0, ", rows, ")"));
-      position[k] = deduplicator.Find(id[k]);
     }
+    Tensor* activations = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_samples, dim}), &activations));
+    float* out = activations->flat<float>().data();
+    const float* values = table.flat<float>().data();
+    // One pass: while the next rows are fetched from memory, hash this id and combine its row.
+    IdDeduplicator deduplicator(n);
+    const bool one_hot = occurrences.samples == nullptr && occurrences.gains == nullptr;
+    if (!one_hot) std::fill(out, out + num_samples * dim, 0.0f);
+    for (int64_t k = 0; k < n; ++k) {
+      if (k + kPrefetchAhead < n) __builtin_prefetch(values + id[k + kPrefetchAhead] * dim);
+      position[k] = deduplicator.Find(id[k]);
+      const float* row = values + id[k] * dim;
+      if (one_hot) {  // sample k is occurrence k, gain 1: a copy
+        std::copy_n(row, dim, out + k * dim);
+        continue;
+      }
+      float* target = out + occurrences.sample(k) * dim;
+      const float gain = occurrences.gain(k);
+      for (int64_t d = 0; d < dim; ++d) target[d] += gain * row[d];
+    }
+    if (one_hot) std::fill(out + n * dim, out + num_samples * dim, 0.0f);
     const std::vector<int64_t>& unique = deduplicator.unique();
     Tensor* unique_ids = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             1, TensorShape({static_cast<int64_t>(unique.size())}), &unique_ids));
     std::copy(unique.begin(), unique.end(), unique_ids->flat<int64_t>().data());
-
-    Tensor* activations = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_samples, dim}), &activations));
-    float* out = activations->flat<float>().data();
-    std::fill(out, out + num_samples * dim, 0.0f);
-    const float* values = table.flat<float>().data();
-    for (int64_t k = 0; k < n; ++k) {
-      if (k + kPrefetchAhead < n) __builtin_prefetch(values + id[k + kPrefetchAhead] * dim);
-      const float* row = values + id[k] * dim;
-      float* target = out + occurrences.sample(k) * dim;
-      const float gain = occurrences.gain(k);
-      for (int64_t d = 0; d < dim; ++d) target[d] += gain * row[d];
-    }
   }
 };
 
