@@ -5,7 +5,8 @@ Run as `python parameter_server_job.py OUT.npz`. The coordinator (this process) 
 the ps task and every step updates them with the engine. Workers run steps asynchronously, in
 an order nobody chooses, so the test uses updates whose result does not depend on that order:
 SGD with a loss linear in the activations (every step subtracts a fixed, exactly representable
-amount) and Adagrad's accumulators (every step adds squares of small integers).
+amount) and Adagrad's accumulators (every step adds squares of small integers). Each update
+holds the variables' locks throughout, so no worker's update is lost to another's.
 """
 
 import os
@@ -64,11 +65,16 @@ def main(out_path: str) -> None:
     coordinator.schedule(worker_step, args=(tf.constant(ids_a, tf.int64),
                                             tf.constant(ids_b, tf.int64)))
   coordinator.join()
+  spec = tf.TensorSpec([None], tf.int64)
+  graph = worker_step.get_concrete_function(spec, spec).graph
+  op_types = {op.type for op in graph.get_operations()}
+  op_types |= {node.op for fn in graph.as_graph_def().library.function for node in fn.node_def}
   variables = layer.variables_by_table
   np.savez(out_path, sgd=variables["sgd"]["parameters"].numpy(),
            adagrad=variables["adagrad"]["parameters"].numpy(),
            accumulators=variables["adagrad"]["accumulators"].numpy(),
-           placement=np.array([variables["sgd"]["parameters"].device]))
+           placement=np.array([variables["sgd"]["parameters"].device]),
+           op_types=np.array(sorted(op_types)))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ def test_tables_on_a_parameter_server_are_trained_by_the_engine(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   out = np.load(tmp_path / "out.npz")
   assert "/job:ps/" in str(out["placement"][0])
+  # Updates that hold the variables' locks (TF's; the compiled kernels may not be loaded on ps).
+  assert {"ResourceScatterSub", "ResourceSparseApplyAdagradV2"} <= set(out["op_types"])
+  assert not [op for op in out["op_types"] if op.startswith("TpuEmbedding")]
 
   # Feature "a" (SGD, lr 0.5, loss weight 1): each occurrence of a row subtracts 0.5 from it.
   occurrences = np.array([3, 1, 4, 1, 0, 3], np.float32)  # rows 0..5 over the four batches

@@ -436,3 +436,37 @@ def test_matches_reference(optimizer, problem, mode, id_dtype):
     # Keep float32 drift out of the next step's comparison: continue from the engine's state.
     ref_table = table.numpy().astype(np.float64)
     ref_slots = {k: v.numpy().astype(np.float64) for k, v in slots.items()}
+
+
+@pytest.mark.parametrize("make_optimizer,locked_op", [
+    (lambda: E.SGD(learning_rate=0.25), "ResourceScatterSub"),
+    (lambda: E.Adagrad(learning_rate=0.25), "ResourceSparseApplyAdagradV2"),
+    (lambda: E.Adagrad(learning_rate=0.25, clipvalue=0.5), None),  # no locked kernel clips
+])
+def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(make_optimizer, locked_op,
+                                                                    monkeypatch):
+  """What parameter-server workers get when the compiled kernel may not run on the ps."""
+  monkeypatch.setenv("TPU_EMBEDDING_NATIVE_KERNELS", "0")
+  optimizer = make_optimizer()
+  table0 = np.arange(12, dtype=np.float64).reshape(6, 2) / 8
+  ids, grads = tf.constant([4, 1, 3]), tf.constant([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5]])
+  results = []
+  for atomic in (True, False):
+    table, slots = make_variables(optimizer, table0)
+
+    @tf.function
+    def step(atomic=atomic, table=table, slots=slots):
+      updates.apply_sparse_update(optimizer, table, slots, ids, grads, tf.constant(0.25),
+                                  atomic=atomic)
+
+    step()
+    results.append([table.numpy()] + [v.numpy() for v in slots.values()])
+    if atomic:
+      op_types = {op.type for op in step.get_concrete_function().graph.get_operations()}
+      assert (locked_op in op_types) if locked_op else "ResourceScatterUpdate" in op_types
+  for locked, unlocked in zip(*results):
+    np.testing.assert_allclose(locked, unlocked, rtol=1e-6)
+  params = reference.params_from_optimizer(optimizer)
+  want, _ = reference.apply_step(table0, reference.initial_slots(params, table0.shape),
+                                 ids.numpy(), grads.numpy().astype(np.float64), 0.25, params)
+  np.testing.assert_allclose(results[0][0], want, rtol=1e-6, atol=1e-7)

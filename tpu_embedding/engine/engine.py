@@ -254,7 +254,9 @@ class EmbeddingEngine(tf.Module):
               table_rows: Optional[tf.Tensor] = None) -> None:
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
     names, state = self._state(table)
-    apply = _row_applier(table.optimizer, names)
+    # Parameter-server workers update the shared tables concurrently.
+    atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
+    apply = _row_applier(table.optimizer, names, atomic)
     if not self._pipelining:
       _on_each_copy(state, lambda *copy: apply(copy, ids, grads, learning_rate, table_rows))
       return
@@ -350,12 +352,13 @@ def _refuse_training(table: TableConfig) -> None:
   tf.debugging.Assert(tf.constant(False), [message])
 
 
-def _row_applier(optimizer, slot_names: Sequence[str]) -> Callable:
+def _row_applier(optimizer, slot_names: Sequence[str], atomic: bool = False) -> Callable:
   """`apply(state, ids, grads, lr[, table_rows])` for one copy of a table's state (table, then
-  slots); `table_rows` are the table's rows at `ids` when the lookup has just read them."""
+  slots); `table_rows` are the table's rows at `ids` when the lookup has just read them;
+  `atomic` when other workers update the same variables concurrently."""
   def apply(state, ids, grads, learning_rate, table_rows=None) -> None:
     apply_sparse_update(optimizer, state[0], dict(zip(slot_names, state[1:])), ids, grads,
-                        learning_rate, table_rows)
+                        learning_rate, table_rows, atomic=atomic)
   return apply
 
 

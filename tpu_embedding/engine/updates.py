@@ -397,10 +397,32 @@ def _zero_gradient_pass(optimizer, table: tf.Variable,
 # --------------------------------------------------------------------------
 
 
+def _apply_locked(optimizer, table: tf.Variable, slot_vars: Tuple[tf.Variable, ...],
+                  row_ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> bool:
+  """One TF kernel that holds the variables' locks for the whole update, where one computes
+  the spec's maths exactly (SGD, Adagrad; no clipping or decay). Returns whether it applied."""
+  if (has_weight_decay(optimizer) or
+      any(getattr(optimizer, name, None) is not None for name in (
+          "clip_gradient_min", "clip_gradient_max", "clip_weight_min", "clip_weight_max"))):
+    return False
+  grads = tf.cast(grads, table.dtype)
+  if type(optimizer) is _embedding.SGD:  # pylint: disable=unidiomatic-typecheck
+    tf.raw_ops.ResourceScatterSub(resource=table.handle, indices=row_ids,
+                                  updates=learning_rate * grads)
+    return True
+  if type(optimizer) is _embedding.Adagrad:  # pylint: disable=unidiomatic-typecheck
+    # A += g^2; W -= lr * g / (sqrt(A) + 0): the spec's Adagrad, which has no epsilon.
+    tf.raw_ops.ResourceSparseApplyAdagradV2(
+        var=table.handle, accum=slot_vars[0].handle, lr=learning_rate,
+        epsilon=tf.zeros([], table.dtype), grad=grads, indices=row_ids, use_locking=True)
+    return True
+  return False
+
+
 def apply_sparse_update(optimizer, table: tf.Variable,
                         slots: Mapping[str, tf.Variable], row_ids: tf.Tensor,
                         grads: tf.Tensor, learning_rate: tf.Tensor,
-                        table_rows: Optional[tf.Tensor] = None) -> None:
+                        table_rows: Optional[tf.Tensor] = None, atomic: bool = False) -> None:
   """Applies one optimizer step to the touched rows of `table` and its slots.
 
   Args:
@@ -414,6 +436,11 @@ def apply_sparse_update(optimizer, table: tf.Variable,
     learning_rate: scalar learning rate of this step (dynamic LRs evaluated).
     table_rows: the current `[U, D]` rows of `table` at `row_ids`, when the caller has just
       read them (saves one random read per row); read here otherwise.
+    atomic: other steps may update the same rows concurrently (parameter-server workers), so
+      the read-modify-write of each row must not interleave with theirs. The compiled kernel
+      and, for SGD and Adagrad without clipping or decay, TF's locked kernels guarantee it;
+      the gather-compute-scatter path does not (updates may then be lost, as in any
+      lock-free asynchronous training).
 
   Works eagerly and in `tf.function`. Rows outside `row_ids` are untouched,
   except with non-lazy Adam, which updates every row (SPEC §2.6).
@@ -433,6 +460,8 @@ def apply_sparse_update(optimizer, table: tf.Variable,
             optimizer, "multiply_weight_decay_factor_by_learning_rate", False)),
         clip_weight=(getattr(optimizer, "clip_weight_min", None),
                      getattr(optimizer, "clip_weight_max", None)))
+    return
+  if atomic and _apply_locked(optimizer, table, slot_vars, row_ids, grads, learning_rate):
     return
   grads = clip_gradient(optimizer, tf.cast(grads, table.dtype))
   if rule.updates_every_row:
