@@ -1,7 +1,8 @@
 """The engine's compiled kernels (cc/), and where they may run.
 
 `pip install` compiles them against the installed TensorFlow (see setup.py). Without them, or
-with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's own ops, slower."""
+with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's own ops, slower.
+"""
 
 from __future__ import annotations
 
