@@ -357,17 +357,15 @@ class TableBatch:
       flat, unique_ids, index = native.dedup_lookup(
           table, _concat([b.ids for b in self.bags]), rows, gains, total)
       self._deduplicated, self._native = (unique_ids, index), True
-      parts = self._split(flat, [b.num_samples for b in self.bags])
-      return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
-    self.looked_up_rows = tf.gather(table, self.unique_ids)
-    unique_rows = quantize(self.looked_up_rows, self._table)
-    one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
-    if one_id_per_sample and _needs_blocks(unique_rows):
-      # One id per sample, weight 1, wide rows: a gather beats the blocked sparse matmul.
-      rows = tf.gather(unique_rows, self.index)
-      return [_shape_activations(bag, part)
-              for bag, part in zip(self.bags, self._split(rows, [tf.size(b.ids) for b in self.bags]))]
-    flat = self._sample_matrix.matmul(unique_rows)
+    else:
+      self.looked_up_rows = tf.gather(table, self.unique_ids)
+      unique_rows = quantize(self.looked_up_rows, self._table)
+      one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
+      if one_id_per_sample and _needs_blocks(unique_rows):
+        # One id per sample, weight 1, wide rows: a gather beats the blocked sparse matmul.
+        flat = tf.gather(unique_rows, self.index)
+      else:
+        flat = self._sample_matrix.matmul(unique_rows)
     parts = self._split(flat, [b.num_samples for b in self.bags])
     return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
 

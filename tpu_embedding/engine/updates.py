@@ -59,16 +59,29 @@ def _clip(x: tf.Tensor, low: Optional[float], high: Optional[float]) -> tf.Tenso
   return x
 
 
+Limits = Tuple[Optional[float], Optional[float]]
+
+
+def gradient_limits(optimizer) -> Limits:
+  """(min, max) of `clipvalue` gradient clipping; None where there is no limit."""
+  return (getattr(optimizer, "clip_gradient_min", None),
+          getattr(optimizer, "clip_gradient_max", None))
+
+
+def weight_limits(optimizer) -> Limits:
+  """(min, max) the stored table rows are clamped to; None where there is no limit."""
+  return (getattr(optimizer, "clip_weight_min", None),
+          getattr(optimizer, "clip_weight_max", None))
+
+
 def clip_gradient(optimizer, grads: tf.Tensor) -> tf.Tensor:
   """SPEC §2.2 step 1: clip the accumulated per-row gradient (`clipvalue`)."""
-  return _clip(grads, getattr(optimizer, "clip_gradient_min", None),
-               getattr(optimizer, "clip_gradient_max", None))
+  return _clip(grads, *gradient_limits(optimizer))
 
 
 def clip_weights(optimizer, rows: tf.Tensor) -> tf.Tensor:
   """SPEC §2.2 last step: clamp the stored table rows; slots are never clipped."""
-  return _clip(rows, getattr(optimizer, "clip_weight_min", None),
-               getattr(optimizer, "clip_weight_max", None))
+  return _clip(rows, *weight_limits(optimizer))
 
 
 def has_weight_decay(optimizer) -> bool:
@@ -401,9 +414,8 @@ def _apply_locked(optimizer, table: tf.Variable, slot_vars: Tuple[tf.Variable, .
                   row_ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> bool:
   """One TF kernel that holds the variables' locks for the whole update, where one computes
   the spec's maths exactly (SGD, Adagrad; no clipping or decay). Returns whether it applied."""
-  if (has_weight_decay(optimizer) or
-      any(getattr(optimizer, name, None) is not None for name in (
-          "clip_gradient_min", "clip_gradient_max", "clip_weight_min", "clip_weight_max"))):
+  if has_weight_decay(optimizer) or any(
+      limit is not None for limit in gradient_limits(optimizer) + weight_limits(optimizer)):
     return False
   grads = tf.cast(grads, table.dtype)
   if type(optimizer) is _embedding.SGD:  # pylint: disable=unidiomatic-typecheck
@@ -453,13 +465,11 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   if native_form is not None and native.runs_on((table,) + slot_vars):
     native.apply_rows(
         *native_form, table, slot_vars, row_ids, grads, learning_rate,
-        clip_gradient=(getattr(optimizer, "clip_gradient_min", None),
-                       getattr(optimizer, "clip_gradient_max", None)),
+        clip_gradient=gradient_limits(optimizer),
         weight_decay=optimizer.weight_decay_factor if has_weight_decay(optimizer) else 0.0,
         weight_decay_by_learning_rate=bool(getattr(
             optimizer, "multiply_weight_decay_factor_by_learning_rate", False)),
-        clip_weight=(getattr(optimizer, "clip_weight_min", None),
-                     getattr(optimizer, "clip_weight_max", None)))
+        clip_weight=weight_limits(optimizer))
     return
   if atomic and _apply_locked(optimizer, table, slot_vars, row_ids, grads, learning_rate):
     return
