@@ -9,18 +9,36 @@ without a TPU, and their tests check the wiring only.
 from __future__ import annotations
 
 import abc
+import copy
 import itertools
+import typing
 from typing import Any, Optional
 
 import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
 from tpu_embedding.engine.engine import EmbeddingEngine
+
+_PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
 
 mid_level = tf.tpu.experimental.embedding  # looked up at call time, so tests can substitute
 
 TABLE_UPDATES = ("engine", "keras")
+
+
+# The two TF-internal members of the mid-level classes this module uses, each in one place
+# (tests/test_tpu_harness.py checks that TF still has them).
+def tf_variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:
+  """The mid-level object's {table name: {"parameters" or slot name: variable}}."""
+  return mid_level._variables  # pylint: disable=protected-access
+
+
+def retrieve_from_tpu(mid_level: tf.Module) -> None:
+  """Copies V1's tables and slots from TPU memory into their host variables (as a save does)."""
+  mid_level._retrieve_variables()  # pylint: disable=protected-access
 
 
 class Backend(abc.ABC):
@@ -52,7 +70,7 @@ class Backend(abc.ABC):
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
-    return self.mid_level._variables  # pylint: disable=protected-access
+    return tf_variables_by_table(self.mid_level)
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
@@ -103,14 +121,23 @@ class CpuBackend(Backend):
 
 
 class TpuV0Backend(Backend):
-  """TPU without an embedding accelerator: tables replicated, trained by the Keras optimizer."""
+  """TPU without an embedding accelerator: replicated tables, trained by the Keras optimizer.
+
+  TF's V0 class only looks rows up; the tables are ordinary trainable variables that the
+  optimizer the model applies updates (Keras semantics, as in tf-recommenders). A mid-level
+  optimizer, whose TPU update rule V0 cannot give, is therefore refused rather than ignored,
+  and no slot variables are created (TF would create them and never update them).
+  """
 
   path = hardware.Path.TPU_V0
   needs_trap = False
 
-  def __init__(self, config):
+  def __init__(self, config, user_optimizer: Any = None):
     super().__init__(config)
-    self._mid_level = mid_level.TPUEmbeddingV0(config.feature_config, config.optimizer)
+    _refuse_mid_level_optimizers(config, user_optimizer)
+    for table in config.tables:
+      table.optimizer = None  # slots would live in the Keras optimizer, not here
+    self._mid_level = mid_level.TPUEmbeddingV0(config.feature_config, None)
 
   @property
   def mid_level(self):
@@ -120,11 +147,34 @@ class TpuV0Backend(Backend):
     self._mid_level.build()
 
   def lookup(self, features, weights, trap):
-    return self._mid_level(features, weights)
+    activations = self._mid_level(features, weights)
+    # TF's V0 keeps the trailing 1 of dense [B, 1] ids ([B, 1, D]); every other path gives [B, D].
+    return tf.nest.map_structure(
+        lambda ids, out: tf.squeeze(out, -2) if _is_dense_column(ids) else out,
+        features, activations)
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return list(self._mid_level.embedding_tables.values())
+
+
+def _is_dense_column(ids: Any) -> bool:
+  return (isinstance(ids, tf.Tensor) and ids.shape.rank is not None and ids.shape.rank >= 2
+          and ids.shape[-1] == 1)
+
+
+def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimizer: Any) -> None:
+  given = [("optimizer", user_optimizer)] + [
+      (f"TableConfig {clone.name!r}.optimizer", config.user_tables[clone].optimizer)
+      for clone in config.tables]
+  for where, optimizer in given:
+    if isinstance(optimizer, typing.get_args(optimizers.MidLevelOptimizer)):
+      raise ValueError(
+          f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
+          f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
+          "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
+          "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
+          "Keras optimizer (or its name) and apply that same optimizer to the model.")
 
 
 class TpuV1Backend(Backend):
@@ -136,6 +186,7 @@ class TpuV1Backend(Backend):
   def __init__(self, config, pipelining: bool = False, batch_size: Optional[int] = None):
     super().__init__(config)
     self._batch_size = batch_size
+    _give_packing_status_as_enum(config)
     self._mid_level = mid_level.TPUEmbedding(config.feature_config, config.optimizer,
                                              pipelining)
     self._call_ids = itertools.count(1)
@@ -143,6 +194,18 @@ class TpuV1Backend(Backend):
   @property
   def mid_level(self):
     return self._mid_level
+
+  @property
+  def embedding_tables(self) -> dict:
+    """{TableConfig: variable}, refreshed from TPU memory first.
+
+    TF's class answers only while a checkpoint is written (its host copies are stale in
+    between), so the tables are retrieved as a save would, eagerly even inside a trace.
+    """
+    with tf.init_scope():
+      retrieve_from_tpu(self._mid_level)
+    variables = self.variables_by_table
+    return {table: variables[table.name]["parameters"] for table in self.config.tables}
 
   def build(self, per_replica_input_shapes):
     if self._batch_size is None:
@@ -167,6 +230,28 @@ class TpuV1Backend(Backend):
       return activations, grad
 
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
+
+
+def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
+  """Gives each cloned table a copy of its optimizer whose packing status is the proto's enum.
+
+  TF's V1 class writes `optimizer.low_dimensional_packing_status` verbatim into an enum field of
+  `OptimizationParameters`; its default (the bool False) is refused by protobuf >= 5, so every
+  V1 `build()` would fail. The enum value with the same meaning (False -> UNSPECIFIED, the
+  field's default; True -> ENABLED) builds the same proto. Copies keep the user's optimizer
+  untouched; tables that shared one optimizer still share one copy.
+  """
+  copies: dict[int, Any] = {}
+  for table in config.tables:
+    optimizer = table.optimizer
+    if optimizer is None or not isinstance(optimizer.low_dimensional_packing_status, bool):
+      continue
+    if id(optimizer) not in copies:
+      fixed = copy.copy(optimizer)
+      fixed.low_dimensional_packing_status = (
+          _PACKING.ENABLED if optimizer.low_dimensional_packing_status else _PACKING.UNSPECIFIED)
+      copies[id(optimizer)] = fixed
+    table.optimizer = copies[id(optimizer)]
 
 
 class TpuV2Backend(Backend):
@@ -227,12 +312,12 @@ class TpuV2Backend(Backend):
 
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
            batch_size: Optional[int], sparse_core_embedding_config,
-           table_updates: str) -> Backend:
+           table_updates: str, user_optimizer: Any = None) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
   if path is hardware.Path.CPU:
     return CpuBackend(config, pipelining=pipelining, table_updates=table_updates)
   if path is hardware.Path.TPU_V0:
-    return TpuV0Backend(config)
+    return TpuV0Backend(config, user_optimizer)
   if path is hardware.Path.TPU_V1:
     return TpuV1Backend(config, pipelining=pipelining, batch_size=batch_size)
   return TpuV2Backend(config, pipelining=pipelining,

@@ -53,7 +53,8 @@ class TPUEmbedding(tf_keras.layers.Layer):
     self._backend = backends.create(
         hardware.choose_path(self._strategy, embedding_feature), self._config,
         pipelining=pipeline_execution_with_tensor_core, batch_size=batch_size,
-        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates)
+        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates,
+        user_optimizer=optimizer)
     self._tpu_embedding = self._backend.mid_level
     self.batch_size = batch_size
 
