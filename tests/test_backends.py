@@ -166,3 +166,22 @@ def test_tpu_layer_called_outside_its_strategy_is_refused_before_building(tpu, p
   message = str(error.value)
   assert "StandInTPUStrategy" in message and "Default" in message
   assert not layer.built and recorded.config_protos == [] and recorded.loads == 0
+
+
+@pytest.mark.parametrize("path", [Path.TPU_V1, Path.TPU_V2])
+def test_no_optimizer_is_refused_on_the_embedding_engines(tpu, path):
+  """Failure 7: optimizer=None (serving-only layers) has no meaning where the TPU trains."""
+  strategy, _ = tpu(path)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=rf"(?s)'video_table'.*{path.name}.*optimizer"):
+      make_layer(path, optimizer=None)
+
+
+def test_sparse_core_needs_every_output_shape(tpu):
+  """Failure 7: TPUEmbeddingV2 cannot derive output shapes from the inputs."""
+  strategy, _ = tpu(Path.TPU_V2)
+  config = feature_config([BATCH])
+  config["friends"].output_shape = tf.TensorShape(None)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=r"(?s)'friends'.*output_shape.*TPU_V2"):
+      TPUEmbedding(config, optimizer="sgd")

@@ -183,3 +183,15 @@ def test_a_serving_lookup_reads_the_tpu_tables(v1):
     out = layer({"watched": _ragged([1, 0, 1], [2, 1])}, serving_config=serving)
   np.testing.assert_array_equal(out["watched"].numpy(), [[4.0, 6.0, 8.0, 10.0],
                                                          [4.0, 5.0, 6.0, 7.0]])
+
+
+def test_wide_dense_ids_of_a_non_sequence_feature_are_refused_by_name(v1):
+  """Failure 7: dense [B, L>1] ids are L samples per row on CPU; V1 cannot take them."""
+  strategy, _ = v1
+  inputs = {"watched": tf.constant([[0, 1], [1, 0], [1, 1], [0, 0]]),
+            "friends": tf.constant([3, 0, 2, 1])}
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer="sgd")
+    with pytest.raises(ValueError, match=r"'watched'.*\[4, 2\].*max_sequence_length") as error:
+      _traced_training_step(layer, inputs)
+  assert "TPU_V1" in str(error.value)

@@ -186,6 +186,7 @@ class TpuV1Backend(Backend):
   def __init__(self, config, pipelining: bool = False, batch_size: Optional[int] = None):
     super().__init__(config)
     self._batch_size = batch_size
+    _require_optimizers(config, self.path)
     _give_packing_status_as_enum(config)
     self._mid_level = mid_level.TPUEmbedding(config.feature_config, config.optimizer,
                                              pipelining)
@@ -214,6 +215,7 @@ class TpuV1Backend(Backend):
       self._mid_level.build(per_replica_batch_size=self._batch_size)
 
   def lookup(self, features, weights, trap):
+    _refuse_wide_dense_ids(self.config, features)
     # A name pairs this call's enqueue, dequeue and apply_gradients within one traced step.
     name = str(next(self._call_ids))
     self._mid_level.enqueue(features, weights, training=True, name=name)
@@ -230,6 +232,29 @@ class TpuV1Backend(Backend):
       return activations, grad
 
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
+
+
+def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.Path) -> None:
+  missing = [table.name for table in config.tables if table.optimizer is None]
+  if missing:
+    raise ValueError(
+        f"Tables {missing} have no optimizer, but on path {path.name} the TPU trains every "
+        "table with its own mid-level optimizer. optimizer=None is only for serving-only layers "
+        "off TPU: pass optimizer= (or TableConfig.optimizer).")
+
+
+def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) -> None:
+  """Dense [B, L > 1] ids of a non-sequence feature: the CPU reads L samples per row, V1's
+  enqueue refuses them deep inside TF; refused here by feature name."""
+  for feature, ids in config_lib.match_structure(config, features):
+    shape = getattr(ids, "shape", None)
+    if (isinstance(ids, tf.Tensor) and shape.rank is not None and shape.rank >= 2
+        and shape[-1] not in (None, 1) and not feature.config.max_sequence_length):
+      raise ValueError(
+          f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
+          f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
+          "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
+          "FeatureConfig.max_sequence_length for a sequence feature.")
 
 
 def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
@@ -262,6 +287,8 @@ class TpuV2Backend(Backend):
 
   def __init__(self, config, pipelining: bool = False, sparse_core_embedding_config=None):
     super().__init__(config)
+    _require_optimizers(config, self.path)
+    _require_output_shapes(config)
     self._mid_level = mid_level.TPUEmbeddingV2(config.feature_config, config.optimizer,
                                                pipelining, sparse_core_embedding_config)
 
@@ -308,6 +335,15 @@ class TpuV2Backend(Backend):
       return tf.nest.flatten(activations), grad
 
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
+
+
+def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
+  missing = [f.name for f in config.features if not f.config.output_shape.is_fully_defined()]
+  if missing:
+    raise ValueError(
+        f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
+        f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
+        "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length]).")
 
 
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
