@@ -13,6 +13,7 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import hardware
+from tpu_embedding import serving
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, Path
 from tpu_embedding.layer import TPUEmbedding
@@ -185,3 +186,27 @@ def test_sparse_core_needs_every_output_shape(tpu):
   with strategy.scope():
     with pytest.raises(ValueError, match=r"(?s)'friends'.*output_shape.*TPU_V2"):
       TPUEmbedding(config, optimizer="sgd")
+
+
+@pytest.mark.parametrize("path", [Path.TPU_V0, Path.TPU_V1])
+def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
+  """Failure 3: export read attributes TF's real V0/V1 classes do not have."""
+  strategy, _ = tpu(path)
+  with strategy.scope():
+    layer, _ = make_layer(path)
+    layer.build({k: tf.TensorShape([BATCH, None]) for k in feature_config()})
+  video, _ = tables()
+  serving_config = {"watched": emb.FeatureConfig(video, name="watched")}
+
+  @tf.function(input_signature=[tf.RaggedTensorSpec([None, None], tf.int32)])
+  def serve(ids):
+    return layer({"watched": ids}, serving_config=serving_config)["watched"]
+
+  exported = serving.export_for_serving(layer, str(tmp_path / "export"), serve)
+  loaded = tf.saved_model.load(exported)
+  (out,) = loaded.signatures["serving_default"](
+      ids=tf.constant([1, 0, 1]), ids_1=tf.constant([0, 2, 3], tf.int64)).values()
+  np.testing.assert_array_equal(out.numpy(), [[4.0, 6.0, 8.0, 10.0], [4.0, 5.0, 6.0, 7.0]])
+  assert sorted(loaded.embedding_tables) == ["video_table"]
+  np.testing.assert_array_equal(loaded.embedding_tables["video_table"].numpy(),
+                                np.arange(8.0).reshape(2, 4))

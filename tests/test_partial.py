@@ -7,15 +7,14 @@ by a recording fake; they check what is handed to whom, not TPU execution.
 """
 
 import math
-import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+import tpu_harness
 import tpu_embedding
-from tpu_embedding import backends
 from tpu_embedding import hardware
 from tpu_embedding.partial import PartialTPUEmbedding, ReplicatedTable
 
@@ -369,105 +368,66 @@ def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
-# TPU wiring (hardware seam patched, mid-level class faked: no TPU execution is tested)
-
-
-class FakeMidLevelV1:
-  """Records how the TPU V1 path drives TensorFlow's mid-level `TPUEmbedding`."""
-
-  instances = []
-
-  def __init__(self, feature_config, optimizer, pipelining=False):
-    self.feature_config = feature_config
-    self.optimizer = optimizer
-    self.pipelining = pipelining
-    self.calls = []
-    self._variables = {}
-    FakeMidLevelV1.instances.append(self)
-
-  def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
-    self.calls.append(("build", per_replica_input_shapes, per_replica_batch_size))
-    for feature in tf.nest.flatten(self.feature_config):
-      t = feature.table
-      self._variables.setdefault(t.name, {"parameters": tf.Variable(
-          tf.zeros([t.vocabulary_size, t.dim]), trainable=False, name=t.name)})
-
-  def enqueue(self, features, weights=None, training=True, name=None):
-    self.calls.append(("enqueue", sorted(features), training, name))
-    self._batch = {k: v.shape[0] for k, v in features.items()}
-
-  def dequeue(self, name=None):
-    self.calls.append(("dequeue", name))
-    return {k: tf.fill([self._batch[k], f.table.dim], 0.5)
-            for k, f in self.feature_config.items()}
-
-  def apply_gradients(self, gradients, name=None):
-    self.calls.append(("apply_gradients", {k: g.numpy() for k, g in gradients.items()}, name))
-
-  @property
-  def embedding_tables(self):
-    return {f.table: self._variables[f.table.name]["parameters"]
-            for f in tf.nest.flatten(self.feature_config)}
+# TPU V1: TF's real TPUEmbedding under tpu_harness.StandInTPUStrategy (runtime stubbed, steps
+# traced, nothing runs on a TPU)
 
 
 @pytest.fixture
-def fake_tpu_v1(monkeypatch):
-  FakeMidLevelV1.instances = []
-  monkeypatch.setattr(hardware, "detect_embedding_feature",
-                      lambda strategy: hardware.EmbeddingFeature.V1)
-  monkeypatch.setattr(backends, "mid_level", types.SimpleNamespace(TPUEmbedding=FakeMidLevelV1))
+def tpu_v1(monkeypatch):
+  return tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
 
 
-def test_wiring_on_tpu_v1_large_tables_go_to_the_embedding_engine(fake_tpu_v1):
-  """Wiring test: only the sharded features reach the (fake) mid-level TPUEmbedding."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+def _traced_step(layer):
+  @tf.function
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = layer(features)
+      loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(out))
+    return tape.gradient(loss, layer.trainable_variables)
+
+  return step.get_concrete_function(
+      tf.nest.map_structure(tf.TensorSpec.from_tensor, ckpt_features())).graph
+
+
+def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    graph = _traced_step(layer)
   assert layer.tpu_embedding.path is hardware.Path.TPU_V1
-  (mid,) = FakeMidLevelV1.instances
-  assert sorted(mid.feature_config) == ["b", "c"]
-  assert sorted(f.table.name for f in mid.feature_config.values()) == ["b", "table_2"]
-  assert all(f.table.optimizer is not None for f in mid.feature_config.values())
-  assert mid.calls == []  # on TPU the engine is built from the first call's shapes
-
-  upstream = {"a": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
-              "b": np.full([2, 3], 2.0, np.float32), "c": np.full([2, 2], 3.0, np.float32)}
-  with tf.GradientTape() as tape:
-    out = layer(ckpt_features())
-    loss = sum(tf.reduce_sum(out[k] * upstream[k]) for k in out)
-  tape.gradient(loss, layer.trainable_variables)
-
-  build, enqueue, dequeue, apply = mid.calls
-  assert build[0] == "build" and sorted(build[1]) == ["b", "c"]
-  assert build[1]["b"].as_list() == [2]
-  assert enqueue[:3] == ("enqueue", ["b", "c"], True)
-  assert dequeue[0] == "dequeue" and apply[0] == "apply_gradients"
-  np.testing.assert_array_equal(apply[1]["b"], upstream["b"])
-  np.testing.assert_array_equal(apply[1]["c"], upstream["c"])
-  np.testing.assert_array_equal(out["b"].numpy(), np.full([2, 3], 0.5))
-  # The replicated table is an ordinary variable looked up and trained by the engine (SGD).
-  a = layer.keras_embedding_layers["a"].embeddings
-  assert isinstance(a, tf.Variable) and not a.trainable
-  expected = values(5, 2)
-  np.testing.assert_array_equal(out["a"].numpy(), expected[[1, 4]])
-  expected[[1, 4]] -= 0.5 * upstream["a"]
-  np.testing.assert_array_equal(a.numpy(), expected)
+  (proto,) = recorded.config_protos
+  assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [("b", 20),
+                                                                          ("table_2", 12)]
+  assert [f.table_id for f in proto.feature_descriptor] == [0, 1]
+  ops = [op.type for op in graph.get_operations()]
+  assert ops.count("EnqueueTPUEmbeddingArbitraryTensorBatch") == 1
+  assert ops.count("RecvTPUEmbeddingActivations") == 1
+  assert ops.count("SendTPUEmbeddingGradients") == 1
+  # Failure 2: the sharded side's tables are readable under the TPU strategy.
+  tables = {t.name: v for t, v in layer.embedding_tables.items()}
+  np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
 
 
-def test_wiring_on_tpu_v1_checkpoint_keeps_the_mid_level_object(fake_tpu_v1):
-  """Wiring test: on TPU the sharded layer stays in the checkpoint graph (TF's TPU save/restore
-  callbacks hang on the mid-level object) while every table also has its side-free name."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
-  layer(ckpt_features())
+def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
+  """TF's TPU save/restore callbacks hang on the mid-level object, so it stays in the
+  checkpoint graph, while every table also has its side-free name."""
+  strategy, _ = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    _traced_step(layer)
   children = layer._trackable_children()
   assert "_sharded_embedding" in children
-  names = set(children["_tpu_embedding"]._trackable_children())
-  assert names == {"a", "b", "table_2"}
+  assert set(children["_tpu_embedding"]._trackable_children()) == {"a", "b", "table_2"}
 
 
-def test_wiring_batch_size_reaches_the_tpu_build(fake_tpu_v1):
-  """Wiring test: batch_size is forwarded to the mid-level build on TPU."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(0.5), batch_size=2, size_threshold=10)
-  layer(ckpt_features())
-  assert FakeMidLevelV1.instances[0].calls[0] == ("build", None, 2)
+def test_batch_size_reaches_the_tpu_build(tpu_v1):
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(0.5), batch_size=3, size_threshold=10)
+    with pytest.raises(ValueError, match=r"\(3,\).*\(2,\)"):  # TF checks the batch of 2
+      _traced_step(layer)
+  (proto,) = recorded.config_protos
+  assert [list(f.input_shape) for f in proto.feature_descriptor] == [[3], [3]]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,6 +208,11 @@ class TpuV1Backend(Backend):
     variables = self.variables_by_table
     return {table: variables[table.name]["parameters"] for table in self.config.tables}
 
+  def flush(self) -> None:
+    """Copies the tables and slots from TPU memory into their host variables, so that what
+    export reads is current (TF's own checkpoint saver does the same before a save)."""
+    retrieve_from_tpu(self._mid_level)
+
   def build(self, per_replica_input_shapes):
     if self._batch_size is None:
       self._mid_level.build(per_replica_input_shapes=per_replica_input_shapes)

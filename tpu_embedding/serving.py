@@ -79,13 +79,14 @@ def export_for_serving(model: tf.Module, export_dir: str,
   kept = _kept_tables(tables, layers, owners, needed)
 
   root = tf.Module()
-  root.embedding_tables = {name: ref.deref() for ref, (name, slot) in _sorted(owners)
+  grouped = sorted(_grouped(owners).items(), key=lambda item: (item[0][0], item[0][1] or ""))
+  root.embedding_tables = {name: value for (name, slot), value in grouped
                            if slot is None and name in kept}
   if include_optimizer_slots:
-    slots: dict[str, dict[str, tf.Variable]] = {}
-    for ref, (name, slot) in _sorted(owners):
+    slots: dict[str, dict[str, Any]] = {}
+    for (name, slot), value in grouped:
       if slot is not None and name in kept:
-        slots.setdefault(name, {})[slot] = ref.deref()
+        slots.setdefault(name, {})[slot] = value
     root.optimizer_slots = slots
   root.model_variables = [v for r, v in read.items() if r not in owners]
 
@@ -129,23 +130,36 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
 
 
 def _embedding_variables(layers: list[TPUEmbedding]) -> dict[Any, tuple[str, Optional[str]]]:
-  """{variable ref: (table name, slot name or None)} over every layer's tables and slots."""
+  """{variable ref: (table name, slot name or None)} over every layer's tables and slots.
+
+  A V1 table is a sharded variable (one row block per TPU host); its blocks are the variables a
+  signature reads, so each is owned. One block is exported as the table, several as a list.
+  """
   owners: dict[Any, tuple[str, Optional[str]]] = {}
   for layer in layers:
-    engine = layer._tpu_embedding  # pylint: disable=protected-access
-    by_table = getattr(engine, "variables_by_table", None) or engine.variables
-    for table, entries in by_table.items():
+    for table, entries in layer.variables_by_table.items():
       for slot, variable in entries.items():
         key = (table, None if slot == "parameters" else slot)
-        if key in owners.values() and owners.get(variable.ref()) != key:
+        parts = _row_blocks(variable)
+        if key in owners.values() and owners.get(parts[0].ref()) != key:
           raise ValueError(f"Two TPUEmbedding layers of this model have a table named {table!r}; "
                            "give the tables unique names to export them.")
-        owners[variable.ref()] = key
+        for part in parts:
+          owners[part.ref()] = key
   return owners
 
 
-def _sorted(owners: Mapping[Any, tuple[str, Optional[str]]]):
-  return sorted(owners.items(), key=lambda item: (item[1][0], item[1][1] or ""))
+def _row_blocks(variable: Any) -> list[tf.Variable]:
+  return list(getattr(variable, "variables", None) or [variable])
+
+
+def _grouped(owners: Mapping[Any, tuple[str, Optional[str]]]
+             ) -> dict[tuple[str, Optional[str]], Any]:
+  """{(table, slot): the variable, or the list of its row blocks in row order}."""
+  grouped: dict[tuple[str, Optional[str]], list] = {}
+  for ref, key in owners.items():
+    grouped.setdefault(key, []).append(ref.deref())
+  return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
 
 
 def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, Any],
