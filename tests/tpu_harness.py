@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
@@ -66,8 +67,8 @@ class _StandInExtended(one_device_strategy.OneDeviceExtended):
   def __init__(self, strategy, feature: EmbeddingFeature, replicas: int, sparse_cores: int):
     super().__init__(strategy, "/cpu:0")
     self.tpu_hardware_feature = _HardwareFeature(feature, sparse_cores)
-    self._tpu_devices = [[f"/job:localhost/replica:0/task:0/device:TPU:{i}"]
-                         for i in range(replicas)]
+    self._tpu_devices = np.array([[f"/job:localhost/replica:0/task:0/device:TPU:{i}"]
+                                  for i in range(replicas)], dtype=object)
     self._device_assignment = None
 
   @property

@@ -20,6 +20,7 @@ from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
 from tpu_embedding.engine.engine import EmbeddingEngine
 
 _PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
@@ -306,25 +307,14 @@ class TpuV2Backend(Backend):
 
   @property
   def embedding_tables(self) -> dict:
-    """{TableConfig: variable}; TPUEmbeddingV2 itself keys its tables by *stacked* table name.
+    """{TableConfig: tensor}: each table's logical value, whether stacked or alone.
 
-    A table stacked alone maps to its stack's variable. Several tables sharing one stack have no
-    variable of their own, which is refused by name rather than silently left out.
+    TPUEmbeddingV2 keys its variables by stacked table name, and even a table stacked alone is
+    padded, row-dealt and rotated over the SparseCores; these are read-only copies of the
+    tables as configured (write through a checkpoint restore, not through these).
     """
-    stacked = self._mid_level.embedding_tables
-    layouts = self._mid_level.embedding_layouts
-    stack_of = {table: layouts[table.name].stacked_table_name for table in self.config.tables}
-    members: dict[str, list[str]] = {}
-    for table, stack in stack_of.items():
-      members.setdefault(stack, []).append(table.name)
-    shared = {stack: names for stack, names in members.items() if len(names) > 1}
-    if shared:
-      raise ValueError(
-          f"On SparseCore these tables are stacked into shared variables: {shared}; no table has "
-          "a variable of its own. Pass sparse_core_embedding_config=tf.tpu.experimental."
-          "embedding.SparseCoreEmbeddingConfig(disable_table_stacking=True) to keep them apart, "
-          "or read the stacked variables from layer._tpu_embedding.embedding_tables.")
-    return {table: stacked[stack] for table, stack in stack_of.items()}
+    return sparse_core.logical_tables(self._mid_level.embedding_tables,
+                                      self._mid_level.embedding_layouts, self.config.tables)
 
   def lookup(self, features, weights, trap):
     @tf.custom_gradient

@@ -1,0 +1,83 @@
+"""The SparseCore path (tpu_embedding.backends.TpuV2Backend, tpu_embedding.sparse_core) on TF's
+real `TPUEmbeddingV2` under `tpu_harness.StandInTPUStrategy`.
+
+TF's own constructor stacks and pads the tables and creates the variables with its sharded
+layout on CPU; nothing here runs on a TPU.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_harness
+from tpu_embedding import hardware
+from tpu_embedding.layer import TPUEmbedding
+
+emb = tf.tpu.experimental.embedding
+BATCH = 4
+SIZES = {"a": (16, 4, 0.0), "b": (32, 2, 10000.0)}  # vocabulary, dim, value offset
+
+
+def pattern(offset):
+  """An initializer whose row r, column c holds offset + 100 r + c, whatever shape TF asks
+  for (SparseCore asks for padded shapes), so every logical entry is known in advance."""
+
+  def initializer(shape, dtype=tf.float32):
+    rows = tf.range(shape[0], dtype=dtype)[:, None]
+    columns = tf.range(shape[1], dtype=dtype)[None, :]
+    return offset + 100.0 * rows + columns
+
+  return initializer
+
+
+def logical_by_hand(stacked, layout):
+  """NumPy reading of a SparseCoreTableLayout: logical row r sits on SparseCore
+  (r mod n + rotation) mod n, at row offset + r // n of that core's block, in the first dim
+  columns."""
+  n = layout.num_sparse_cores
+  rows_per_core = stacked.shape[0] // n
+  vocabulary, dim = layout.unsharded_shape
+  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
+          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
+  return stacked[rows, :dim]
+
+
+def stacked_by_hand(variable):
+  return np.concatenate([shard.numpy() for shard in variable.values])
+
+
+def _config():
+  tables = {name: emb.TableConfig(vocabulary, dim, name=name, initializer=pattern(offset))
+            for name, (vocabulary, dim, offset) in SIZES.items()}
+  return {"x": emb.FeatureConfig(tables["a"], output_shape=[BATCH]),
+          "y": emb.FeatureConfig(tables["b"], output_shape=[BATCH])}
+
+
+def _layer(strategy, stacking=True):
+  sc_config = emb.SparseCoreEmbeddingConfig(disable_table_stacking=not stacking)
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer="adagrad", sparse_core_embedding_config=sc_config)
+    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
+  return layer
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("stacking", [True, False], ids=["stacked", "unstacked"])
+def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking):
+  """Failure 4: tables of dims 4 and 2 with one optimizer share one padded stack; each table's
+  value is read back un-dealt, un-rotated and un-padded."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2, replicas)
+  layer = _layer(strategy, stacking)
+  layouts = layer._tpu_embedding.embedding_layouts
+  stacks = {layouts[name].stacked_table_name for name in SIZES}
+  assert stacks == ({"a_b"} if stacking else {"a", "b"})
+  assert all(layouts[name].unsharded_padded_shape[1] == 8 for name in SIZES)
+  tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
+  stacked = layer._tpu_embedding.embedding_tables
+  for name, (vocabulary, dim, offset) in SIZES.items():
+    want = logical_by_hand(stacked_by_hand(stacked[layouts[name].stacked_table_name]),
+                           layouts[name])
+    np.testing.assert_array_equal(tables[name], want, err_msg=name)
+    # Only this table's columns and rows: TF's initializer wrote offset + 100 * row + column.
+    np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
+    assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
