@@ -8,6 +8,7 @@ layout on CPU; nothing here runs on a TPU.
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 import tpu_harness
 from tpu_embedding import hardware
@@ -81,3 +82,28 @@ def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking
     # Only this table's columns and rows: TF's initializer wrote offset + 100 * row + column.
     np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
     assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
+
+
+@pytest.mark.parametrize("setting,optimizer", [
+    ("clipvalue", lambda: emb.SGD(0.1, use_gradient_accumulation=True, clipvalue=1.0)),
+    ("clip_weight_min", lambda: emb.Adagrad(0.1, clip_weight_min=-1.0)),
+    ("clip_weight_max", lambda: emb.SGD(0.1, clip_weight_max=1.0)),
+    ("weight_decay_factor", lambda: emb.Adam(0.1, weight_decay_factor=0.01)),
+])
+def test_what_sparse_core_does_not_apply_is_refused_by_table_and_setting(monkeypatch, setting,
+                                                                          optimizer):
+  """Failure 8: TF's SparseCore update silently skips clipping (and raises NotImplementedError
+  deep inside for weight decay)."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  config = _config()
+  config["y"].table.optimizer = optimizer()
+  with strategy.scope():
+    with pytest.raises(ValueError, match=rf"(?s)'b'.*{setting}.*TPU_V2"):
+      TPUEmbedding(config, optimizer="sgd")
+
+
+def test_a_keras_clipvalue_is_refused_on_sparse_core(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=r"(?s)'a'.*clipvalue.*TPU_V2"):
+      TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.1, clipvalue=0.5))

@@ -295,6 +295,7 @@ class TpuV2Backend(Backend):
     super().__init__(config)
     _require_optimizers(config, self.path)
     _require_output_shapes(config)
+    _refuse_what_sparse_core_ignores(config)
     self._mid_level = mid_level.TPUEmbeddingV2(config.feature_config, config.optimizer,
                                                pipelining, sparse_core_embedding_config)
 
@@ -339,6 +340,28 @@ def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
         f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
         f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
         "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length]).")
+
+
+def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None:
+  """TF's SparseCore update never applies gradient or weight clipping (it passes neither to its
+  ops) and has no weight decay: refused by table and setting, rather than trained without."""
+  for table in config.tables:
+    optimizer = table.optimizer
+    settings = {
+        "clipvalue": (optimizer.clip_gradient_min, optimizer.clip_gradient_max),
+        "clip_weight_min": (optimizer.clip_weight_min,),
+        "clip_weight_max": (optimizer.clip_weight_max,),
+        "weight_decay_factor": (optimizer.weight_decay_factor,),
+        "multiply_weight_decay_factor_by_learning_rate": (
+            optimizer.multiply_weight_decay_factor_by_learning_rate,),
+    }
+    for setting, values in settings.items():
+      if any(value is not None for value in values):
+        raise ValueError(
+            f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
+            f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
+            "gradient clipping, weight clipping or weight decay. Remove the setting for this "
+            "path (the CPU, V1 and Keras paths apply it).")
 
 
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
