@@ -12,11 +12,12 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import hardware
+from tpu_embedding import sparse_core
 from tpu_embedding.layer import TPUEmbedding
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
-SIZES = {"a": (16, 4, 0.0), "b": (32, 2, 10000.0)}  # vocabulary, dim, value offset
+SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset
 
 
 def pattern(offset):
@@ -50,8 +51,8 @@ def stacked_by_hand(variable):
 def _config():
   tables = {name: emb.TableConfig(vocabulary, dim, name=name, initializer=pattern(offset))
             for name, (vocabulary, dim, offset) in SIZES.items()}
-  return {"x": emb.FeatureConfig(tables["a"], output_shape=[BATCH]),
-          "y": emb.FeatureConfig(tables["b"], output_shape=[BATCH])}
+  return {"x": emb.FeatureConfig(tables["video"], output_shape=[BATCH]),
+          "y": emb.FeatureConfig(tables["user"], output_shape=[BATCH])}
 
 
 def _layer(strategy, stacking=True):
@@ -71,7 +72,7 @@ def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking
   layer = _layer(strategy, stacking)
   layouts = layer._tpu_embedding.embedding_layouts
   stacks = {layouts[name].stacked_table_name for name in SIZES}
-  assert stacks == ({"a_b"} if stacking else {"a", "b"})
+  assert stacks == ({"user_video"} if stacking else {"video", "user"})
   assert all(layouts[name].unsharded_padded_shape[1] == 8 for name in SIZES)
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
   stacked = layer._tpu_embedding.embedding_tables
@@ -98,12 +99,77 @@ def test_what_sparse_core_does_not_apply_is_refused_by_table_and_setting(monkeyp
   config = _config()
   config["y"].table.optimizer = optimizer()
   with strategy.scope():
-    with pytest.raises(ValueError, match=rf"(?s)'b'.*{setting}.*TPU_V2"):
+    with pytest.raises(ValueError, match=rf"(?s)'user'.*{setting}.*TPU_V2"):
       TPUEmbedding(config, optimizer="sgd")
 
 
 def test_a_keras_clipvalue_is_refused_on_sparse_core(monkeypatch):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   with strategy.scope():
-    with pytest.raises(ValueError, match=r"(?s)'a'.*clipvalue.*TPU_V2"):
+    with pytest.raises(ValueError, match=r"(?s)'video'.*clipvalue.*TPU_V2"):
       TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.1, clipvalue=0.5))
+
+
+def _cpu_layer():
+  layer = TPUEmbedding(_config(), optimizer="adagrad")
+  layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
+  return layer
+
+
+def _by_name(tables):
+  return {t.name: np.asarray(v) for t, v in tables.items()}
+
+
+def test_a_cpu_checkpoint_restores_into_sparse_core_through_tfs_adapter(monkeypatch, tmp_path):
+  """Failure 5, CPU -> V2: per-table keys, re-sharded by TF's checkpoint adapter. The restore
+  must be issued before the layer is built (TF applies the adapter when it creates the
+  variables)."""
+  cpu = _cpu_layer()
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer="adagrad")
+  tf.train.Checkpoint(layer=layer).read(path)
+  with strategy.scope():
+    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
+  want = _by_name(cpu.embedding_tables)
+  for name, value in _by_name(layer.embedding_tables).items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
+  """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
+  tables and Adagrad accumulators."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  stacked = layer._tpu_embedding.variables["user_video"]
+  for variable in stacked.values():
+    for shard in variable.values:
+      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[1, shard.shape[0]]))
+  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
+  cpu = _cpu_layer()
+  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
+  layouts = layer._tpu_embedding.embedding_layouts
+  for name, variables in cpu.variables_by_table.items():
+    for slot in ("parameters", "accumulators"):
+      want = logical_by_hand(stacked_by_hand(stacked[slot]), layouts[name])
+      np.testing.assert_array_equal(variables[slot].numpy(), want, err_msg=f"{name} {slot}")
+
+
+def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, tmp_path):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  path = tf.train.Checkpoint(layer=_layer(strategy)).write(str(tmp_path / "sc"))
+  extra = emb.TableConfig(8, 2, name="extra")
+  config = dict(_config(), z=emb.FeatureConfig(extra))
+  cpu = TPUEmbedding(config, optimizer="adagrad")
+  cpu.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH]),
+             "z": tf.TensorShape([BATCH])})
+  before = {name: {s: v.numpy() for s, v in slots.items()}
+            for name, slots in cpu.variables_by_table.items()}
+  with pytest.raises(ValueError, match=r"no table \['extra'\]"):
+    sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
+  for name, slots in cpu.variables_by_table.items():
+    for slot, variable in slots.items():
+      np.testing.assert_array_equal(variable.numpy(), before[name][slot])

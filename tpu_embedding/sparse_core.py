@@ -13,7 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+# TF internals, each used in this module only: TF's own unshuffling, and its checkpoint key escape.
 from tensorflow.python.tpu import tpu_embedding_v3_utils
+from tensorflow.python.trackable import trackable_utils
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -49,3 +52,52 @@ def logical_tables(stacked_variables: dict[str, Any], layouts: dict[str, Any],
       stacks[name] = stacked_value(stacked_variables[name])
     result[table] = logical_table(stacks[name], layout)
   return result
+
+
+def restore_from_checkpoint(path: str, layer_path: str,
+                            variables_by_table: dict[str, dict[str, tf.Variable]]) -> None:
+  """Loads the tables and slots a SparseCore layer saved at `path` into unstacked variables.
+
+  A SparseCore checkpoint holds stacked, padded, sharded values under stacked names plus the
+  layouts; other paths key each table by its own name, so `tf.train.Checkpoint.restore` cannot
+  match them. This reads each table's values through its layout. Everything is read and checked
+  first, then assigned: a refused checkpoint changes no variable.
+
+  Args:
+    path: the checkpoint (a prefix as `tf.train.Checkpoint.write` returns, or a directory).
+    layer_path: where the saved layer's mid-level object sits in the checkpoint, e.g.
+      "model/embedding/_tpu_embedding".
+    variables_by_table: the receiving layer's `variables_by_table`.
+  """
+  reader = tf.train.load_checkpoint(path)
+  layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+  layouts.ParseFromString(reader.get_tensor(_key(layer_path, _LAYOUTS)))
+  by_table = {layout.table_name: layout for layout in layouts.tables}
+  missing = sorted(set(variables_by_table) - set(by_table))
+  if missing:
+    raise ValueError(f"The SparseCore checkpoint {path} at {layer_path!r} has no table "
+                     f"{missing}; it holds {sorted(by_table)}.")
+  values = []
+  for table, variables in variables_by_table.items():
+    layout = by_table[table]
+    for slot, variable in variables.items():
+      stack = layout.stacked_table_name + ("" if slot == "parameters" else f"/{slot}")
+      key = _key(layer_path, stack)
+      if not reader.has_tensor(key):
+        raise ValueError(f"The SparseCore checkpoint {path} has no {slot!r} for table "
+                         f"{table!r} (looked for {key!r}).")
+      value = logical_table(tf.constant(reader.get_tensor(key)), layout)
+      if value.shape != variable.shape:
+        raise ValueError(f"Table {table!r} {slot!r}: the checkpoint holds shape {value.shape}, "
+                         f"the layer {variable.shape}.")
+      values.append((variable, value))
+  for variable, value in values:
+    variable.assign(value)
+
+
+_LAYOUTS = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+
+
+def _key(layer_path: str, name: str) -> str:
+  """The checkpoint key of the variable tracked as `name` (TF escapes '/' and '.' in names)."""
+  return f"{layer_path}/{trackable_utils.escape_local_name(name)}/.ATTRIBUTES/VARIABLE_VALUE"
