@@ -1,9 +1,10 @@
 """One backend per execution path; the layer holds exactly one and never re-tests the hardware.
 
 Each backend owns the object stored at the layer's `_tpu_embedding` attribute (the checkpoint
-path tf-recommenders uses), so a checkpoint's keys are the same on every path.
-The TPU backends drive the mid-level API as its documentation prescribes; they cannot run
-without a TPU, and their tests check the wiring only.
+path tf-recommenders uses), so a table's checkpoint key is the same on the CPU, V0 and V1 paths;
+SparseCore saves stacked tables instead (see `tpu_embedding.sparse_core`).
+The TPU backends drive TF's mid-level classes as their documentation prescribes; their tests run
+those real classes with only the TPU runtime stubbed (tests/tpu_harness.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tpu_embedding.engine.engine import EmbeddingEngine
 
 _PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
 
-mid_level = tf.tpu.experimental.embedding  # looked up at call time, so tests can substitute
+_embedding = tf.tpu.experimental.embedding
 
 TABLE_UPDATES = ("engine", "keras")
 
@@ -138,7 +139,7 @@ class TpuV0Backend(Backend):
     _refuse_mid_level_optimizers(config, user_optimizer)
     for table in config.tables:
       table.optimizer = None  # slots would live in the Keras optimizer, not here
-    self._mid_level = mid_level.TPUEmbeddingV0(config.feature_config, None)
+    self._mid_level = _embedding.TPUEmbeddingV0(config.feature_config, None)
 
   @property
   def mid_level(self):
@@ -189,7 +190,7 @@ class TpuV1Backend(Backend):
     self._batch_size = batch_size
     _require_optimizers(config, self.path)
     _give_packing_status_as_enum(config)
-    self._mid_level = mid_level.TPUEmbedding(config.feature_config, config.optimizer,
+    self._mid_level = _embedding.TPUEmbedding(config.feature_config, config.optimizer,
                                              pipelining)
     self._call_ids = itertools.count(1)
 
@@ -296,7 +297,7 @@ class TpuV2Backend(Backend):
     _require_optimizers(config, self.path)
     _require_output_shapes(config)
     _refuse_what_sparse_core_ignores(config)
-    self._mid_level = mid_level.TPUEmbeddingV2(config.feature_config, config.optimizer,
+    self._mid_level = _embedding.TPUEmbeddingV2(config.feature_config, config.optimizer,
                                                pipelining, sparse_core_embedding_config)
 
   @property
