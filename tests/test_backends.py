@@ -12,7 +12,6 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_harness
-from tpu_embedding import hardware
 from tpu_embedding import serving
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, Path

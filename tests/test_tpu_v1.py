@@ -123,7 +123,10 @@ def test_a_training_step_enqueues_receives_and_sends_once_under_one_name(v1, kin
   assert len(names) == 1
   assert enqueue.get_attr("device_ordinal") == 0
   assert len(receive.outputs) == 2
-  assert [o.shape.as_list() for o in receive.outputs] == [[BATCH, 2], [BATCH, 4]]  # flatten order: friends, watched
+  # Flatten order: friends (dim 2), watched (dim 4).
+  assert [o.shape.as_list() for o in receive.outputs] == [[BATCH, 2], [BATCH, 4]]
+  # The gradients sent back are the activations' gradients, one [B, D] per feature.
+  assert [t.shape.as_list() for t in send.inputs[:2]] == [[BATCH, 2], [BATCH, 4]]
   (proto,) = recorded.config_protos
   assert [list(f.input_shape) for f in proto.feature_descriptor] == [[BATCH], [BATCH]]
 

@@ -120,6 +120,7 @@ def _initialise_by_tracing(recorded: Recorded, initialise: Callable) -> Callable
 
 def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
   """(module, TF-internal name, replacement) for every call needing a TPU."""
+  # pylint: disable=protected-access
   return [
       # V1 build: asks the TPU whether the embedding engine is initialised.
       (tpu_ops, "is_tpu_embedding_initialized", lambda *args, **kwargs: False),
@@ -128,10 +129,9 @@ def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
        _initialise_by_tracing(recorded, tpu_lib.initialize_system_for_tpu_embedding)),
       # V1 build / restore and save: copy tables into and out of TPU memory.
       (tpu_embedding_v2, "_load_variables_impl",
-       _traced_instead_of_run(recorded, "loads", tpu_embedding_v2._load_variables_impl)),  # pylint: disable=protected-access
+       _traced_instead_of_run(recorded, "loads", tpu_embedding_v2._load_variables_impl)),
       (tpu_embedding_v2, "_retrieve_variables_impl",
-       _traced_instead_of_run(recorded, "retrieves",
-                              tpu_embedding_v2._retrieve_variables_impl)),  # pylint: disable=protected-access
+       _traced_instead_of_run(recorded, "retrieves", tpu_embedding_v2._retrieve_variables_impl)),
   ]
 
 
