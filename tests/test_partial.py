@@ -406,6 +406,8 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
   # Failure 2: the sharded side's tables are readable under the TPU strategy.
   tables = {t.name: v for t, v in layer.embedding_tables.items()}
   np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
+  sharded = {t.name: v for t, v in layer.tpu_embedding.embedding_tables.items()}
+  np.testing.assert_array_equal(sharded["b"].numpy(), values(20, 3))
 
 
 def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):

@@ -173,3 +173,21 @@ def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, t
   for name, slots in cpu.variables_by_table.items():
     for slot, variable in slots.items():
       np.testing.assert_array_equal(variable.numpy(), before[name][slot])
+
+
+def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoint(
+    monkeypatch, tmp_path):
+  """Cross-check of sparse_core.restore_from_checkpoint with TF's TPUEmbeddingForServing,
+  which restores SparseCore checkpoints its own way (a restore issued before it is built)."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  path = tf.train.Checkpoint(layer=_layer(strategy)).write(str(tmp_path / "sc"))
+  cpu = _cpu_layer()
+  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
+  serving = emb.TPUEmbeddingForServing(_config(), emb.Adagrad(0.1))
+  holder = tf.Module()
+  holder._tpu_embedding = serving  # the path the layer saved under
+  tf.train.Checkpoint(layer=holder).read(path).expect_partial()
+  serving.build()
+  want = _by_name(cpu.embedding_tables)
+  for name, value in _by_name(serving.embedding_tables).items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)

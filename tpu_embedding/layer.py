@@ -30,7 +30,9 @@ class TPUEmbedding(tf_keras.layers.Layer):
     feature_config: any nest of `tf.tpu.experimental.embedding.FeatureConfig`.
     optimizer: for every table without its own `TableConfig.optimizer`: a string, a Keras
       optimizer of any family, or a `tf.tpu.experimental.embedding` optimizer. None is for
-      serving-only layers (no slot variables).
+      serving-only layers (no slot variables), refused on the TPU embedding engines (V1, V2).
+      On a TPU without embedding hardware (V0) the Keras optimizer the model applies trains the
+      tables, so mid-level optimizers are refused there (README: "TPU paths").
     pipeline_execution_with_tensor_core: overlap embedding and dense work on TPU; on CPU the
       same one-step-stale lookups are emulated so its effect can be measured before paying.
     batch_size: per-replica batch size for building the TPU V1 engine (deprecated by TF).
