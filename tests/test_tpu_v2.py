@@ -191,3 +191,23 @@ def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoi
   want = _by_name(cpu.embedding_tables)
   for name, value in _by_name(serving.embedding_tables).items():
     np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("stacking", [True, False], ids=["stacked", "unstacked"])
+def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking):
+  """TF's own preprocessing and lookup graph (traced, not run). The backward step is not
+  traced: TF reads SparseCore variables only inside a real TPU replica context."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy, stacking)
+
+  @tf.function
+  def step(ids):
+    return strategy.run(layer, args=(ids,))
+
+  specs = {"x": tf.TensorSpec([BATCH], tf.int32), "y": tf.TensorSpec([BATCH], tf.int32)}
+  with strategy.scope():
+    concrete = step.get_concrete_function(specs)
+  ops = [op.type for op in concrete.graph.get_operations()]
+  assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == (1 if stacking else 2)
+  assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
+      "x": [BATCH, 4], "y": [BATCH, 2]}
