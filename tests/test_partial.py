@@ -482,3 +482,12 @@ def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_glob
   got = slots_by_table(mirrored._variables_by_table())
   for key, value in want.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=str(key))
+
+
+def test_sharding_on_a_tpu_without_embedding_hardware_is_refused(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\].*size_threshold=None"):
+      PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=10)
+    replicated = PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=None)
+  assert replicated.tpu_embedding is None

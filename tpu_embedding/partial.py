@@ -188,6 +188,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
 
     self._tpu_embedding = None
     if per_side[SHARDED]:
+      _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
       self._tpu_embedding = TPUEmbedding(
           per_side[SHARDED], self._config.optimizer,
           pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
@@ -376,3 +377,14 @@ def _sharded_variables(layer: TPUEmbedding) -> dict[str, dict[str, tf.Variable]]
   """The sharded layer's {table name: {"parameters"/slot: variable}}, on every path."""
   return {name: dict(variables) for name, variables in layer.variables_by_table.items()
           if isinstance(name, str)}
+
+
+def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
+  """On a TPU without embedding hardware TF replicates every table and trains it with the Keras
+  optimizer (path V0), so the sharded side could not train as the replicated side does."""
+  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.Path.TPU_V0:
+    raise ValueError(
+        f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
+        "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
+        "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
+        "TPUEmbedding.")
