@@ -112,3 +112,30 @@ def test_a_mid_level_optimizer_is_refused_on_v0(v0, where):
   assert "Adagrad" in str(error.value)
   if where == "table":
     assert "'user'" in str(error.value)
+
+
+@pytest.mark.parametrize("sequence_kind", ["ragged", "sparse"])
+def test_v0_weighted_bags_and_sequences_match_the_cpu_engine(v0, sequence_kind):
+  """Forward only: weighted ragged bags (mean) and a sequence feature (padded/truncated to
+  max_sequence_length) as the CPU engine computes them. TF's V0 class looks a short sequence's
+  padding up as id 0; the layer gives zeros there, as every other path does."""
+  user = emb.TableConfig(vocabulary_size=4, dim=2, combiner="mean", name="user",
+                         initializer=tf.constant_initializer(np.arange(8.0) / 10))
+  config = lambda: {"bags": emb.FeatureConfig(user, name="bags"),
+                    "seq": emb.FeatureConfig(user, name="seq", max_sequence_length=2)}
+  ids = {"bags": tf.RaggedTensor.from_row_lengths(tf.constant([3, 1, 0, 2, 1]), [2, 1, 2]),
+         "seq": tf.RaggedTensor.from_row_lengths(tf.constant([1, 2, 3, 0]), [3, 0, 1])}
+  weights = {"bags": tf.RaggedTensor.from_row_lengths(tf.constant([1.0, 3.0, 2.0, 0.5, 1.5]),
+                                                      [2, 1, 2]),
+             "seq": None}
+  if sequence_kind == "sparse":
+    ids["seq"] = ids["seq"].to_sparse()
+  with v0.scope():
+    layer = TPUEmbedding(config(), optimizer="sgd")
+    tpu = tf.function(lambda: v0.run(layer, args=(ids, weights)))()
+  cpu = TPUEmbedding(config(), optimizer="sgd", table_updates="keras")(ids, weights)
+  table = np.arange(8.0).reshape(4, 2) / 10
+  np.testing.assert_allclose(tpu["bags"].numpy()[0], (table[3] + 3 * table[1]) / 4, rtol=1e-6)
+  np.testing.assert_allclose(tpu["seq"].numpy()[1], np.zeros([2, 2]))
+  for key in ("bags", "seq"):
+    np.testing.assert_allclose(tpu[key].numpy(), cpu[key].numpy(), rtol=1e-6, err_msg=key)

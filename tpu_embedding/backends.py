@@ -150,19 +150,33 @@ class TpuV0Backend(Backend):
 
   def lookup(self, features, weights, trap):
     activations = self._mid_level(features, weights)
-    # TF's V0 keeps the trailing 1 of dense [B, 1] ids ([B, 1, D]); every other path gives [B, D].
-    return tf.nest.map_structure(
-        lambda ids, out: tf.squeeze(out, -2) if _is_dense_column(ids) else out,
-        features, activations)
+    return tf.nest.pack_sequence_as(self.config.feature_config, [
+        _as_other_paths_give(feature, ids, out) for (feature, ids), out in zip(
+            config_lib.match_structure(self.config, features), tf.nest.flatten(activations))])
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return list(self._mid_level.embedding_tables.values())
 
 
-def _is_dense_column(ids: Any) -> bool:
-  return (isinstance(ids, tf.Tensor) and ids.shape.rank is not None and ids.shape.rank >= 2
-          and ids.shape[-1] == 1)
+def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:
+  """Two differences of TF's V0 class from every other path, undone: it keeps the trailing 1 of
+  dense [B, 1] ids ([B, 1, D], not [B, D]), and it looks the padding of a short ragged or sparse
+  sequence up as id 0 (row 0's values, not zeros)."""
+  if (isinstance(ids, tf.Tensor) and ids.shape.rank is not None and ids.shape.rank >= 2
+      and ids.shape[-1] == 1):
+    return tf.squeeze(out, -2)
+  length = feature.config.max_sequence_length
+  if not length or isinstance(ids, tf.Tensor):
+    return out
+  if isinstance(ids, tf.RaggedTensor):
+    present = tf.sequence_mask(ids.row_lengths(), length)
+  else:
+    positions = tf.SparseTensor(ids.indices, tf.ones_like(ids.values, tf.bool), ids.dense_shape)
+    present = tf.sparse.to_dense(tf.sparse.slice(
+        positions, [0, 0], tf.stack([ids.dense_shape[0], length])), default_value=False)
+    present = tf.pad(present, [[0, 0], [0, length - tf.shape(present)[1]]])
+  return out * tf.cast(present, out.dtype)[:, :, None]
 
 
 def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimizer: Any) -> None:
