@@ -308,6 +308,37 @@ def test_existing_export_is_refused_unless_overwrite(exported, tmp_path):
   assert os.listdir(tmp_path) == ["model"]  # no staging or old copies left behind
 
 
+@pytest.mark.parametrize("setup", ["user_files", "empty_dir", "file", "export_plus_notes"])
+def test_overwrite_replaces_only_a_saved_model(exported, tmp_path, setup):
+  """overwrite=True never deletes a directory or file that is not an earlier export."""
+  model, _, _ = exported
+  fns = {"user_movie": signatures(model)["user_movie"]}
+  target = tmp_path / "target"
+  if setup == "file":
+    target.write_text("mine")
+  elif setup == "export_plus_notes":
+    serving.export_for_serving(model, str(target), fns)
+    (target / "notes.txt").write_text("mine")
+  else:
+    target.mkdir()
+    if setup == "user_files":
+      (target / "notes.txt").write_text("mine")
+  before = files_digest(str(target)) if target.is_dir() else target.read_text()
+  with pytest.raises(FileExistsError, match=re.escape(str(target)) + ".*not a SavedModel"):
+    serving.export_for_serving(model, str(target), fns, overwrite=True)
+  assert (files_digest(str(target)) if target.is_dir() else target.read_text()) == before
+  assert sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_empty_export_dir_is_refused(exported, tmp_path, monkeypatch):
+  model, _, _ = exported
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="export_dir is empty"):
+    serving.export_for_serving(model, "", signatures(model)["user_movie"], overwrite=True)
+  assert os.listdir(tmp_path) == ["notes.txt"]
+
+
 def test_a_signature_needs_an_input_signature(exported, tmp_path):
   model, _, _ = exported
   with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "
