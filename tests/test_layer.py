@@ -447,6 +447,42 @@ def test_tables_exist_before_the_first_call_and_can_be_replaced():
     layer.update_embedding_table(table(name="other"), replacement)
 
 
+@pytest.mark.parametrize("table_updates", ["engine", "keras"])
+def test_a_replaced_table_is_trained_and_checkpointed(tmp_path, table_updates):
+  t = table(rows=3, dim=2, name="videos", combiner="sum")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd", table_updates=table_updates)
+  layer(tf.constant([0]))
+  replacement = tf.Variable(np.full((3, 2), 7.0, np.float32))
+  layer.update_embedding_table(t, replacement)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(layer(tf.constant([1])))
+  grads = tape.gradient(loss, layer.trainable_variables)
+  tf_keras.optimizers.SGD(0.5).apply_gradients(zip(grads, layer.trainable_variables))
+  # d(loss)/d(row 1) = 1: the engine's SGD steps by its own learning rate (0.01), Keras by 0.5.
+  trained = np.full((3, 2), 7.0, np.float32)
+  trained[1] -= 0.01 if table_updates == "engine" else 0.5
+  np.testing.assert_allclose(replacement.numpy(), trained)
+  path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
+  fresh = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table(rows=3, dim=2, name="videos")),
+                                     "sgd", table_updates=table_updates)
+  fresh(tf.constant([0]))
+  tf.train.Checkpoint(layer=fresh).restore(path).assert_consumed()
+  np.testing.assert_allclose(fresh.variables_by_table["videos"]["parameters"].numpy(), trained)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "tensor"])
+def test_a_replacement_that_is_not_a_table_like_variable_is_refused(bad):
+  t = table(rows=3, dim=2, name="videos")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
+  replacement = {"shape": tf.Variable(tf.zeros([4, 2])),
+                 "dtype": tf.Variable(tf.zeros([3, 2], tf.float64)),
+                 "tensor": tf.zeros([3, 2])}[bad]
+  with pytest.raises(ValueError, match=r"Table 'videos': update_embedding_table needs a "
+                                       r"tf.Variable of shape \[3, 2\] and dtype float32"):
+    layer.update_embedding_table(t, replacement)
+  np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
+
+
 def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
   t = table(rows=4, dim=2)
   layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)}, optimizer=None)

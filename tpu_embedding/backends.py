@@ -54,6 +54,10 @@ class Backend(abc.ABC):
     """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
     return self.mid_level._variables  # pylint: disable=protected-access
 
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table everywhere; TF's classes track their variables dict."""
+    self.variables_by_table[table.name]["parameters"] = variable
+
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
@@ -93,6 +97,9 @@ class CpuBackend(Backend):
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     return self._engine.variables_by_table
+
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    self._engine.replace_table(table, variable)
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:

@@ -109,8 +109,22 @@ class TPUEmbedding(tf_keras.layers.Layer):
     self._backend.flush()
 
   def update_embedding_table(self, table: TableConfig, embedding_table: tf.Variable) -> None:
-    """Replaces the variable behind `table` (e.g. with one restored elsewhere)."""
-    self.variables_by_table[self._clone_of(table).name]["parameters"] = embedding_table
+    """Replaces the variable behind `table` (e.g. with one restored elsewhere).
+
+    From then on lookups, training and checkpoints all use `embedding_table`.
+    """
+    clone = self._clone_of(table)
+    current = self.variables_by_table[clone.name]["parameters"]
+    if (not isinstance(embedding_table, tf.Variable) or
+        embedding_table.shape != current.shape or embedding_table.dtype != current.dtype):
+      raise ValueError(
+          f"Table {clone.name!r}: update_embedding_table needs a tf.Variable of shape "
+          f"{current.shape.as_list()} and dtype {current.dtype.name} (the table's), got "
+          f"{type(embedding_table).__name__} {getattr(embedding_table, 'shape', '')} "
+          f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}.")
+    self._backend.replace_table(clone, embedding_table)
+    if not self._backend.needs_trap and self.built:
+      self._keras_trained_tables = self._backend.trainable_tables
 
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:

@@ -119,6 +119,13 @@ class EmbeddingEngine(tf.Module):
     self.build()
     return self._variables
 
+  def replace_table(self, table: TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table for lookups, updates and checkpoints alike."""
+    self.build()
+    self.flush()  # updates held back belong to the variable being replaced
+    self._variables[table.name]["parameters"] = variable
+    self._track_trackable(variable, name=table.name, overwrite=True)
+
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
     self.build()
