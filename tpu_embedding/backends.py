@@ -72,13 +72,15 @@ class CpuBackend(Backend):
 
   path = hardware.Path.CPU
 
-  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine"):
+  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine",
+               check_finite: bool = False):
     super().__init__(config)
     if table_updates not in TABLE_UPDATES:
       raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
     keras_managed = table_updates == "keras"
     self.needs_trap = not keras_managed
-    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed)
+    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed,
+                                   check_finite=check_finite)
 
   @property
   def mid_level(self) -> EmbeddingEngine:
@@ -234,10 +236,16 @@ class TpuV2Backend(Backend):
 
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
            batch_size: Optional[int], sparse_core_embedding_config,
-           table_updates: str) -> Backend:
+           table_updates: str, check_finite: bool = False) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
   if path is hardware.Path.CPU:
-    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates)
+    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates,
+                      check_finite=check_finite)
+  if check_finite:
+    raise ValueError(
+        f"check_finite=True is an option of the CPU/GPU engine; on {path.name} the TPU updates "
+        "the tables itself and cannot stop at a non-finite value. Leave it off under a "
+        "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu)).")
   if path is hardware.Path.TPU_V0:
     return TpuV0Backend(config)
   if path is hardware.Path.TPU_V1:

@@ -39,6 +39,9 @@ class TPUEmbedding(tf_keras.layers.Layer):
     table_updates: off TPU, "engine" (default) trains tables with each table's mid-level
       optimizer exactly as the TPU does; "keras" makes the tables trainable variables updated by
       the Keras optimizer the user applies (the tf-recommenders behaviour).
+    check_finite: off TPU, raise an error naming the feature or table at the first NaN/Inf
+      gradient, weight or learning rate on its way to a table, before anything is written.
+      Off by default, as on TPU, where such values silently poison the rows they touch.
   """
 
   def __init__(self, feature_config: Any, optimizer: Any = None,
@@ -46,14 +49,15 @@ class TPUEmbedding(tf_keras.layers.Layer):
                batch_size: Optional[int] = None,
                embedding_feature: Optional[hardware.EmbeddingFeature] = None,
                sparse_core_embedding_config: Any = None,
-               table_updates: str = "engine", **kwargs):
+               table_updates: str = "engine", check_finite: bool = False, **kwargs):
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
     self._strategy = tf.distribute.get_strategy()
     self._backend = backends.create(
         hardware.choose_path(self._strategy, embedding_feature), self._config,
         pipelining=pipeline_execution_with_tensor_core, batch_size=batch_size,
-        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates)
+        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates,
+        check_finite=check_finite)
     self._tpu_embedding = self._backend.mid_level
     self.batch_size = batch_size
 

@@ -23,6 +23,7 @@ from tensorflow.python.ops import resource_variable_ops  # uninitialised variabl
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.updates import apply_sparse_update
 
@@ -38,6 +39,8 @@ class EmbeddingEngine(tf.Module):
       tables without the previous step's update, as on TPU.
     keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
       tf-recommenders behaviour); no slots are created and no trap is used.
+    check_finite: raise at the first non-finite gradient, weight or learning rate on its way
+      to a table (`finite`), instead of letting it poison the rows as the TPU does.
   """
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
@@ -45,11 +48,12 @@ class EmbeddingEngine(tf.Module):
       tf.Module._TF_MODULE_IGNORED_PROPERTIES)
 
   def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
-               keras_managed: bool = False):
+               keras_managed: bool = False, check_finite: bool = False):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
     self._keras_managed = keras_managed
+    self._check_finite = check_finite
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
@@ -142,6 +146,8 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
+    if self._check_finite:
+      finite.check_weights(step)
     if trap is None:
       flat = step.activations(self.parameters)
     else:
@@ -158,6 +164,8 @@ class EmbeddingEngine(tf.Module):
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
+    if self._check_finite:
+      flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
 
   def _register_training_lookup(self, step: lookup.Step) -> Callable[[], frozenset]:
@@ -259,7 +267,10 @@ class EmbeddingEngine(tf.Module):
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor,
               table_rows: Optional[tf.Tensor] = None) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    learning_rate = optimizers.learning_rate_tensor(table.optimizer,
+                                                    where=f"Table {table.name!r}")
+    if self._check_finite:
+      learning_rate = finite.check_learning_rate(learning_rate, table.name)
     names, state = self._state(table)
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
