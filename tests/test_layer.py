@@ -429,6 +429,30 @@ def test_unknown_combiner_and_duplicate_table_names():
                                 "b": E.FeatureConfig(table=table(name="x"))}, "sgd")
 
 
+@pytest.mark.parametrize("initializer,error,message", [
+    (tf.keras.initializers.Zeros, TypeError,
+     "Table 'videos': initializer is the class Zeros; pass an instance, e.g. Zeros()"),
+    (tf.constant_initializer(np.zeros([3, 2])), ValueError,
+     r"Embedding variable 'videos': its initializer failed for shape \[5, 2\]"),
+    (lambda shape, dtype=None: tf.zeros(shape, tf.int32), ValueError,
+     r"Embedding variable 'videos': its initializer gave a int32 tensor of shape \[5, 2\]; "
+     r"expected float32 \[5, 2\]"),
+])
+def test_a_bad_initializer_is_refused_naming_the_table(initializer, error, message):
+  t = E.TableConfig(5, 2, name="videos", initializer=initializer)
+  with pytest.raises(error, match=message):
+    tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")(tf.constant([1]))
+
+
+def test_two_strategy_objects_of_one_kind_are_named_as_two():
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    layer = _layer()
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    with pytest.raises(RuntimeError, match="created under MirroredStrategy but is called under "
+                                           "another MirroredStrategy object"):
+      layer({"watched": tf.constant([1]), "liked": tf.constant([0])})
+
+
 def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table()), "sgd",
                                      embedding_feature=hardware.EmbeddingFeature.V1)

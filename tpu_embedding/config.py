@@ -119,6 +119,10 @@ def _clone_table(table: TableConfig, index: int,
   if not isinstance(combiner, str) or combiner not in COMBINERS:
     raise ValueError(f"Table {clone.name!r} has combiner {table.combiner!r}; expected one of "
                      f"{', '.join(COMBINERS)}.")
+  if isinstance(table.initializer, type):
+    raise TypeError(f"Table {clone.name!r}: initializer is the class "
+                    f"{table.initializer.__name__}; pass an instance, e.g. "
+                    f"{table.initializer.__name__}().")
   own = optimizers.normalize_optimizer(table.optimizer,
                                        where=f"TableConfig {clone.name!r}.optimizer")
   clone.optimizer = own if own is not None else global_optimizer

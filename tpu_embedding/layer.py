@@ -102,11 +102,14 @@ class TPUEmbedding(tf_keras.layers.Layer):
       return
     on_tpu = self.path is not hardware.Path.CPU
     if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
+      created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
+      if created == called:
+        called = (f"another {called} object (two strategy objects are two different "
+                  "strategies, even of one kind)")
       raise RuntimeError(
-          f"This TPUEmbedding layer was created under {hardware.strategy_name(self._strategy)} "
-          f"but is called under {hardware.strategy_name(current)}. Create the layer (the model) "
-          "under the strategy you call it with, e.g. inside strategy.scope(), and call it in "
-          "strategy.run.")
+          f"This TPUEmbedding layer was created under {created} but is called under {called}. "
+          "Create the layer (the model) under the strategy you call it with, e.g. inside "
+          "strategy.scope(), and call it in strategy.run.")
 
   def flush(self) -> None:
     """Applies updates held back by pipelining (also done before every checkpoint save)."""

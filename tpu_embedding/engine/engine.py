@@ -323,7 +323,7 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   an intermediate that TF writes straight into the variable's buffer. Strategies create their
   own (e.g. mirrored) variables, so there the plain constructor is used.
   """
-  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
+  value = functools.partial(_initial_value, initializer, shape, name)
   if tf.distribute.has_strategy():
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
@@ -333,6 +333,19 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   # function meant to run once per variable is "retracing".
   tf.function(functools.partial(_assign, variable, value), autograph=False)()
   return variable
+
+
+def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Tensor:
+  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape."""
+  try:
+    value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"Embedding variable {name!r}: its initializer failed for shape {shape}, "
+                     f"float32: {e}") from e
+  if value.dtype != tf.float32 or value.shape != shape:
+    raise ValueError(f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
+                     f"tensor of shape {value.shape.as_list()}; expected float32 {shape}.")
+  return value
 
 
 def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
