@@ -507,6 +507,21 @@ def test_a_replacement_that_is_not_a_table_like_variable_is_refused(bad):
   np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
 
 
+@pytest.mark.parametrize("file_name", ["model", "model.keras"])
+def test_load_model_is_refused_with_the_way_to_save_and_restore(tmp_path, file_name):
+  """A reloaded model would silently stop training its tables: refused, naming the remedy."""
+  inputs = tf_keras.Input(shape=(1,), dtype=tf.int64)
+  layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table(name="videos"))}, "sgd")
+  model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(layer({"f": inputs})["f"]))
+  model.compile(tf_keras.optimizers.SGD(0.1), loss="mse")
+  model.fit(np.array([[1], [2]]), np.array([[1.0], [0.0]]), verbose=0)
+  path = str(tmp_path / file_name)
+  model.save(path)
+  with pytest.raises(ValueError, match=r"cannot be rebuilt by tf_keras.models.load_model.*"
+                                       r"tf.train.Checkpoint\(model=model\).restore\(path\)"):
+    tf_keras.models.load_model(path)
+
+
 def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
   t = table(rows=4, dim=2)
   layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)}, optimizer=None)

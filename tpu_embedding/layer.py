@@ -21,6 +21,16 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 _TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
+_RELOAD_REFUSAL = (
+    "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
+    "rebuilt model would no longer train its embedding tables (their feature configuration and "
+    "optimizers are not part of a Keras config). Instead, build the model in code as before and "
+    "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
+    "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
+    "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load.")
+
+
+@tf_keras.saving.register_keras_serializable(package="tpu_embedding")
 class TPUEmbedding(tf_keras.layers.Layer):
   """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
 
@@ -60,6 +70,17 @@ class TPUEmbedding(tf_keras.layers.Layer):
         check_finite=check_finite)
     self._tpu_embedding = self._backend.mid_level
     self.batch_size = batch_size
+
+  # Makes load_model rebuild the layer through `from_config`, which refuses with the way to
+  # save and restore instead, rather than revive a shell whose tables nothing trains.
+  _must_restore_from_config = True
+
+  def get_config(self) -> dict[str, Any]:
+    return {"name": self.name, "trainable": self.trainable}
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> "TPUEmbedding":
+    raise ValueError(_RELOAD_REFUSAL)
 
   @property
   def path(self) -> hardware.Path:
@@ -159,6 +180,7 @@ class TPUEmbedding(tf_keras.layers.Layer):
     if save_type == "checkpoint" and tf.executing_eagerly():
       self.flush()  # a checkpoint holds the tables with every update applied
     children = super()._trackable_children(save_type, **kwargs)
-    children.pop(_TRAP_NAME, None)
+    if save_type == "checkpoint":
+      children.pop(_TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
     children.pop("_keras_trained_tables", None)
     return children
