@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +29,12 @@ from tpu_embedding.engine import lookup
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+SECOND_GRADIENT_WARNING = (
+    "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
+    "a persistent GradientTape asked twice); each gradient that reaches the activations "
+    "updates the tables, so this step updated them again. Take one tape.gradient per step "
+    "with respect to all trainable variables (see the README: the gradient trap's contract).")
 
 
 class EmbeddingEngine(tf.Module):
@@ -153,9 +160,14 @@ class EmbeddingEngine(tf.Module):
     else:
       reusable = self._register_training_lookup(step)
 
+      gradients_taken = [0]
+
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
+          gradients_taken[0] += 1
+          if gradients_taken[0] == 2:
+            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
           self._apply_gradients(step.upstream_by_table(upstream), reusable())
