@@ -469,6 +469,13 @@ def test_tables_exist_before_the_first_call_and_can_be_replaced():
   np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[7.0, 7.0]])
   with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
     layer.update_embedding_table(table(name="other"), replacement)
+  with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
+    layer.update_embedding_table("other", replacement)
+  with pytest.raises(TypeError, match="Expected one of this layer's TableConfigs .*, got int"):
+    layer.update_embedding_table(3, replacement)
+  by_name = tf.Variable(np.full((3, 2), 5.0, np.float32))
+  layer.update_embedding_table("videos", by_name)
+  np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[5.0, 5.0]])
 
 
 @pytest.mark.parametrize("table_updates", ["engine", "keras"])

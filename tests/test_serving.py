@@ -339,6 +339,25 @@ def test_empty_export_dir_is_refused(exported, tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == ["notes.txt"]
 
 
+def test_export_arguments_of_the_wrong_kind_are_refused_by_name(exported, tmp_path):
+  model, _, _ = exported
+  fns = signatures(model)["user_movie"]
+  with pytest.raises(TypeError, match="export_dir=None: expected a path"):
+    serving.export_for_serving(model, None, fns)
+  with pytest.raises(ValueError, match="tables=3: expected None, 'all', or a list"):
+    serving.export_for_serving(model, str(tmp_path / "x"), fns, tables=3)
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_serving_config_table_of_another_size_is_refused(exported):
+  model, _, _ = exported
+  other = {"user": E.FeatureConfig(E.TableConfig(100, 5, name="user"))}
+  with pytest.raises(ValueError, match=r"serving_config feature 'user' uses table 'user' with "
+                                       r"\(vocabulary_size, dim\) = \(100, 5\), but this "
+                                       r"layer's table has \(100, 4\)"):
+    model.embedding({"user": tf.constant([1])}, serving_config=other)
+
+
 def test_a_signature_needs_an_input_signature(exported, tmp_path):
   model, _, _ = exported
   with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "

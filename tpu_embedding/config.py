@@ -178,6 +178,11 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
       raise ValueError(f"serving_config feature {path or '<root>'!r} uses table "
                        f"{leaf.table.name!r}, which this layer does not have; its tables are "
                        f"{sorted(by_name)}.")
+    served = (leaf.table.vocabulary_size, leaf.table.dim)
+    if served != (table.vocabulary_size, table.dim):
+      raise ValueError(f"serving_config feature {path or '<root>'!r} uses table {table.name!r} "
+                       f"with (vocabulary_size, dim) = {served}, but this layer's table has "
+                       f"{(table.vocabulary_size, table.dim)}.")
     clone = copy.copy(leaf)
     clone.table = table
     features.append(Feature(path=path, config=clone, table=table))

@@ -6,7 +6,7 @@ The execution path is decided once, at construction, from the strategy in scope
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import tensorflow as tf
 import tf_keras
@@ -136,8 +136,10 @@ class TPUEmbedding(tf_keras.layers.Layer):
     """Applies updates held back by pipelining (also done before every checkpoint save)."""
     self._backend.flush()
 
-  def update_embedding_table(self, table: TableConfig, embedding_table: tf.Variable) -> None:
-    """Replaces the variable behind `table` (e.g. with one restored elsewhere).
+  def update_embedding_table(self, table: Union[TableConfig, str],
+                             embedding_table: tf.Variable) -> None:
+    """Replaces the variable behind `table` (a TableConfig or its name), e.g. with one restored
+    elsewhere.
 
     From then on lookups, training and checkpoints all use `embedding_table`.
     """
@@ -166,14 +168,18 @@ class TPUEmbedding(tf_keras.layers.Layer):
     return {self._config.user_tables[clone]: tables[clone] for clone in self._config.tables
             if clone in tables}
 
-  def _clone_of(self, table: TableConfig) -> TableConfig:
+  def _clone_of(self, table: Union[TableConfig, str]) -> TableConfig:
+    if not isinstance(table, (TableConfig, str)):
+      raise TypeError(f"Expected one of this layer's TableConfigs (or its name), got "
+                      f"{type(table).__name__}: {table!r}.")
     for clone, user in self._config.user_tables.items():
       if user is table or clone is table:
         return clone
+    name = table if isinstance(table, str) else table.name
     for clone in self._config.tables:
-      if clone.name == table.name:
+      if clone.name == name:
         return clone
-    raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
+    raise ValueError(f"Table {name!r} is not one of this layer's tables "
                      f"({[t.name for t in self._config.tables]}).")
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

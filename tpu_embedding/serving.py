@@ -117,7 +117,11 @@ _SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "saved_model.pbtxt", "variab
 
 def _target_path(export_dir: Any) -> str:
   """The absolute export path; an empty path (which would mean the current directory) is refused."""
-  path = os.fspath(export_dir)
+  try:
+    path = os.fspath(export_dir)
+  except TypeError:
+    raise TypeError(f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
+                    "the directory to write the SavedModel to.") from None
   if not str(path).strip():
     raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
   return os.path.abspath(path)
@@ -188,7 +192,7 @@ def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, A
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
     return needed
-  if isinstance(tables, str):
+  if isinstance(tables, str) or not isinstance(tables, Iterable):
     if tables != "all":
       raise ValueError(f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or "
                        "table names.")
