@@ -16,6 +16,8 @@ import pytest
 import tensorflow as tf
 
 import tpu_embedding
+from tpu_embedding import config as config_lib
+from tpu_embedding.engine import lookup
 
 E = tf.tpu.experimental.embedding
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +198,28 @@ def test_an_output_shape_other_than_the_batch_is_refused_naming_the_feature():
   with pytest.raises(ValueError, match=r"Feature 'f': FeatureConfig.output_shape \[4\] holds 4 "
                                        r"samples.*Got: 3"):
     model({"f": tf.constant([1, 2, 3])})
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversion, checks included, compiles with XLA (for the engine's compiled step)
+
+
+def test_input_conversion_with_its_checks_compiles_with_xla():
+  config = config_lib.prepare(
+      {"f": E.FeatureConfig(E.TableConfig(10, DIM, name="t", combiner="mean"))}, "sgd")
+  feature = config.features[0]
+
+  @tf.function(jit_compile=True)
+  def bags(indices, ids, weights, ragged_ids, ragged_weights):
+    sparse = lookup.to_bags(feature, tf.SparseTensor(indices, ids, [2, 2]),
+                            tf.SparseTensor(indices, weights, [2, 2]))
+    ragged = lookup.to_bags(feature, ragged_ids, ragged_weights)
+    return sparse.samples, sparse.gains, ragged.samples, ragged.gains
+
+  out = bags(tf.constant([[0, 0], [0, 1], [1, 0]], tf.int64), tf.constant([1, 3, 4], tf.int64),
+             tf.constant([1.0, 3.0, 2.0]), tf.ragged.constant([[1, 3], [4]], tf.int64),
+             tf.ragged.constant([[1.0, 3.0], [2.0]]))
+  gains = [0.25, 0.75, 1.0]  # mean: each weight over its bag's weight sum (4, then 2)
+  for samples, sample_gains in (out[:2], out[2:]):
+    np.testing.assert_array_equal(samples.numpy(), [0, 0, 1])
+    np.testing.assert_allclose(sample_gains.numpy(), gains)
