@@ -358,6 +358,39 @@ def test_a_serving_config_table_of_another_size_is_refused(exported):
     model.embedding({"user": tf.constant([1])}, serving_config=other)
 
 
+def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(exported,
+                                                                               tmp_path):
+  """One request must not kill the server: a huge dense_shape is an error, in TF alone."""
+  model, _, _ = exported
+  spec = [tf.TensorSpec([None, 2], tf.int64, name="indices"),
+          tf.TensorSpec([None], tf.int64, name="values"),
+          tf.TensorSpec([2], tf.int64, name="dense_shape")]
+
+  @tf.function(input_signature=spec, autograph=False)
+  def sparse_users(indices, values, dense_shape):
+    ids = tf.SparseTensor(indices, values, dense_shape)
+    config = {"user": model.config["user"]}
+    return {"user": model.embedding({"user": ids}, serving_config=config)["user"]}
+
+  directory = serving.export_for_serving(model, str(tmp_path / "sparse"), sparse_users)
+  result = run_python(textwrap.dedent(f"""
+      import tensorflow as tf
+      serve = tf.saved_model.load({directory!r}).signatures["serving_default"]
+      ok = serve(indices=tf.constant([[0, 0], [1, 1]], tf.int64),
+                 values=tf.constant([1, 2], tf.int64), dense_shape=tf.constant([2, 2], tf.int64))
+      print(ok["user"].shape)
+      try:
+        serve(indices=tf.constant([[0, 0]], tf.int64), values=tf.constant([1], tf.int64),
+              dense_shape=tf.constant([2**61, 3], tf.int64))
+      except tf.errors.InvalidArgumentError as e:
+        print("refused:", e.message.replace("\\n", " "))
+      """))
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == "(2, 4)"
+  assert lines[1].startswith("refused:") and "Feature" in lines[1] and "2147483647" in lines[1]
+
+
 def test_a_signature_needs_an_input_signature(exported, tmp_path):
   model, _, _ = exported
   with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "
