@@ -294,7 +294,7 @@ def _checked_sparse(feature: Feature, sp: tf.SparseTensor, bag_rank: Any,
        f"its SparseTensor's dense_shape must be non-negative and hold at most {_MAX_SAMPLES} "
        "samples (every dimension but the last).", [dense_shape]),
       (inside, "every index of its SparseTensor must lie inside dense_shape.",
-       [dense_shape, _first_outside(indices, dense_shape, well_formed)]),
+       [dense_shape, lambda: _first_outside(indices, dense_shape, well_formed)]),
   ], [indices, values, dense_shape])
 
 
@@ -332,23 +332,35 @@ def _same_tensor(a: Tensor, b: Tensor) -> Tensor:
                  lambda: tf.constant(False))
 
 
-def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Sequence[Tensor]]],
+Data = Sequence[Any]  # tensors for the message, or callables building them only on failure
+
+
+def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Data]],
              guarded: Sequence[Tensor]) -> list[Tensor]:
   """`guarded`, let through only once every check (ok, message, data) holds.
 
-  Eagerly the first failing check raises a ValueError naming the feature. In a graph each check
-  is an Assert that the returned tensors depend on, so no later op sees an input that failed.
+  Eagerly the first failing check raises a ValueError naming the feature. In a graph the
+  returned tensors depend on one test of all checks; only when it fails are the asserts that
+  name the failing check (and the data they show) run, so no later op sees an input that failed.
   """
   prefix = f"Feature {feature.name!r}: "
+  shown = lambda data: [d() if callable(d) else d for d in data]
   if tf.executing_eagerly():
     for ok, message, data in checks:
       if not bool(ok):
-        got = ", ".join(str(d.numpy().tolist()) for d in data)
+        got = ", ".join(str(d.numpy().tolist()) for d in shown(data))
         raise ValueError(f"{prefix}{message} Got: {got}.")
     return list(guarded)
-  asserts = [tf.debugging.Assert(ok, [prefix + message, "Got:", *data], summarize=8)
-             for ok, message, data in checks]
-  with tf.control_dependencies(asserts):
+
+  def fail():
+    asserts = [tf.debugging.Assert(ok, [prefix + message, "Got:", *shown(data)], summarize=8)
+               for ok, message, data in checks]
+    with tf.control_dependencies(asserts):
+      return tf.constant(False)
+
+  passed = tf.cond(tf.reduce_all(tf.stack([ok for ok, _, _ in checks])),
+                   lambda: tf.constant(True), fail)
+  with tf.control_dependencies([passed]):
     return [tf.identity(t) for t in guarded]
 
 
