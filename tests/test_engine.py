@@ -4,6 +4,8 @@ The property test compares the engine with `tests/reference.py`, a float64 NumPy
 the semantics spec written independently of the engine.
 """
 
+import warnings
+
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
@@ -172,9 +174,22 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
     tape.gradient(loss, layer.trainable_variables)
     tape.gradient(loss, layer.trainable_variables)
 
-  step()
+  with pytest.warns(UserWarning, match="received a second gradient.*updated them again"):
+    step()
   np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
                                 [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
+
+
+def test_one_gradient_per_step_gives_no_warning():
+  layer = _sgd_layer(np.zeros((3, 1), np.float32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):  # eager: one lookup and one gradient per step
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([1])))
+      tape.gradient(loss, layer.trainable_variables)
+  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
+                                [[0.0], [-2.0], [0.0]])
 
 
 def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path):

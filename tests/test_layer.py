@@ -429,6 +429,30 @@ def test_unknown_combiner_and_duplicate_table_names():
                                 "b": E.FeatureConfig(table=table(name="x"))}, "sgd")
 
 
+@pytest.mark.parametrize("initializer,error,message", [
+    (tf.keras.initializers.Zeros, TypeError,
+     "Table 'videos': initializer is the class Zeros; pass an instance, e.g. Zeros()"),
+    (tf.constant_initializer(np.zeros([3, 2])), ValueError,
+     r"Embedding variable 'videos': its initializer failed for shape \[5, 2\]"),
+    (lambda shape, dtype=None: tf.zeros(shape, tf.int32), ValueError,
+     r"Embedding variable 'videos': its initializer gave a int32 tensor of shape \[5, 2\]; "
+     r"expected float32 \[5, 2\]"),
+])
+def test_a_bad_initializer_is_refused_naming_the_table(initializer, error, message):
+  t = E.TableConfig(5, 2, name="videos", initializer=initializer)
+  with pytest.raises(error, match=message):
+    tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")(tf.constant([1]))
+
+
+def test_two_strategy_objects_of_one_kind_are_named_as_two():
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    layer = _layer()
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    with pytest.raises(RuntimeError, match="created under MirroredStrategy but is called under "
+                                           "another MirroredStrategy object"):
+      layer({"watched": tf.constant([1]), "liked": tf.constant([0])})
+
+
 def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table()), "sgd",
                                      embedding_feature=hardware.EmbeddingFeature.V1)
@@ -445,6 +469,64 @@ def test_tables_exist_before_the_first_call_and_can_be_replaced():
   np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[7.0, 7.0]])
   with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
     layer.update_embedding_table(table(name="other"), replacement)
+  with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
+    layer.update_embedding_table("other", replacement)
+  with pytest.raises(TypeError, match="Expected one of this layer's TableConfigs .*, got int"):
+    layer.update_embedding_table(3, replacement)
+  by_name = tf.Variable(np.full((3, 2), 5.0, np.float32))
+  layer.update_embedding_table("videos", by_name)
+  np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[5.0, 5.0]])
+
+
+@pytest.mark.parametrize("table_updates", ["engine", "keras"])
+def test_a_replaced_table_is_trained_and_checkpointed(tmp_path, table_updates):
+  t = table(rows=3, dim=2, name="videos", combiner="sum")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd", table_updates=table_updates)
+  layer(tf.constant([0]))
+  replacement = tf.Variable(np.full((3, 2), 7.0, np.float32))
+  layer.update_embedding_table(t, replacement)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(layer(tf.constant([1])))
+  grads = tape.gradient(loss, layer.trainable_variables)
+  tf_keras.optimizers.SGD(0.5).apply_gradients(zip(grads, layer.trainable_variables))
+  # d(loss)/d(row 1) = 1: the engine's SGD steps by its own learning rate (0.01), Keras by 0.5.
+  trained = np.full((3, 2), 7.0, np.float32)
+  trained[1] -= 0.01 if table_updates == "engine" else 0.5
+  np.testing.assert_allclose(replacement.numpy(), trained)
+  path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
+  fresh = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table(rows=3, dim=2, name="videos")),
+                                     "sgd", table_updates=table_updates)
+  fresh(tf.constant([0]))
+  tf.train.Checkpoint(layer=fresh).restore(path).assert_consumed()
+  np.testing.assert_allclose(fresh.variables_by_table["videos"]["parameters"].numpy(), trained)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "tensor"])
+def test_a_replacement_that_is_not_a_table_like_variable_is_refused(bad):
+  t = table(rows=3, dim=2, name="videos")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
+  replacement = {"shape": tf.Variable(tf.zeros([4, 2])),
+                 "dtype": tf.Variable(tf.zeros([3, 2], tf.float64)),
+                 "tensor": tf.zeros([3, 2])}[bad]
+  with pytest.raises(ValueError, match=r"Table 'videos': update_embedding_table needs a "
+                                       r"tf.Variable of shape \[3, 2\] and dtype float32"):
+    layer.update_embedding_table(t, replacement)
+  np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
+
+
+@pytest.mark.parametrize("file_name", ["model", "model.keras"])
+def test_load_model_is_refused_with_the_way_to_save_and_restore(tmp_path, file_name):
+  """A reloaded model would silently stop training its tables: refused, naming the remedy."""
+  inputs = tf_keras.Input(shape=(1,), dtype=tf.int64)
+  layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table(name="videos"))}, "sgd")
+  model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(layer({"f": inputs})["f"]))
+  model.compile(tf_keras.optimizers.SGD(0.1), loss="mse")
+  model.fit(np.array([[1], [2]]), np.array([[1.0], [0.0]]), verbose=0)
+  path = str(tmp_path / file_name)
+  model.save(path)
+  with pytest.raises(ValueError, match=r"cannot be rebuilt by tf_keras.models.load_model.*"
+                                       r"tf.train.Checkpoint\(model=model\).restore\(path\)"):
+    tf_keras.models.load_model(path)
 
 
 def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):

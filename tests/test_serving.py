@@ -308,6 +308,89 @@ def test_existing_export_is_refused_unless_overwrite(exported, tmp_path):
   assert os.listdir(tmp_path) == ["model"]  # no staging or old copies left behind
 
 
+@pytest.mark.parametrize("setup", ["user_files", "empty_dir", "file", "export_plus_notes"])
+def test_overwrite_replaces_only_a_saved_model(exported, tmp_path, setup):
+  """overwrite=True never deletes a directory or file that is not an earlier export."""
+  model, _, _ = exported
+  fns = {"user_movie": signatures(model)["user_movie"]}
+  target = tmp_path / "target"
+  if setup == "file":
+    target.write_text("mine")
+  elif setup == "export_plus_notes":
+    serving.export_for_serving(model, str(target), fns)
+    (target / "notes.txt").write_text("mine")
+  else:
+    target.mkdir()
+    if setup == "user_files":
+      (target / "notes.txt").write_text("mine")
+  before = files_digest(str(target)) if target.is_dir() else target.read_text()
+  with pytest.raises(FileExistsError, match=re.escape(str(target)) + ".*not a SavedModel"):
+    serving.export_for_serving(model, str(target), fns, overwrite=True)
+  assert (files_digest(str(target)) if target.is_dir() else target.read_text()) == before
+  assert sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_empty_export_dir_is_refused(exported, tmp_path, monkeypatch):
+  model, _, _ = exported
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="export_dir is empty"):
+    serving.export_for_serving(model, "", signatures(model)["user_movie"], overwrite=True)
+  assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_export_arguments_of_the_wrong_kind_are_refused_by_name(exported, tmp_path):
+  model, _, _ = exported
+  fns = signatures(model)["user_movie"]
+  with pytest.raises(TypeError, match="export_dir=None: expected a path"):
+    serving.export_for_serving(model, None, fns)
+  with pytest.raises(ValueError, match="tables=3: expected None, 'all', or a list"):
+    serving.export_for_serving(model, str(tmp_path / "x"), fns, tables=3)
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_serving_config_table_of_another_size_is_refused(exported):
+  model, _, _ = exported
+  other = {"user": E.FeatureConfig(E.TableConfig(100, 5, name="user"))}
+  with pytest.raises(ValueError, match=r"serving_config feature 'user' uses table 'user' with "
+                                       r"\(vocabulary_size, dim\) = \(100, 5\), but this "
+                                       r"layer's table has \(100, 4\)"):
+    model.embedding({"user": tf.constant([1])}, serving_config=other)
+
+
+def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(exported,
+                                                                               tmp_path):
+  """One request must not kill the server: a huge dense_shape is an error, in TF alone."""
+  model, _, _ = exported
+  spec = [tf.TensorSpec([None, 2], tf.int64, name="indices"),
+          tf.TensorSpec([None], tf.int64, name="values"),
+          tf.TensorSpec([2], tf.int64, name="dense_shape")]
+
+  @tf.function(input_signature=spec, autograph=False)
+  def sparse_users(indices, values, dense_shape):
+    ids = tf.SparseTensor(indices, values, dense_shape)
+    config = {"user": model.config["user"]}
+    return {"user": model.embedding({"user": ids}, serving_config=config)["user"]}
+
+  directory = serving.export_for_serving(model, str(tmp_path / "sparse"), sparse_users)
+  result = run_python(textwrap.dedent(f"""
+      import tensorflow as tf
+      serve = tf.saved_model.load({directory!r}).signatures["serving_default"]
+      ok = serve(indices=tf.constant([[0, 0], [1, 1]], tf.int64),
+                 values=tf.constant([1, 2], tf.int64), dense_shape=tf.constant([2, 2], tf.int64))
+      print(ok["user"].shape)
+      try:
+        serve(indices=tf.constant([[0, 0]], tf.int64), values=tf.constant([1], tf.int64),
+              dense_shape=tf.constant([2**61, 3], tf.int64))
+      except tf.errors.InvalidArgumentError as e:
+        print("refused:", e.message.replace("\\n", " "))
+      """))
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == "(2, 4)"
+  assert lines[1].startswith("refused:") and "Feature" in lines[1] and "2147483647" in lines[1]
+
+
 def test_a_signature_needs_an_input_signature(exported, tmp_path):
   model, _, _ = exported
   with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "

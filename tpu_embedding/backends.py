@@ -74,6 +74,10 @@ class Backend(abc.ABC):
     """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
     return tf_variables_by_table(self.mid_level)
 
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table everywhere; TF's classes track their variables dict."""
+    self.variables_by_table[table.name]["parameters"] = variable
+
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
@@ -88,13 +92,15 @@ class CpuBackend(Backend):
 
   path = hardware.Path.CPU
 
-  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine"):
+  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine",
+               check_finite: bool = False):
     super().__init__(config)
     if table_updates not in TABLE_UPDATES:
       raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
     keras_managed = table_updates == "keras"
     self.needs_trap = not keras_managed
-    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed)
+    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed,
+                                   check_finite=check_finite)
 
   @property
   def mid_level(self) -> EmbeddingEngine:
@@ -113,6 +119,9 @@ class CpuBackend(Backend):
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     return self._engine.variables_by_table
+
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    self._engine.replace_table(table, variable)
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
@@ -381,10 +390,17 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
 
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
            batch_size: Optional[int], sparse_core_embedding_config,
-           table_updates: str, user_optimizer: Any = None) -> Backend:
+           table_updates: str, user_optimizer: Any = None,
+           check_finite: bool = False) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
   if path is hardware.Path.CPU:
-    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates)
+    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates,
+                      check_finite=check_finite)
+  if check_finite:
+    raise ValueError(
+        f"check_finite=True is an option of the CPU/GPU engine; on {path.name} the TPU updates "
+        "the tables itself and cannot stop at a non-finite value. Leave it off under a "
+        "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu)).")
   if path is hardware.Path.TPU_V0:
     return TpuV0Backend(config, user_optimizer)
   if path is hardware.Path.TPU_V1:

@@ -6,7 +6,7 @@ The execution path is decided once, at construction, from the strategy in scope
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import tensorflow as tf
 import tf_keras
@@ -21,6 +21,16 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 _TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
+_RELOAD_REFUSAL = (
+    "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
+    "rebuilt model would no longer train its embedding tables (their feature configuration and "
+    "optimizers are not part of a Keras config). Instead, build the model in code as before and "
+    "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
+    "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
+    "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load.")
+
+
+@tf_keras.saving.register_keras_serializable(package="tpu_embedding")
 class TPUEmbedding(tf_keras.layers.Layer):
   """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
 
@@ -41,6 +51,9 @@ class TPUEmbedding(tf_keras.layers.Layer):
     table_updates: off TPU, "engine" (default) trains tables with each table's mid-level
       optimizer exactly as the TPU does; "keras" makes the tables trainable variables updated by
       the Keras optimizer the user applies (the tf-recommenders behaviour).
+    check_finite: off TPU, raise an error naming the feature or table at the first NaN/Inf
+      gradient, weight or learning rate on its way to a table, before anything is written.
+      Off by default, as on TPU, where such values silently poison the rows they touch.
   """
 
   def __init__(self, feature_config: Any, optimizer: Any = None,
@@ -48,7 +61,7 @@ class TPUEmbedding(tf_keras.layers.Layer):
                batch_size: Optional[int] = None,
                embedding_feature: Optional[hardware.EmbeddingFeature] = None,
                sparse_core_embedding_config: Any = None,
-               table_updates: str = "engine", **kwargs):
+               table_updates: str = "engine", check_finite: bool = False, **kwargs):
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
     self._strategy = tf.distribute.get_strategy()
@@ -56,9 +69,20 @@ class TPUEmbedding(tf_keras.layers.Layer):
         hardware.choose_path(self._strategy, embedding_feature), self._config,
         pipelining=pipeline_execution_with_tensor_core, batch_size=batch_size,
         sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates,
-        user_optimizer=optimizer)
+        user_optimizer=optimizer, check_finite=check_finite)
     self._tpu_embedding = self._backend.mid_level
     self.batch_size = batch_size
+
+  # Makes load_model rebuild the layer through `from_config`, which refuses with the way to
+  # save and restore instead, rather than revive a shell whose tables nothing trains.
+  _must_restore_from_config = True
+
+  def get_config(self) -> dict[str, Any]:
+    return {"name": self.name, "trainable": self.trainable}
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> "TPUEmbedding":
+    raise ValueError(_RELOAD_REFUSAL)
 
   @property
   def path(self) -> hardware.Path:
@@ -101,19 +125,38 @@ class TPUEmbedding(tf_keras.layers.Layer):
       return
     on_tpu = self.path is not hardware.Path.CPU
     if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
+      created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
+      if created == called:
+        called = (f"another {called} object (two strategy objects are two different "
+                  "strategies, even of one kind)")
       raise RuntimeError(
-          f"This TPUEmbedding layer was created under {hardware.strategy_name(self._strategy)} "
-          f"but is called under {hardware.strategy_name(current)}. Create the layer (the model) "
-          "under the strategy you call it with, e.g. inside strategy.scope(), and call it in "
-          "strategy.run.")
+          f"This TPUEmbedding layer was created under {created} but is called under {called}. "
+          "Create the layer (the model) under the strategy you call it with, e.g. inside "
+          "strategy.scope(), and call it in strategy.run.")
 
   def flush(self) -> None:
     """Applies updates held back by pipelining (also done before every checkpoint save)."""
     self._backend.flush()
 
-  def update_embedding_table(self, table: TableConfig, embedding_table: tf.Variable) -> None:
-    """Replaces the variable behind `table` (e.g. with one restored elsewhere)."""
-    self.variables_by_table[self._clone_of(table).name]["parameters"] = embedding_table
+  def update_embedding_table(self, table: Union[TableConfig, str],
+                             embedding_table: tf.Variable) -> None:
+    """Replaces the variable behind `table` (a TableConfig or its name), e.g. with one restored
+    elsewhere.
+
+    From then on lookups, training and checkpoints all use `embedding_table`.
+    """
+    clone = self._clone_of(table)
+    current = self.variables_by_table[clone.name]["parameters"]
+    if (not isinstance(embedding_table, tf.Variable) or
+        embedding_table.shape != current.shape or embedding_table.dtype != current.dtype):
+      raise ValueError(
+          f"Table {clone.name!r}: update_embedding_table needs a tf.Variable of shape "
+          f"{current.shape.as_list()} and dtype {current.dtype.name} (the table's), got "
+          f"{type(embedding_table).__name__} {getattr(embedding_table, 'shape', '')} "
+          f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}.")
+    self._backend.replace_table(clone, embedding_table)
+    if not self._backend.needs_trap and self.built:
+      self._keras_trained_tables = self._backend.trainable_tables
 
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
@@ -127,20 +170,25 @@ class TPUEmbedding(tf_keras.layers.Layer):
     return {self._config.user_tables[clone]: tables[clone] for clone in self._config.tables
             if clone in tables}
 
-  def _clone_of(self, table: TableConfig) -> TableConfig:
+  def _clone_of(self, table: Union[TableConfig, str]) -> TableConfig:
+    if not isinstance(table, (TableConfig, str)):
+      raise TypeError(f"Expected one of this layer's TableConfigs (or its name), got "
+                      f"{type(table).__name__}: {table!r}.")
     for clone, user in self._config.user_tables.items():
       if user is table or clone is table:
         return clone
+    name = table if isinstance(table, str) else table.name
     for clone in self._config.tables:
-      if clone.name == table.name:
+      if clone.name == name:
         return clone
-    raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
+    raise ValueError(f"Table {name!r} is not one of this layer's tables "
                      f"({[t.name for t in self._config.tables]}).")
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     if save_type == "checkpoint" and tf.executing_eagerly():
       self.flush()  # a checkpoint holds the tables with every update applied
     children = super()._trackable_children(save_type, **kwargs)
-    children.pop(_TRAP_NAME, None)
+    if save_type == "checkpoint":
+      children.pop(_TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
     children.pop("_keras_trained_tables", None)
     return children

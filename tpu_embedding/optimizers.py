@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 import tensorflow as tf
 import tf_keras
 
+from tpu_embedding.engine import updates
+
 __all__ = [
     "ADAGRAD_EPSILON_RTOL",
     "KerasLearningRate",
@@ -357,11 +359,41 @@ def normalize_optimizer(
                 "or a zero-argument callable (the TPU would freeze anything else at its current "
                 "value); wrap a variable as `lambda: var`"
             )
-        return optimizer
-    return translate_keras_optimizer(optimizer, where=where)
+    else:
+        optimizer = translate_keras_optimizer(optimizer, where=where)
+    _check_limits(optimizer, where)
+    return optimizer
 
 
-def learning_rate_tensor(optimizer: MidLevelOptimizer) -> tf.Tensor:
-    """The rate of the current step as a float32 scalar, calling a dynamic rate every time."""
+def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:
+    """Refuses clipping limits whose minimum exceeds their maximum (they would clip to max)."""
+    for what, hint, (low, high) in (
+        ("clipvalue", " (a single clipvalue c means (-c, c), so c must be >= 0)",
+         updates.gradient_limits(optimizer)),
+        ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
+    ):
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
+            )
+
+
+def learning_rate_tensor(optimizer: MidLevelOptimizer, where: str = "optimizer") -> tf.Tensor:
+    """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
+
+    Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
+    TF ops, which would broadcast a vector) accept exactly the same rates.
+    """
     rate = optimizer.learning_rate
-    return tf.cast(rate() if callable(rate) else rate, tf.float32)
+    value = rate() if callable(rate) else rate
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        tensor = None
+    if (tensor is None or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
+            or tensor.shape.rank not in (0, None)):
+        source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
+        raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
+    if tensor.shape.rank is None:
+        tensor = tf.reshape(tensor, [])  # checked when the step runs
+    return tf.cast(tensor, tf.float32)

@@ -48,7 +48,8 @@ def export_for_serving(model: tf.Module, export_dir: str,
       `TableConfig`s (the objects given to the layer) or table names: exactly these; a signature
       reading a table not listed is refused, which guards against shipping a table by mistake.
       Every exported table is reachable as `loaded.embedding_tables[<table name>]`.
-    overwrite: replace an existing export at `export_dir`. The replacement is atomic where the
+    overwrite: replace an existing export at `export_dir`: a directory holding a SavedModel and
+      nothing else; any other file or directory there is refused and left as it is. The replacement is atomic where the
       OS can exchange two directories (Linux); elsewhere the old export is moved aside, the new
       one moved in, then the old one deleted.
 
@@ -56,14 +57,17 @@ def export_for_serving(model: tf.Module, export_dir: str,
     The absolute path of the export.
 
   Raises:
-    FileExistsError: `export_dir` exists and `overwrite` is False.
+    FileExistsError: `export_dir` exists and `overwrite` is False, or it is not a SavedModel
+      directory (overwrite replaces only an earlier export, never another directory or file).
     ValueError: a signature has no input_signature, reads a table not in `tables`, or its graph
       holds an op without a CPU kernel (e.g. a TPU op).
   """
-  target = os.path.abspath(os.fspath(export_dir))
-  if os.path.lexists(target) and not overwrite:
-    raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that export "
-                          "or choose another directory.")
+  target = _target_path(export_dir)
+  if os.path.lexists(target):
+    if not overwrite:
+      raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that "
+                            "export or choose another directory.")
+    _check_replaceable(target)
   layers = _embedding_layers(model)
   for layer in layers:
     layer.flush()  # apply updates still held back by pipelining before reading the tables
@@ -102,6 +106,41 @@ def export_for_serving(model: tf.Module, export_dir: str,
     shutil.rmtree(staging, ignore_errors=True)
     raise
   return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Where to export
+
+# What a SavedModel directory may hold (tf.saved_model.save and tf_keras write these).
+_SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
+                                  "fingerprint.pb", "keras_metadata.pb"})
+
+
+def _target_path(export_dir: Any) -> str:
+  """The absolute export path; an empty path (which would mean the current directory) is refused."""
+  try:
+    path = os.fspath(export_dir)
+  except TypeError:
+    raise TypeError(f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
+                    "the directory to write the SavedModel to.") from None
+  if not str(path).strip():
+    raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
+  return os.path.abspath(path)
+
+
+def _check_replaceable(target: str) -> None:
+  """Refuses to overwrite anything but a directory holding a SavedModel and nothing else."""
+  if os.path.islink(target) or not os.path.isdir(target):
+    raise FileExistsError(f"{target} exists and is not a SavedModel directory; overwrite=True "
+                          "replaces only an earlier export. Choose another export_dir.")
+  entries = set(os.listdir(target))
+  foreign = sorted(entries - _SAVED_MODEL_ENTRIES)
+  if not {"saved_model.pb", "saved_model.pbtxt"} & entries or foreign:
+    what = (f"it holds files a SavedModel does not: {foreign[:5]}" if foreign
+            else "it holds no saved_model.pb")
+    raise FileExistsError(f"{target} is not a SavedModel directory ({what}); overwrite=True "
+                          "replaces only an earlier export, so nothing was changed. Choose "
+                          "another export_dir or remove that directory yourself.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +206,7 @@ def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, A
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
     return needed
-  if isinstance(tables, str):
+  if isinstance(tables, str) or not isinstance(tables, Iterable):
     if tables != "all":
       raise ValueError(f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or "
                        "table names.")

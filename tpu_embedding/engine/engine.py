@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,10 +24,17 @@ from tensorflow.python.ops import resource_variable_ops  # uninitialised variabl
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+SECOND_GRADIENT_WARNING = (
+    "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
+    "a persistent GradientTape asked twice); each gradient that reaches the activations "
+    "updates the tables, so this step updated them again. Take one tape.gradient per step "
+    "with respect to all trainable variables (see the README: the gradient trap's contract).")
 
 
 class EmbeddingEngine(tf.Module):
@@ -38,6 +46,8 @@ class EmbeddingEngine(tf.Module):
       tables without the previous step's update, as on TPU.
     keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
       tf-recommenders behaviour); no slots are created and no trap is used.
+    check_finite: raise at the first non-finite gradient, weight or learning rate on its way
+      to a table (`finite`), instead of letting it poison the rows as the TPU does.
   """
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
@@ -45,11 +55,12 @@ class EmbeddingEngine(tf.Module):
       tf.Module._TF_MODULE_IGNORED_PROPERTIES)
 
   def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
-               keras_managed: bool = False):
+               keras_managed: bool = False, check_finite: bool = False):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
     self._keras_managed = keras_managed
+    self._check_finite = check_finite
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
@@ -119,6 +130,13 @@ class EmbeddingEngine(tf.Module):
     self.build()
     return self._variables
 
+  def replace_table(self, table: TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table for lookups, updates and checkpoints alike."""
+    self.build()
+    self.flush()  # updates held back belong to the variable being replaced
+    self._variables[table.name]["parameters"] = variable
+    self._track_trackable(variable, name=table.name, overwrite=True)
+
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
     self.build()
@@ -135,14 +153,21 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
+    if self._check_finite:
+      finite.check_weights(step)
     if trap is None:
       flat = step.activations(self.parameters)
     else:
       reusable = self._register_training_lookup(step)
 
+      gradients_taken = [0]
+
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
+          gradients_taken[0] += 1
+          if gradients_taken[0] == 2:
+            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
           self._apply_gradients(step.upstream_by_table(upstream), reusable())
@@ -151,6 +176,8 @@ class EmbeddingEngine(tf.Module):
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
+    if self._check_finite:
+      flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
 
   def _register_training_lookup(self, step: lookup.Step) -> Callable[[], frozenset]:
@@ -252,7 +279,10 @@ class EmbeddingEngine(tf.Module):
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor,
               table_rows: Optional[tf.Tensor] = None) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    learning_rate = optimizers.learning_rate_tensor(table.optimizer,
+                                                    where=f"Table {table.name!r}")
+    if self._check_finite:
+      learning_rate = finite.check_learning_rate(learning_rate, table.name)
     names, state = self._state(table)
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
@@ -305,7 +335,7 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   an intermediate that TF writes straight into the variable's buffer. Strategies create their
   own (e.g. mirrored) variables, so there the plain constructor is used.
   """
-  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
+  value = functools.partial(_initial_value, initializer, shape, name)
   if tf.distribute.has_strategy():
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
@@ -315,6 +345,19 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   # function meant to run once per variable is "retracing".
   tf.function(functools.partial(_assign, variable, value), autograph=False)()
   return variable
+
+
+def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Tensor:
+  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape."""
+  try:
+    value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"Embedding variable {name!r}: its initializer failed for shape {shape}, "
+                     f"float32: {e}") from e
+  if value.dtype != tf.float32 or value.shape != shape:
+    raise ValueError(f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
+                     f"tensor of shape {value.shape.as_list()}; expected float32 {shape}.")
+  return value
 
 
 def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
