@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
@@ -132,10 +133,12 @@ class EmbeddingEngine(tf.Module):
 
     With `trap`, the activations carry a gradient function that updates the tables; without it
     they are plain (serving, evaluation, or Keras-managed tables, which are differentiable).
+    Functions traced for a SavedModel never get the trap: `tf.saved_model.save` would save its
+    gradient, which reads the user's optimizer (variables the model does not reach).
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
-    if trap is None:
+    if trap is None or save_context.in_save_context():
       flat = step.activations(self.parameters)
     else:
       reusable = self._register_training_lookup(step)
