@@ -53,6 +53,7 @@ __all__ = [
     "ADAGRAD_EPSILON_RTOL",
     "KerasLearningRate",
     "MidLevelOptimizer",
+    "NotAnOptimizerError",
     "learning_rate_tensor",
     "normalize_optimizer",
     "translate_keras_optimizer",
@@ -239,6 +240,14 @@ def _schedule_types() -> Tuple[type, ...]:
     return (tf_keras.optimizers.schedules.LearningRateSchedule, *keras_schedule)
 
 
+class NotAnOptimizerError(TypeError, ValueError):
+    """Something that is not an optimizer was given as one.
+
+    A TypeError by nature; also a ValueError because tf-recommenders raised that here and code
+    written for it catches ValueError.
+    """
+
+
 class KerasLearningRate:
     """Zero-argument callable giving a Keras optimizer's current learning rate as float32.
 
@@ -284,7 +293,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     """
     family = _keras_family(optimizer)
     if family is None:
-        raise TypeError(
+        raise NotAnOptimizerError(
             f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
         )
     label, module = family
