@@ -54,6 +54,7 @@ __all__ = [
     "KerasLearningRate",
     "MidLevelOptimizer",
     "NotAnOptimizerError",
+    "keras_slot_name",
     "learning_rate_tensor",
     "normalize_optimizer",
     "translate_keras_optimizer",
@@ -152,6 +153,9 @@ class _Translation:
     carried: Tuple[str, ...]  # same name on both sides
     refused: Dict[str, _Refused]
     fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
+    # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
+    keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
@@ -181,6 +185,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 ),
             ),
         },
+        keras_slots={"accumulators": "accumulator"},
     ),
     "Adam": _Translation(
         _embedding.Adam,
@@ -192,6 +197,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
             ),
         },
         fixed={"sum_inside_sqrt": False},
+        keras_slots={"momenta": "m", "velocities": "v"},
     ),
     "Ftrl": _Translation(
         _embedding.FTRL,
@@ -208,6 +214,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
             ),
         },
+        keras_slots={"accumulators": "accumulator", "linears": "linear"},
     ),
 }
 
@@ -342,6 +349,18 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
         )
     except ValueError as error:
         raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
+
+
+def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
+    """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
+
+    tf-recommenders creates the slots of its tables through the Keras optimizer, so its
+    checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
+    """
+    for translation in _TRANSLATIONS.values():
+        if type(optimizer) is translation.mid_level:
+            return translation.keras_slots.get(slot)
+    return None
 
 
 def normalize_optimizer(

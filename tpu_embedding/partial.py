@@ -29,6 +29,7 @@ import tf_keras
 from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding.engine import lookup
@@ -338,6 +339,14 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
       for key, variable in variables.items():
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
+
+  def _checkpoint_adapter(self, path: str):
+    # TF's per-object restore hook, called before any table or slot is bound: map a checkpoint
+    # written by tf-recommenders onto these names, and refuse the whole restore if any table or
+    # slot is missing or has another shape (nothing is changed then).
+    checkpoints.validate(self, self._config, True, path, layer="PartialTPUEmbedding",
+                         tables_key=_TABLES_KEY)
+    return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
