@@ -306,10 +306,12 @@ def test_placement_reports_sides_and_bytes():
 # Checkpoints across thresholds
 
 
-def ckpt_config():
-  return {"a": emb.FeatureConfig(table(5, 2, name="a")),
-          "b": emb.FeatureConfig(table(20, 3, name="b")),
-          "c": emb.FeatureConfig(table(12, 2))}  # unnamed: "table_2" whatever its side
+def ckpt_config(a_rows=5, with_c=True, offset=0.0):
+  config = {"a": emb.FeatureConfig(table(a_rows, 2, name="a", offset=offset)),
+            "b": emb.FeatureConfig(table(20, 3, name="b", offset=offset))}
+  if with_c:
+    config["c"] = emb.FeatureConfig(table(12, 2, offset=offset))  # unnamed: "table_2"
+  return config
 
 
 def ckpt_features():
@@ -366,6 +368,42 @@ def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path)
   tf.train.Checkpoint(embedding=plain).restore(path).assert_existing_objects_matched()
   for key, value in slots_by_table(plain._tpu_embedding.variables_by_table).items():
     np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
+
+
+def assert_refused_and_unchanged(path, layer, *messages):
+  before = slots_by_table(layer._variables_by_table())
+  with pytest.raises(ValueError) as error:
+    tf.train.Checkpoint(embedding=layer).restore(path)
+  assert "into this PartialTPUEmbedding layer" in str(error.value)
+  for message in messages:
+    assert message in str(error.value)
+  after = slots_by_table(layer._variables_by_table())
+  assert sorted(after) == sorted(before)
+  for key, value in before.items():
+    np.testing.assert_array_equal(after[key], value, err_msg=str(key))
+
+
+def test_restore_of_a_small_table_of_another_shape_is_refused_and_changes_nothing(tmp_path):
+  """Threshold 10: `a` replicated, `b` and `table_2` sharded; TF alone would assign `b` before
+  failing on `a`."""
+  saved = PartialTPUEmbedding(ckpt_config(a_rows=5, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "five_rows"))
+  layer = PartialTPUEmbedding(ckpt_config(a_rows=6), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint")
+  np.testing.assert_array_equal(layer._variables_by_table()["b"]["parameters"].numpy(),
+                                values(20, 3))
+
+
+def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
+  saved = PartialTPUEmbedding(ckpt_config(with_c=False, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "no_c"))
+  layer = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'table_2' (shape [12, 2] in this layer) is missing from the checkpoint",
+      "slot 'table_2/accumulators' of table 'table_2'")
 
 
 # ---------------------------------------------------------------------------------------------
