@@ -328,8 +328,8 @@ def our_model(layer_name, optimizer_name, **kwargs):
   if layer_name == "TPUEmbedding":
     layer = tpu_embedding.TPUEmbedding(config, optimizer, **kwargs)
   else:
-    layer = tpu_embedding.PartialTPUEmbedding(config, optimizer,
-                                              size_threshold=tfrs_writer.SIZE_THRESHOLD)
+    layer = tpu_embedding.PartialTPUEmbedding(
+        config, optimizer, size_threshold=tfrs_writer.SIZE_THRESHOLD, **kwargs)
   model = tfrs_writer.build_model(layer, optimizer, tf_keras)
   model(tfrs_writer.inputs())
   return model, optimizer
@@ -373,17 +373,21 @@ def test_tfrs_checkpoint_restores_every_table_and_slot(tfrs_checkpoints, layer_n
   assert not [v for v in optimizer.variables() if v.shape.rank == 2 and v.shape[0] in (8, 30)]
 
 
-def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints):
+@pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints, layer_name):
   """table_updates="keras" is tf-recommenders' CPU behaviour: its Keras optimizer's slots."""
-  path = tfrs_checkpoints[("TPUEmbedding", "adagrad")]
-  model, optimizer = our_model("TPUEmbedding", "adagrad", table_updates="keras")
+  path = tfrs_checkpoints[(layer_name, "adagrad")]
+  model, optimizer = our_model(layer_name, "adagrad", table_updates="keras")
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-  for table, variables in model.embedding.variables_by_table.items():
+  tables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+            else model.embedding._variables_by_table())
+  assert sorted(tables) == ["large", "small"]
+  for table, variables in tables.items():
     np.testing.assert_array_equal(variables["parameters"].numpy(),
-                                  tf.train.load_variable(path, tfrs_key("TPUEmbedding", table)))
+                                  tf.train.load_variable(path, tfrs_key(layer_name, table)))
     np.testing.assert_array_equal(
         optimizer.get_slot(variables["parameters"], "accumulator").numpy(),
-        tf.train.load_variable(path, tfrs_key("TPUEmbedding", table, "accumulator")))
+        tf.train.load_variable(path, tfrs_key(layer_name, table, "accumulator")))
 
 
 @pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])

@@ -407,6 +407,43 @@ def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# table_updates="keras": tf-recommenders' behaviour, replicated side included
+
+
+@pytest.mark.parametrize("threshold", [None, 10, 0])  # all replicated, both sides, all sharded
+def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
+  small = table(8, 4, name="small")  # shared by two features: one variable
+  large = table(30, 2, name="large", offset=1.0)
+  config = {"a": emb.FeatureConfig(small), "b": emb.FeatureConfig(small),
+            "c": emb.FeatureConfig(large)}
+  optimizer = tf_keras.optimizers.legacy.Adagrad(0.5, initial_accumulator_value=0.1)
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=threshold, table_updates="keras")
+  ids = {"a": [0, 3], "b": [3, 7], "c": [29, 29]}
+  with tf.GradientTape() as tape:
+    out = layer({k: tf.constant(v) for k, v in ids.items()})
+    loss = sum(tf.reduce_sum(o * o) for o in out.values())
+  variables = layer.trainable_variables
+  assert sorted(tuple(v.shape) for v in variables) == [(8, 4), (30, 2)]
+  optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  start = {"small": values(8, 4), "large": values(30, 2, 1.0)}
+  grads = {name: np.zeros_like(value) for name, value in start.items()}
+  for feature, rows in ids.items():
+    name = "large" if feature == "c" else "small"
+    for row in rows:
+      grads[name][row] += 2 * start[name][row]  # d sum(o * o) / d o
+  tables = layer._variables_by_table()
+  for name, value in start.items():
+    accumulator = 0.1 + grads[name] ** 2  # Keras (legacy) Adagrad, untouched rows included
+    variable = tables[name]["parameters"]
+    assert list(tables[name]) == ["parameters"]  # no engine slots...
+    np.testing.assert_allclose(optimizer.get_slot(variable, "accumulator").numpy(),
+                               accumulator, rtol=1e-6)  # ...the Keras optimizer's
+    np.testing.assert_allclose(
+        variable.numpy(), value - 0.5 * grads[name] / (np.sqrt(accumulator) + 1e-7), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
 # TPU wiring (hardware seam patched, mid-level class faked: no TPU execution is tested)
 
 
