@@ -44,10 +44,11 @@ import numbers
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
 __all__ = [
     "ADAGRAD_EPSILON_RTOL",
@@ -57,6 +58,7 @@ __all__ = [
     "keras_slot_name",
     "learning_rate_tensor",
     "normalize_optimizer",
+    "warn_if_bias_correction_dropped",
     "translate_keras_optimizer",
 ]
 
@@ -361,6 +363,33 @@ def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
         if type(optimizer) is translation.mid_level:
             return translation.keras_slots.get(slot)
     return None
+
+
+def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
+    """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+
+    Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
+    engine or this package's CPU engine), not by the Keras optimizer itself.
+    """
+    names = [
+        table.name
+        for table in tables
+        if type(table.optimizer) is _embedding.Adam
+        and isinstance(table.optimizer.learning_rate, KerasLearningRate)
+    ]
+    if names:
+        logging.log_first_n(
+            logging.WARNING,
+            "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+            "from a Keras Adam; it has no bias correction. Keras scales each step by "
+            "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+            "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+            "which at a large learning rate changes early training. For Keras's steps, pass "
+            "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+            "learning_rate is a callable including that factor.",
+            1,
+            names,
+        )
 
 
 def normalize_optimizer(

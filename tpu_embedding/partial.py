@@ -35,6 +35,7 @@ from tpu_embedding import backends
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer import TPUEmbedding
@@ -216,6 +217,9 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
           config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False,
           keras_managed=self._keras_managed)
       self._replicated.build()
+      if not self._keras_managed:
+        optimizers.warn_if_bias_correction_dropped(
+            [table for table in self._config.tables if side_of[table.name] == REPLICATED])
 
     self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
     self._track_tables()
