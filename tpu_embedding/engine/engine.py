@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -298,6 +299,9 @@ class EmbeddingEngine(tf.Module):
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
+_COPY_IS_CHEAP_BYTES = 16 << 20
+
+
 def _new_variable(initializer: Callable, shape: list[int], name: str,
                   trainable: bool) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
@@ -306,10 +310,12 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
   Off any strategy the value is instead computed and assigned inside one function, where it is
   an intermediate that TF writes straight into the variable's buffer. Strategies create their
-  own (e.g. mirrored) variables, so there the plain constructor is used.
+  own (e.g. mirrored) variables, so there the plain constructor is used, as it is for tables
+  below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
+  step, once per table and slot) than the copy costs memory.
   """
   value = functools.partial(initializer, shape=shape, dtype=tf.float32)
-  if tf.distribute.has_strategy():
+  if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
       shape=shape, dtype=tf.float32, trainable=trainable, name=name)
