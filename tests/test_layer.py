@@ -393,6 +393,18 @@ def test_one_check_per_step_still_names_the_feature_at_fault():
   assert not re.search(r"Feature \\*'watched", message)
 
 
+def test_range_check_traces_one_assert_whatever_the_number_of_features():
+  """The check's failure branch is traced into every step: it must not grow with the features
+  (first-step latency of a 26-feature DLRM)."""
+  t = table(rows=5, dim=2, name="videos")
+  features = {f"f{i}": E.FeatureConfig(table=t) for i in range(6)}
+  layer = tpu_embedding.TPUEmbedding(features, "sgd")
+  graph = tf.function(layer).get_concrete_function(
+      {name: tf.TensorSpec([None], tf.int64) for name in features}).graph.as_graph_def()
+  nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+  assert sum(n.op == "Assert" for n in nodes) == 1
+
+
 @pytest.mark.parametrize("ids,dtype", [([1.0, 2.0], "float32"), (["a", "b"], "string")])
 def test_non_integer_ids_are_refused(ids, dtype):
   with pytest.raises(TypeError, match=f"Feature 'watched': ids must be integers.*{dtype}"):
