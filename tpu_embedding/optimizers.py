@@ -55,6 +55,7 @@ __all__ = [
     "KerasLearningRate",
     "MidLevelOptimizer",
     "NotAnOptimizerError",
+    "follows_keras_optimizer",
     "keras_slot_name",
     "learning_rate_tensor",
     "normalize_optimizer",
@@ -365,6 +366,11 @@ def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
     return None
 
 
+def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
+    """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
+    return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
+
+
 def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
     """Logs, once per process, that a Keras Adam trains these tables without bias correction.
 
@@ -374,8 +380,7 @@ def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
     names = [
         table.name
         for table in tables
-        if type(table.optimizer) is _embedding.Adam
-        and isinstance(table.optimizer.learning_rate, KerasLearningRate)
+        if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
     ]
     if names:
         logging.log_first_n(

@@ -52,6 +52,8 @@ class EmbeddingEngine(tf.Module):
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
     self._keras_managed = keras_managed
+    self._follows_keras_optimizer = any(
+        optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables)
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
@@ -134,12 +136,14 @@ class EmbeddingEngine(tf.Module):
 
     With `trap`, the activations carry a gradient function that updates the tables; without it
     they are plain (serving, evaluation, or Keras-managed tables, which are differentiable).
-    Functions traced for a SavedModel never get the trap: `tf.saved_model.save` would save its
-    gradient, which reads the user's optimizer (variables the model does not reach).
+    Functions traced for a SavedModel get no trap when a table's learning rate is read from a
+    Keras optimizer: `tf.saved_model.save` would save the trap's gradient, which reads that
+    optimizer's variables, and the SavedModel does not hold the optimizer. Their tables are then
+    plain differentiable variables in the SavedModel, as in tf-recommenders.
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
-    if trap is None or save_context.in_save_context():
+    if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
       flat = step.activations(self.parameters)
     else:
       reusable = self._register_training_lookup(step)
