@@ -6,12 +6,14 @@ For every (layer, optimizer) in `CASES` it trains a two-table model for two step
 `model.fit`, as a tf-recommenders user does (the layer and `compile` share one Keras optimizer),
 and saves `tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt.
 The tests import this module (without tf-recommenders) to build the same model with this
-package's layers and restore those files.
+package's layers and restore those files. `--read CKPT OUT.npz` goes the other way: it restores
+a checkpoint written by this package into tf-recommenders' `TPUEmbedding` and saves what it got.
 """
 
 import os
 import sys
 
+import numpy as np
 import tensorflow as tf
 
 E = tf.tpu.experimental.embedding
@@ -79,7 +81,25 @@ def main(out_dir):
         os.path.join(out_dir, f"{layer_name}-{optimizer_name}", "ckpt"))
 
 
+def read(path, out):
+  """Restores the checkpoint at `path` into tf-recommenders' `TPUEmbedding` model (Adagrad)
+  and saves, by table, the table and Keras accumulator it ended with to `out`."""
+  from tensorflow_recommenders.layers.embedding import TPUEmbedding
+  optimizer = keras_optimizer("adagrad", tf.keras.optimizers.legacy)
+  model = build_model(TPUEmbedding(feature_config(), optimizer), optimizer, tf.keras)
+  model(inputs())
+  tf.train.Checkpoint(model=model, optimizer=optimizer).read(path).expect_partial()
+  values = {}
+  for table, variable in model.embedding.embedding_tables.items():
+    values[table.name] = variable.numpy()
+    values[table.name + "/accumulator"] = optimizer.get_slot(variable, "accumulator").numpy()
+  np.savez(out, **values)
+
+
 if __name__ == "__main__":
   if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     sys.exit("run with TF_USE_LEGACY_KERAS=1 (tf-recommenders needs tf.keras to be Keras 2)")
-  main(sys.argv[1])
+  if sys.argv[1] == "--read":
+    read(sys.argv[2], sys.argv[3])
+  else:
+    main(sys.argv[1])
