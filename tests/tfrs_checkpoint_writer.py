@@ -6,8 +6,8 @@ For every (layer, optimizer) in `CASES` it trains a two-table model for two step
 `model.fit`, as a tf-recommenders user does (the layer and `compile` share one Keras optimizer),
 and saves `tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt.
 The tests import this module (without tf-recommenders) to build the same model with this
-package's layers and restore those files. `--read CKPT OUT.npz` goes the other way: it restores
-a checkpoint written by this package into tf-recommenders' `TPUEmbedding` and saves what it got.
+package's layers and restore those files. `--read CKPT OUT.npz LAYER` goes the other way: it
+restores a checkpoint written by this package into tf-recommenders' LAYER and saves what it got.
 """
 
 import os
@@ -81,18 +81,27 @@ def main(out_dir):
         os.path.join(out_dir, f"{layer_name}-{optimizer_name}", "ckpt"))
 
 
-def read(path, out):
-  """Restores the checkpoint at `path` into tf-recommenders' `TPUEmbedding` model (Adagrad)
-  and saves, by table, the table and Keras accumulator it ended with to `out`."""
+def read(path, out, layer_name):
+  """Restores the checkpoint at `path` into tf-recommenders' `layer_name` model (Adagrad) and
+  saves, by table, the table and Keras accumulator it ended with (NaN: none) to `out`."""
+  from tensorflow_recommenders.experimental.layers.embedding import PartialTPUEmbedding
   from tensorflow_recommenders.layers.embedding import TPUEmbedding
   optimizer = keras_optimizer("adagrad", tf.keras.optimizers.legacy)
-  model = build_model(TPUEmbedding(feature_config(), optimizer), optimizer, tf.keras)
+  if layer_name == "TPUEmbedding":
+    layer = TPUEmbedding(feature_config(), optimizer)
+  else:
+    layer = PartialTPUEmbedding(feature_config(), optimizer, size_threshold=SIZE_THRESHOLD)
+  model = build_model(layer, optimizer, tf.keras)
   model(inputs())
   tf.train.Checkpoint(model=model, optimizer=optimizer).read(path).expect_partial()
   values = {}
-  for table, variable in model.embedding.embedding_tables.items():
-    values[table.name] = variable.numpy()
-    values[table.name + "/accumulator"] = optimizer.get_slot(variable, "accumulator").numpy()
+  for variable in model.embedding.trainable_variables:  # the tables, told apart by shape
+    table = {(8, 4): "small", (30, 2): "large"}[tuple(variable.shape)]
+    values[table] = variable.numpy()
+    try:
+      values[table + "/accumulator"] = optimizer.get_slot(variable, "accumulator").numpy()
+    except KeyError:  # a Keras Embedding's slot is made by its first update, if not restored
+      values[table + "/accumulator"] = np.full(variable.shape, np.nan, np.float32)
   np.savez(out, **values)
 
 
@@ -100,6 +109,6 @@ if __name__ == "__main__":
   if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
     sys.exit("run with TF_USE_LEGACY_KERAS=1 (tf-recommenders needs tf.keras to be Keras 2)")
   if sys.argv[1] == "--read":
-    read(sys.argv[2], sys.argv[3])
+    read(*sys.argv[2:5])
   else:
     main(sys.argv[1])

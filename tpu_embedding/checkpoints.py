@@ -169,9 +169,11 @@ def _adopt_tfrs_partial_layout(coordinator: Any, proto: Any, tables_key: str,
     return node_id
 
   tables_node = child(proto, tables_key)
-  tfrs_layout = (child(proto, "_keras_embedding_layers") is not None or
-                 follow(tables_key, "_tpu_embedding") is not None)
-  if not tfrs_layout:
+  if tables_node is not None and any(
+      child(nodes[tables_node], table.name) is not None for table in config.tables):
+    return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
+  if (child(proto, "_keras_embedding_layers") is None and
+      follow(tables_key, "_tpu_embedding") is None):
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:

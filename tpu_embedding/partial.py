@@ -222,6 +222,9 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
             [table for table in self._config.tables if side_of[table.name] == REPLICATED])
 
     self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
+    # tf-recommenders' names for the same variables (see `_track_tables`).
+    self._tfrs_sharded_view = self._no_dependency(autotrackable.AutoTrackable())
+    self._tfrs_keras_layers_view = self._no_dependency(autotrackable.AutoTrackable())
     self._track_tables()
 
   # -------------------------------------------------------------------------------------------
@@ -354,11 +357,29 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
 
     Tracking (rather than only listing them at save time) lets a restore issued before the
     tables exist wait for them: the value is applied when the name is tracked here.
+
+    Each table is also tracked under the names tf-recommenders' `PartialTPUEmbedding` restores,
+    whatever its threshold (`_keras_embedding_layers/<feature>/embeddings` and
+    `_tpu_embedding/_tpu_embedding/<table>`), so its tables load into that class too. A checkpoint
+    stores a variable once, however many names lead to it.
     """
-    for table_name, variables in self._variables_by_table().items():
+    variables_by_table = self._variables_by_table()
+    for table_name, variables in variables_by_table.items():
       for key, variable in variables.items():
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
+      self._tfrs_sharded_view._track_trackable(  # pylint: disable=protected-access
+          variables["parameters"], name=table_name, overwrite=True)
+    self._tables_view._track_trackable(  # pylint: disable=protected-access
+        self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True)
+    for feature in self._config.features:
+      if feature.table.name not in variables_by_table:
+        continue
+      keras_layer = autotrackable.AutoTrackable()
+      keras_layer._track_trackable(  # pylint: disable=protected-access
+          variables_by_table[feature.table.name]["parameters"], name="embeddings")
+      self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
+          keras_layer, name=feature.path, overwrite=True)
 
   def _checkpoint_adapter(self, path: str):
     # TF's per-object restore hook, called before any table or slot is bound: map a checkpoint
@@ -381,6 +402,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     if sharded is not None and self._tpu_embedding.path is not hardware.Path.CPU:
       children[_SHARDED_LAYER_KEY] = sharded
     children[_TABLES_KEY] = self._tables_view
+    children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
     return children
 
   # -------------------------------------------------------------------------------------------
