@@ -220,8 +220,8 @@ def run_train(spec) -> dict:
   return {"measurements": results, "import_s": t_import, "rss_after_import": rss_after_import}
 
 
-def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
-  """Warm-up, then up to spec["reps"] timed repetitions of `steps` steps each."""
+def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
+  """(batches, the tf.function training step, unique rows per step) for one measurement."""
   batch, workload = m["batch"], m["workload"]
   multi = tuple(group.get("multi_hot", ()))
   raw = make_id_batches(sizes, batch, spec["num_batches"], multi, seed=spec.get("seed", 0))
@@ -267,6 +267,28 @@ def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
     opt.apply_gradients(zip(grads, variables))
     return loss
 
+  return batches, step, uniq
+
+
+def first_steps(tf, tf_keras, spec, layer, opt, models, sizes, group, m, steps) -> dict:
+  """Seconds of the first step (tracing, compiling, building) and of the `steps - 1` next."""
+  batches, step, _ = prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m)
+  t0 = time.perf_counter()
+  float(step(*batches[0]).numpy())
+  t_first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  loss = None
+  for k in range(1, steps):
+    loss = step(*batches[k % len(batches)])
+  if loss is not None:
+    float(loss.numpy())
+  return {"first_step_s": t_first, "next_steps_s": time.perf_counter() - t0}
+
+
+def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
+  """Warm-up, then up to spec["reps"] timed repetitions of `steps` steps each."""
+  batch, workload = m["batch"], m["workload"]
+  batches, step, uniq = prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m)
   t0 = time.perf_counter()
   float(step(*batches[0]).numpy())  # traces (and, the first time, builds the tables)
   t_first = time.perf_counter() - t0

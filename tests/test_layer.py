@@ -4,7 +4,10 @@ Expected values come from NumPy computations on tables with known constant initi
 from the hand-worked examples of the semantics spec.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -390,6 +393,18 @@ def test_one_check_per_step_still_names_the_feature_at_fault():
   assert not re.search(r"Feature \\*'watched", message)
 
 
+def test_range_check_traces_one_assert_whatever_the_number_of_features():
+  """The check's failure branch is traced into every step: it must not grow with the features
+  (first-step latency of a 26-feature DLRM)."""
+  t = table(rows=5, dim=2, name="videos")
+  features = {f"f{i}": E.FeatureConfig(table=t) for i in range(6)}
+  layer = tpu_embedding.TPUEmbedding(features, "sgd")
+  graph = tf.function(layer).get_concrete_function(
+      {name: tf.TensorSpec([None], tf.int64) for name in features}).graph.as_graph_def()
+  nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+  assert sum(n.op == "Assert" for n in nodes) == 1
+
+
 @pytest.mark.parametrize("ids,dtype", [([1.0, 2.0], "float32"), (["a", "b"], "string")])
 def test_non_integer_ids_are_refused(ids, dtype):
   with pytest.raises(TypeError, match=f"Feature 'watched': ids must be integers.*{dtype}"):
@@ -540,3 +555,44 @@ def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
   loaded = tf.saved_model.load(str(tmp_path / "model"))
   np.testing.assert_array_equal(loaded.serve(tf.constant([3, 1])).numpy(),
                                 row_id_table(4, 2)[[3, 1]])
+
+
+ADAM_WARNING_SCRIPT = """
+import sys
+import tensorflow as tf, tf_keras
+import tpu_embedding
+E = tf.tpu.experimental.embedding
+config = {"f": E.FeatureConfig(E.TableConfig(4, 2, name="t"))}
+def mark(text):
+  print(text, file=sys.stderr, flush=True)
+if sys.argv[1] == "TPUEmbedding":
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.Adam(1.0), table_updates="keras")
+  mark("MARK keras mode")
+  tpu_embedding.TPUEmbedding(config, E.Adam(1.0))
+  mark("MARK mid-level Adam")
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.legacy.Adam(1.0))
+else:
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0), table_updates="keras")
+  mark("MARK keras mode")
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+mark("MARK end")
+"""
+
+
+@pytest.mark.parametrize("layer", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_keras_adam_without_bias_correction_is_logged_once(layer):
+  """Only where the engine trains the tables (not table_updates="keras", not a mid-level Adam)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", ADAM_WARNING_SCRIPT, layer],
+                          env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines()
+           if "MARK" in line or "no bias correction" in line]
+  warning = [line for line in lines if "no bias correction" in line]
+  assert len(warning) == 1, lines
+  assert "tables ['t'] are trained by the TPU embedding engine's Adam" in warning[0]
+  assert "sqrt(1 - beta_2**t) / (1 - beta_1**t)" in warning[0]
+  assert lines.index(warning[0]) == len(lines) - 2  # after every MARK but the end

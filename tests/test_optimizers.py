@@ -226,6 +226,14 @@ def test_non_optimizer_is_a_type_error():
         optimizers.normalize_optimizer(3.0, where="TableConfig 'a'.optimizer")
 
 
+@pytest.mark.parametrize("caught", [TypeError, ValueError])
+def test_non_optimizer_is_caught_as_tfrs_users_catch_it(caught):
+    """tf-recommenders raised ValueError here; code written for it catches that."""
+    with pytest.raises(caught) as error:
+        optimizers.translate_keras_optimizer(object())
+    assert str(error.value).startswith("optimizer: expected a Keras optimizer, got object: ")
+
+
 # --- Adagrad epsilon rule: epsilon <= 1e-6 * min(sqrt(a0), 2 * a0) --------------------------
 
 

@@ -305,10 +305,12 @@ def test_placement_reports_sides_and_bytes():
 # Checkpoints across thresholds
 
 
-def ckpt_config():
-  return {"a": emb.FeatureConfig(table(5, 2, name="a")),
-          "b": emb.FeatureConfig(table(20, 3, name="b")),
-          "c": emb.FeatureConfig(table(12, 2))}  # unnamed: "table_2" whatever its side
+def ckpt_config(a_rows=5, with_c=True, offset=0.0):
+  config = {"a": emb.FeatureConfig(table(a_rows, 2, name="a", offset=offset)),
+            "b": emb.FeatureConfig(table(20, 3, name="b", offset=offset))}
+  if with_c:
+    config["c"] = emb.FeatureConfig(table(12, 2, offset=offset))  # unnamed: "table_2"
+  return config
 
 
 def ckpt_features():
@@ -367,6 +369,79 @@ def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path)
     np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
 
 
+def assert_refused_and_unchanged(path, layer, *messages):
+  before = slots_by_table(layer._variables_by_table())
+  with pytest.raises(ValueError) as error:
+    tf.train.Checkpoint(embedding=layer).restore(path)
+  assert "into this PartialTPUEmbedding layer" in str(error.value)
+  for message in messages:
+    assert message in str(error.value)
+  after = slots_by_table(layer._variables_by_table())
+  assert sorted(after) == sorted(before)
+  for key, value in before.items():
+    np.testing.assert_array_equal(after[key], value, err_msg=str(key))
+
+
+def test_restore_of_a_small_table_of_another_shape_is_refused_and_changes_nothing(tmp_path):
+  """Threshold 10: `a` replicated, `b` and `table_2` sharded; TF alone would assign `b` before
+  failing on `a`."""
+  saved = PartialTPUEmbedding(ckpt_config(a_rows=5, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "five_rows"))
+  layer = PartialTPUEmbedding(ckpt_config(a_rows=6), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint")
+  np.testing.assert_array_equal(layer._variables_by_table()["b"]["parameters"].numpy(),
+                                values(20, 3))
+
+
+def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
+  saved = PartialTPUEmbedding(ckpt_config(with_c=False, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "no_c"))
+  layer = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'table_2' (shape [12, 2] in this layer) is missing from the checkpoint",
+      "slot 'table_2/accumulators' of table 'table_2'")
+
+
+# ---------------------------------------------------------------------------------------------
+# table_updates="keras": tf-recommenders' behaviour, replicated side included
+
+
+@pytest.mark.parametrize("threshold", [None, 10, 0])  # all replicated, both sides, all sharded
+def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
+  small = table(8, 4, name="small")  # shared by two features: one variable
+  large = table(30, 2, name="large", offset=1.0)
+  config = {"a": emb.FeatureConfig(small), "b": emb.FeatureConfig(small),
+            "c": emb.FeatureConfig(large)}
+  optimizer = tf_keras.optimizers.legacy.Adagrad(0.5, initial_accumulator_value=0.1)
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=threshold, table_updates="keras")
+  ids = {"a": [0, 3], "b": [3, 7], "c": [29, 29]}
+  with tf.GradientTape() as tape:
+    out = layer({k: tf.constant(v) for k, v in ids.items()})
+    loss = sum(tf.reduce_sum(o * o) for o in out.values())
+  variables = layer.trainable_variables
+  assert sorted(tuple(v.shape) for v in variables) == [(8, 4), (30, 2)]
+  optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  start = {"small": values(8, 4), "large": values(30, 2, 1.0)}
+  grads = {name: np.zeros_like(value) for name, value in start.items()}
+  for feature, rows in ids.items():
+    name = "large" if feature == "c" else "small"
+    for row in rows:
+      grads[name][row] += 2 * start[name][row]  # d sum(o * o) / d o
+  tables = layer._variables_by_table()
+  for name, value in start.items():
+    accumulator = 0.1 + grads[name] ** 2  # Keras (legacy) Adagrad, untouched rows included
+    variable = tables[name]["parameters"]
+    assert list(tables[name]) == ["parameters"]  # no engine slots...
+    np.testing.assert_allclose(optimizer.get_slot(variable, "accumulator").numpy(),
+                               accumulator, rtol=1e-6)  # ...the Keras optimizer's
+    np.testing.assert_allclose(
+        variable.numpy(), value - 0.5 * grads[name] / (np.sqrt(accumulator) + 1e-7), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # TPU V1: TF's real TPUEmbedding under tpu_harness.StandInTPUStrategy (runtime stubbed, steps
 # traced, nothing runs on a TPU)
@@ -419,7 +494,8 @@ def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
     _traced_step(layer)
   children = layer._trackable_children()
   assert "_sharded_embedding" in children
-  assert set(children["_tpu_embedding"]._trackable_children()) == {"a", "b", "table_2"}
+  names = set(children["_tpu_embedding"]._trackable_children())
+  assert names == {"a", "b", "table_2", "_tpu_embedding"}  # the last: tfrs's names, aliases
 
 
 def test_batch_size_reaches_the_tpu_build(tpu_v1):

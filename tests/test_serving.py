@@ -40,10 +40,10 @@ def feature_config():
 
 class Ranker(tf_keras.Model):
 
-  def __init__(self, config):
+  def __init__(self, config, optimizer="sgd", layer=tpu_embedding.TPUEmbedding):
     super().__init__()
     self.config = config
-    self.embedding = tpu_embedding.TPUEmbedding(config, optimizer="sgd")
+    self.embedding = layer(config, optimizer=optimizer)
     self.hidden = tf_keras.layers.Dense(8, activation="relu")
     self.out = tf_keras.layers.Dense(1)
 
@@ -250,6 +250,48 @@ def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
       """))
   assert result.returncode == 0, result.stderr[-3000:]
   np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), model(features).numpy(), rtol=1e-6)
+
+
+KERAS_ADAGRAD_LAYERS = {
+    "TPUEmbedding": tpu_embedding.TPUEmbedding,
+    # genre (20 rows) replicated, movie and user sharded
+    "PartialTPUEmbedding": lambda config, optimizer: tpu_embedding.PartialTPUEmbedding(
+        config, optimizer, size_threshold=20),
+}
+
+
+@pytest.mark.parametrize("layer,steps", [("TPUEmbedding", 2), ("TPUEmbedding", 0),
+                                         ("PartialTPUEmbedding", 2)])
+def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorflow(
+    tmp_path, layer, steps):
+  """tfrs's guide saves with `tf.saved_model.save(model, path, signatures=...)`: the serving
+  trace must not carry the training trap's gradient (which reads the Keras optimizer's
+  learning rate, a variable the model does not reach)."""
+  tf.keras.utils.set_random_seed(0)
+  model = Ranker(feature_config(), tf_keras.optimizers.legacy.Adagrad(0.5),
+                 KERAS_ADAGRAD_LAYERS[layer])
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  model.compile(tf_keras.optimizers.legacy.Adagrad(0.5), "mse")
+  if steps:
+    before = model(features).numpy()
+    model.fit(tf.data.Dataset.from_tensors((features, tf.ones([5, 1]))).repeat(steps), verbose=0)
+    assert np.abs(model(features).numpy() - before).max() > 1e-3  # it did train
+  else:
+    model(features)
+  directory = str(tmp_path / "plain")
+  tf.saved_model.save(model, directory, signatures={"serving_default": signatures(model)[
+      "serving_default"]})
+  result = run_python(textwrap.dedent(f"""
+      import sys
+      sys.modules["tpu_embedding"] = None  # importing the package would fail
+      import numpy as np, tensorflow as tf
+      loaded = tf.saved_model.load({directory!r})
+      ids = {{k: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
+      np.save({str(tmp_path / "scores.npy")!r},
+              loaded.signatures["serving_default"](**ids)["score"].numpy())
+      """))
+  assert result.returncode == 0, result.stderr[-3000:]
+  np.testing.assert_array_equal(np.load(tmp_path / "scores.npy"), model(features).numpy())
 
 
 def saved_keys(directory):

@@ -14,6 +14,7 @@ import tf_keras
 from tpu_embedding import backends
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -72,6 +73,8 @@ class TPUEmbedding(tf_keras.layers.Layer):
         user_optimizer=optimizer, check_finite=check_finite)
     self._tpu_embedding = self._backend.mid_level
     self.batch_size = batch_size
+    if self._backend.needs_trap:  # tables trained by their mid-level optimizers
+      optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
   # Makes load_model rebuild the layer through `from_config`, which refuses with the way to
   # save and restore instead, rather than revive a shell whose tables nothing trains.

@@ -44,10 +44,11 @@ import numbers
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
 from tpu_embedding.engine import updates
 
@@ -55,8 +56,12 @@ __all__ = [
     "ADAGRAD_EPSILON_RTOL",
     "KerasLearningRate",
     "MidLevelOptimizer",
+    "NotAnOptimizerError",
+    "follows_keras_optimizer",
+    "keras_slot_name",
     "learning_rate_tensor",
     "normalize_optimizer",
+    "warn_if_bias_correction_dropped",
     "translate_keras_optimizer",
 ]
 
@@ -153,6 +158,9 @@ class _Translation:
     carried: Tuple[str, ...]  # same name on both sides
     refused: Dict[str, _Refused]
     fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
+    # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
+    keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
@@ -182,6 +190,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 ),
             ),
         },
+        keras_slots={"accumulators": "accumulator"},
     ),
     "Adam": _Translation(
         _embedding.Adam,
@@ -193,6 +202,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
             ),
         },
         fixed={"sum_inside_sqrt": False},
+        keras_slots={"momenta": "m", "velocities": "v"},
     ),
     "Ftrl": _Translation(
         _embedding.FTRL,
@@ -209,6 +219,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
             ),
         },
+        keras_slots={"accumulators": "accumulator", "linears": "linear"},
     ),
 }
 
@@ -239,6 +250,14 @@ def _schedule_types() -> Tuple[type, ...]:
     keras = _keras3()
     keras_schedule = () if keras is None else (keras.optimizers.schedules.LearningRateSchedule,)
     return (tf_keras.optimizers.schedules.LearningRateSchedule, *keras_schedule)
+
+
+class NotAnOptimizerError(TypeError, ValueError):
+    """Something that is not an optimizer was given as one.
+
+    A TypeError by nature; also a ValueError because tf-recommenders raised that here and code
+    written for it catches ValueError.
+    """
 
 
 class KerasLearningRate:
@@ -286,7 +305,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     """
     family = _keras_family(optimizer)
     if family is None:
-        raise TypeError(
+        raise NotAnOptimizerError(
             f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
         )
     label, module = family
@@ -335,6 +354,49 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
         )
     except ValueError as error:
         raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
+
+
+def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
+    """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
+
+    tf-recommenders creates the slots of its tables through the Keras optimizer, so its
+    checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
+    """
+    for translation in _TRANSLATIONS.values():
+        if type(optimizer) is translation.mid_level:
+            return translation.keras_slots.get(slot)
+    return None
+
+
+def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
+    """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
+    return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
+
+
+def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
+    """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+
+    Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
+    engine or this package's CPU engine), not by the Keras optimizer itself.
+    """
+    names = [
+        table.name
+        for table in tables
+        if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
+    ]
+    if names:
+        logging.log_first_n(
+            logging.WARNING,
+            "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+            "from a Keras Adam; it has no bias correction. Keras scales each step by "
+            "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+            "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+            "which at a large learning rate changes early training. For Keras's steps, pass "
+            "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+            "learning_rate is a callable including that factor.",
+            1,
+            names,
+        )
 
 
 def normalize_optimizer(

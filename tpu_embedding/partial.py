@@ -10,7 +10,9 @@ table go to the same side:
   with the table's own mid-level optimizer, exactly as the sharded side trains its tables.
 
 Both sides therefore give the same activations and the same updates for the same configs; the
-threshold only moves memory. Where each table goes, and what it costs per device, is reported by
+threshold only moves memory. With `table_updates="keras"` the replicated tables are instead
+trainable variables trained by the user's Keras optimizer on every hardware, as tf-recommenders
+trains them (and so are the sharded ones off TPU). Where each table goes, and what it costs per device, is reported by
 `PartialTPUEmbedding.placement()`.
 
 Checkpoints do not depend on the side: every table and slot is saved under the same dependency
@@ -29,8 +31,11 @@ import tf_keras
 from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
+from tpu_embedding import backends
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer import TPUEmbedding
@@ -160,14 +165,23 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     batch_size: passed to the sharded side (per-replica batch size to build the TPU engine).
     size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
       replicated. 0 shards every table; None replicates every table.
+    table_updates: "engine" (default) trains the replicated tables with their mid-level
+      optimizers, as the sharded side; "keras" makes them trainable variables of this layer,
+      updated by the Keras optimizer the user applies (tf-recommenders' behaviour), and is
+      passed to the sharded side (where it applies off TPU).
     **kwargs: Keras layer arguments (`name`, ...).
   """
 
   def __init__(self, feature_config: Any, optimizer: Any = None,
                pipeline_execution_with_tensor_core: bool = False,
                batch_size: Optional[int] = None,
-               size_threshold: Optional[int] = 10_000, **kwargs):
+               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
+               **kwargs):
     super().__init__(**kwargs)
+    if table_updates not in backends.TABLE_UPDATES:
+      raise ValueError(f"table_updates={table_updates!r}; expected one of "
+                       f"{backends.TABLE_UPDATES}.")
+    self._keras_managed = table_updates == "keras"
     if size_threshold is not None and (isinstance(size_threshold, bool) or
                                        not isinstance(size_threshold, int) or size_threshold < 0):
       raise ValueError(f"size_threshold={size_threshold!r}; expected an int >= 0 (0 shards "
@@ -192,7 +206,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
       self._tpu_embedding = TPUEmbedding(
           per_side[SHARDED], self._config.optimizer,
           pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-          batch_size=batch_size, name="sharded_embedding")
+          batch_size=batch_size, table_updates=table_updates, name="sharded_embedding")
       if self._tpu_embedding.path is hardware.Path.CPU:
         self._tpu_embedding.build(None)  # needs no shapes off TPU: tables exist from the start
 
@@ -201,10 +215,17 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     self._replicated = None
     if per_side[REPLICATED]:
       self._replicated = EmbeddingEngine(
-          config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False)
+          config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False,
+          keras_managed=self._keras_managed)
       self._replicated.build()
+      if not self._keras_managed:
+        optimizers.warn_if_bias_correction_dropped(
+            [table for table in self._config.tables if side_of[table.name] == REPLICATED])
 
     self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
+    # tf-recommenders' names for the same variables (see `_track_tables`).
+    self._tfrs_sharded_view = self._no_dependency(autotrackable.AutoTrackable())
+    self._tfrs_keras_layers_view = self._no_dependency(autotrackable.AutoTrackable())
     self._track_tables()
 
   # -------------------------------------------------------------------------------------------
@@ -288,7 +309,10 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
   def build(self, input_shape: Any) -> None:
     if self._tpu_embedding is not None and not self._tpu_embedding.built:
       self._tpu_embedding.build(self._sharded_shapes(input_shape))
-    if self._replicated is not None:
+    if self._replicated is not None and self._keras_managed:
+      # Keras-trained tables must be trainable variables of the model (one per table).
+      self._keras_trained_tables = list(self._replicated.embedding_tables.values())
+    elif self._replicated is not None:
       setattr(self, _TRAP_NAME, self.add_weight(
           name=_TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32))
     self._track_tables()
@@ -314,7 +338,7 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
       outputs.update(self._tpu_embedding(inputs[SHARDED], weights=side_weights(SHARDED)))
     if inputs[REPLICATED]:
       outputs.update(self._replicated.lookup(inputs[REPLICATED], side_weights(REPLICATED),
-                                             getattr(self, _TRAP_NAME)))
+                                             getattr(self, _TRAP_NAME, None)))
     return tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
 
   # -------------------------------------------------------------------------------------------
@@ -334,11 +358,37 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
 
     Tracking (rather than only listing them at save time) lets a restore issued before the
     tables exist wait for them: the value is applied when the name is tracked here.
+
+    Each table is also tracked under the names tf-recommenders' `PartialTPUEmbedding` restores,
+    whatever its threshold (`_keras_embedding_layers/<feature>/embeddings` and
+    `_tpu_embedding/_tpu_embedding/<table>`), so its tables load into that class too. A checkpoint
+    stores a variable once, however many names lead to it.
     """
-    for table_name, variables in self._variables_by_table().items():
+    variables_by_table = self._variables_by_table()
+    for table_name, variables in variables_by_table.items():
       for key, variable in variables.items():
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
+      self._tfrs_sharded_view._track_trackable(  # pylint: disable=protected-access
+          variables["parameters"], name=table_name, overwrite=True)
+    self._tables_view._track_trackable(  # pylint: disable=protected-access
+        self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True)
+    for feature in self._config.features:
+      if feature.table.name not in variables_by_table:
+        continue
+      keras_layer = autotrackable.AutoTrackable()
+      keras_layer._track_trackable(  # pylint: disable=protected-access
+          variables_by_table[feature.table.name]["parameters"], name="embeddings")
+      self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
+          keras_layer, name=feature.path, overwrite=True)
+
+  def _checkpoint_adapter(self, path: str):
+    # TF's per-object restore hook, called before any table or slot is bound: map a checkpoint
+    # written by tf-recommenders onto these names, and refuse the whole restore if any table or
+    # slot is missing or has another shape (nothing is changed then).
+    checkpoints.validate(self, self._config, not self._keras_managed, path,
+                         layer="PartialTPUEmbedding", tables_key=_TABLES_KEY)
+    return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
@@ -347,11 +397,13 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     if tf.executing_eagerly():
       self.flush()  # a checkpoint holds the tables with every update applied
     children.pop(_TRAP_NAME, None)
+    children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)
     sharded = children.pop("_tpu_embedding", None)
     if sharded is not None and self._tpu_embedding.path is not hardware.Path.CPU:
       children[_SHARDED_LAYER_KEY] = sharded
     children[_TABLES_KEY] = self._tables_view
+    children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
     return children
 
   # -------------------------------------------------------------------------------------------

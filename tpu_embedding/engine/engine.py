@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
@@ -61,6 +63,8 @@ class EmbeddingEngine(tf.Module):
     self._pipelining = pipelining
     self._keras_managed = keras_managed
     self._check_finite = check_finite
+    self._follows_keras_optimizer = any(
+        optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables)
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
@@ -150,12 +154,16 @@ class EmbeddingEngine(tf.Module):
 
     With `trap`, the activations carry a gradient function that updates the tables; without it
     they are plain (serving, evaluation, or Keras-managed tables, which are differentiable).
+    Functions traced for a SavedModel get no trap when a table's learning rate is read from a
+    Keras optimizer: `tf.saved_model.save` would save the trap's gradient, which reads that
+    optimizer's variables, and the SavedModel does not hold the optimizer. Their tables are then
+    plain differentiable variables in the SavedModel, as in tf-recommenders.
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
     if self._check_finite:
       finite.check_weights(step)
-    if trap is None:
+    if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
       flat = step.activations(self.parameters)
     else:
       reusable = self._register_training_lookup(step)
@@ -325,6 +333,9 @@ class EmbeddingEngine(tf.Module):
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
+_COPY_IS_CHEAP_BYTES = 16 << 20
+
+
 def _new_variable(initializer: Callable, shape: list[int], name: str,
                   trainable: bool) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
@@ -333,10 +344,12 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
   Off any strategy the value is instead computed and assigned inside one function, where it is
   an intermediate that TF writes straight into the variable's buffer. Strategies create their
-  own (e.g. mirrored) variables, so there the plain constructor is used.
+  own (e.g. mirrored) variables, so there the plain constructor is used, as it is for tables
+  below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
+  step, once per table and slot) than the copy costs memory.
   """
   value = functools.partial(_initial_value, initializer, shape, name)
-  if tf.distribute.has_strategy():
+  if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
       shape=shape, dtype=tf.float32, trainable=trainable, name=name)
