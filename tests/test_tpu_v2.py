@@ -139,6 +139,41 @@ def test_a_cpu_checkpoint_restores_into_sparse_core_through_tfs_adapter(monkeypa
     np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
+def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch,
+                                                                           tmp_path):
+  """TF re-shards a per-table checkpoint only while it creates the SparseCore variables; read
+  into a built layer it would change nothing in silence. Refused instead, before any value is
+  assigned."""
+  cpu = _cpu_layer()
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  before = {name: {slot: stacked_by_hand(v) for slot, v in slots.items()}
+            for name, slots in layer.variables_by_table.items()}
+  with pytest.raises(ValueError, match=r"(?s)before the layer is built.*first call"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  for name, slots in layer.variables_by_table.items():
+    for slot, variable in slots.items():
+      np.testing.assert_array_equal(stacked_by_hand(variable), before[name][slot])
+
+
+def test_a_sparse_core_checkpoint_read_after_build_still_restores(monkeypatch, tmp_path):
+  """Same layout on both sides: TF restores the stacked variables directly, built or not."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = _layer(strategy)
+  for variable in saved.variables_by_table["user_video"].values():
+    for shard in variable.values:
+      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[2, shard.shape[0]]))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  layer = _layer(strategy)
+  tf.train.Checkpoint(layer=layer).read(path).assert_consumed()
+  want = _by_name(saved.embedding_tables)
+  for name, value in _by_name(layer.embedding_tables).items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
 def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
   """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
   tables and Adagrad accumulators."""

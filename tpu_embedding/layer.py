@@ -137,6 +137,13 @@ class TPUEmbedding(tf_keras.layers.Layer):
     raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
                      f"({[t.name for t in self._config.tables]}).")
 
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
+    lets the path refuse a checkpoint it cannot apply to tables that already exist."""
+    if self.built:
+      self._backend.check_restore_when_built(path)
+    return super()._checkpoint_adapter(path)
+
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     if save_type == "checkpoint" and tf.executing_eagerly():
       self.flush()  # a checkpoint holds the tables with every update applied

@@ -14,7 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
-# TF internals, each used in this module only: TF's own unshuffling, and its checkpoint key escape.
+# TF internals, each used in this module only: TF's own unshuffling, its SparseCore checkpoint
+# adapter, and its checkpoint key escape.
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
 from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import trackable_utils
 
@@ -52,6 +54,14 @@ def logical_tables(stacked_variables: dict[str, Any], layouts: dict[str, Any],
       stacks[name] = stacked_value(stacked_variables[name])
     result[table] = logical_table(stacks[name], layout)
   return result
+
+
+def needs_relayout(path: str, mid_level: tf.Module) -> bool:
+  """Whether the checkpoint at `path` holds `mid_level`'s tables in another layout (per table, or
+  other SparseCore layouts), which TF's checkpoint adapter converts only while `mid_level`
+  creates its variables: a restore into built variables would then silently change nothing."""
+  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
 
 
 def restore_from_checkpoint(path: str, layer_path: str,
