@@ -410,6 +410,20 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
   np.testing.assert_array_equal(sharded["b"].numpy(), values(20, 3))
 
 
+def test_on_tpu_v1_embedding_tables_copies_the_sharded_tables_back_from_the_tpu_first(tpu_v1):
+  """As TPUEmbedding.embedding_tables does: the host copies are stale between saves."""
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    _traced_step(layer)
+  retrieves = recorded.retrieves
+  tables = {t.name: v for t, v in layer.embedding_tables.items()}
+  assert recorded.retrieves == retrieves + 1  # one retrieve of the sharded side, before reading
+  assert len(tables) == 3  # "a", "b" and the unnamed table (name None in the user's config)
+  np.testing.assert_array_equal(tables["a"].numpy(), values(5, 2))  # replicated: no TPU copy
+  np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
+
+
 def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
   """TF's TPU save/restore callbacks hang on the mid-level object, so it stays in the
   checkpoint graph, while every table also has its side-free name."""

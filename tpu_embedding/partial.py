@@ -271,11 +271,21 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     return Placement(self._size_threshold, num_replicas, tuple(entries))
 
   @property
-  def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
-    """Every table variable, either side, keyed by the user's own TableConfig objects."""
-    variables = self._variables_by_table()
-    return {self._config.user_tables[t]: variables[t.name]["parameters"]
-            for t in self._config.tables if t.name in variables}
+  def embedding_tables(self) -> dict[TableConfig, Any]:
+    """Every table, either side, keyed by the user's own TableConfig objects.
+
+    Sharded tables are what the sharded layer's `embedding_tables` gives on its path (on TPU,
+    copied back from TPU memory first; on SparseCore, each table's logical value).
+    """
+    by_name = {}
+    if self._replicated is not None:
+      by_name.update({name: variables["parameters"]
+                      for name, variables in self._replicated.variables_by_table.items()})
+    if self._tpu_embedding is not None and self._tpu_embedding.built:
+      by_name.update({table.name: value
+                      for table, value in self._tpu_embedding.embedding_tables.items()})
+    return {self._config.user_tables[t]: by_name[t.name]
+            for t in self._config.tables if t.name in by_name}
 
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
