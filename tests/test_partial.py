@@ -447,6 +447,58 @@ def test_batch_size_reaches_the_tpu_build(tpu_v1):
 
 
 # ---------------------------------------------------------------------------------------------
+# TPU V2 (SparseCore): TF's real TPUEmbeddingV2 under tpu_harness.StandInTPUStrategy (runtime
+# stubbed, steps traced, nothing runs on a TPU)
+
+
+def sparse_core_config():
+  """`ckpt_config`'s shapes, with what SparseCore needs: an initializer for any (padded) shape,
+  and every feature's output shape (a batch of 4, one row per SparseCore)."""
+  offsets = {"a": 0.0, "b": 10000.0, "c": 20000.0}
+  shapes = {"a": (5, 2), "b": (20, 3), "c": (12, 2)}
+  return {key: emb.FeatureConfig(emb.TableConfig(*shapes[key], name=key,
+                                                 initializer=tpu_harness.pattern(offset)),
+                                 output_shape=[4])
+          for key, offset in offsets.items()}
+
+
+def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  features = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+              "c": tf.constant([11, 11, 1, 5])}
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, features))
+
+    @tf.function
+    def step(ids):
+      return strategy.run(layer, args=(ids,))
+
+    concrete = step.get_concrete_function(
+        tf.nest.map_structure(tf.TensorSpec.from_tensor, features))
+  assert layer.tpu_embedding.path is hardware.Path.TPU_V2
+  assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
+  # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
+  assert set(layer.tpu_embedding.variables_by_table) == {"b_c"}
+  ops = [op.type for op in concrete.graph.get_operations()]
+  assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1
+  assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
+      "a": [4, 2], "b": [4, 3], "c": [4, 2]}
+  tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
+  np.testing.assert_array_equal(tables["a"], tpu_harness.pattern_table(5, 2, 0.0))
+  # TF initialises the padded, dealt stack; each table is read back through its layout.
+  stacked = tpu_harness.stacked_by_hand(layer.tpu_embedding.variables_by_table["b_c"]["parameters"])
+  layouts = layer.tpu_embedding._tpu_embedding.embedding_layouts
+  for name, offset in {"b": 10000.0, "c": 20000.0}.items():
+    np.testing.assert_array_equal(
+        tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name)
+    vocabulary, dim = layouts[name].unsharded_shape
+    assert tables[name].shape == (vocabulary, dim), name
+    np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
+    assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
+
+
+# ---------------------------------------------------------------------------------------------
 # Keras fit, and replicated tables as a strategy's replicated variables
 
 

@@ -14,38 +14,11 @@ import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding import sparse_core
 from tpu_embedding.layer import TPUEmbedding
+from tpu_harness import logical_by_hand, pattern, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
 SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset
-
-
-def pattern(offset):
-  """An initializer whose row r, column c holds offset + 100 r + c, whatever shape TF asks
-  for (SparseCore asks for padded shapes), so every logical entry is known in advance."""
-
-  def initializer(shape, dtype=tf.float32):
-    rows = tf.range(shape[0], dtype=dtype)[:, None]
-    columns = tf.range(shape[1], dtype=dtype)[None, :]
-    return offset + 100.0 * rows + columns
-
-  return initializer
-
-
-def logical_by_hand(stacked, layout):
-  """NumPy reading of a SparseCoreTableLayout: logical row r sits on SparseCore
-  (r mod n + rotation) mod n, at row offset + r // n of that core's block, in the first dim
-  columns."""
-  n = layout.num_sparse_cores
-  rows_per_core = stacked.shape[0] // n
-  vocabulary, dim = layout.unsharded_shape
-  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
-          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
-  return stacked[rows, :dim]
-
-
-def stacked_by_hand(variable):
-  return np.concatenate([shard.numpy() for shard in variable.values])
 
 
 def _config():

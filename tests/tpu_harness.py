@@ -146,3 +146,42 @@ def tpu_strategy(monkeypatch, feature: EmbeddingFeature, replicas: int = 1
   for module, name, replacement in runtime_stubs(recorded):
     monkeypatch.setattr(module, name, replacement)  # raises if TF no longer has `name`
   return StandInTPUStrategy(feature, replicas), recorded
+
+
+# ---------------------------------------------------------------------------------------------
+# SparseCore tables, known in advance and read back by hand
+
+
+def pattern(offset: float) -> Callable:
+  """An initializer whose row r, column c holds offset + 100 r + c, whatever shape TF asks
+  for (SparseCore asks for padded shapes), so every logical entry is known in advance."""
+
+  def initializer(shape, dtype=tf.float32):
+    rows = tf.range(shape[0], dtype=dtype)[:, None]
+    columns = tf.range(shape[1], dtype=dtype)[None, :]
+    return offset + 100.0 * rows + columns
+
+  return initializer
+
+
+def pattern_table(vocabulary: int, dim: int, offset: float) -> np.ndarray:
+  """The logical table `pattern(offset)` gives a [vocabulary, dim] table, computed in NumPy."""
+  return (offset + 100.0 * np.arange(vocabulary)[:, None] + np.arange(dim)[None, :]).astype(
+      np.float32)
+
+
+def logical_by_hand(stacked: np.ndarray, layout: Any) -> np.ndarray:
+  """NumPy reading of a SparseCoreTableLayout: logical row r sits on SparseCore
+  (r mod n + rotation) mod n, at row offset + r // n of that core's block, in the first dim
+  columns."""
+  n = layout.num_sparse_cores
+  rows_per_core = stacked.shape[0] // n
+  vocabulary, dim = layout.unsharded_shape
+  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
+          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
+  return stacked[rows, :dim]
+
+
+def stacked_by_hand(variable: Any) -> np.ndarray:
+  """A SparseCore variable's per-device shards, one after another."""
+  return np.concatenate([shard.numpy() for shard in variable.values])
