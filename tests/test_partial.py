@@ -498,6 +498,67 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
     assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
 
 
+SPARSE_CORE_FEATURES = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+                        "c": tf.constant([11, 11, 1, 5])}
+
+
+def sparse_core_partial(strategy, build):
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    if build:
+      layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  return layer
+
+
+def stacked_state(layer):
+  return {f"{name}/{slot}": tpu_harness.stacked_by_hand(variable)
+          for name, slots in layer._variables_by_table().items()
+          for slot, variable in slots.items() if hasattr(variable, "values")}
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
+    monkeypatch, tmp_path, built):
+  """The sharded tables are TF's stacked variables: a per-table (CPU/V1) checkpoint's sharded
+  tables would silently stay unrestored, built or not."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = sparse_core_partial(strategy, build=built)
+  before = stacked_state(layer)
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\].*TPU_V2.*per table.*Nothing"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  with strategy.scope():
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  replicated = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}["a"]
+  np.testing.assert_array_equal(replicated, tpu_harness.pattern_table(5, 2, 0.0))
+  after = stacked_state(layer)
+  assert sorted(after) == ["b_c/accumulators", "b_c/parameters"]
+  for key, value in (before or after).items():
+    np.testing.assert_array_equal(after[key], value, err_msg=key)
+  if not built:  # as a fresh layer: TF's initializer, not the checkpoint's values
+    want = sparse_core_partial(strategy, build=True)
+    for key, value in stacked_state(want).items():
+      np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
+def test_on_sparse_core_its_own_checkpoint_restores(monkeypatch, tmp_path):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  for name, slots in saved._variables_by_table().items():
+    for variable in slots.values():
+      for shard in getattr(variable, "values", [variable]):
+        shard.assign(tf.random.stateless_uniform(shard.shape, seed=[3, shard.shape[0]]))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  layer = sparse_core_partial(strategy, build=True)
+  tf.train.Checkpoint(layer=layer).read(path).assert_existing_objects_matched()
+  want = {t.name: np.asarray(v) for t, v in saved.embedding_tables.items()}
+  for table, value in layer.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), want[table.name], err_msg=table.name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Keras fit, and replicated tables as a strategy's replicated variables
 

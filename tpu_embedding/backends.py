@@ -82,9 +82,10 @@ class Backend(abc.ABC):
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""
 
-  def check_restore_when_built(self, path: str) -> None:
-    """Raises if the checkpoint at `path` cannot be restored into the built tables; every path
-    but SparseCore restores any per-table checkpoint at any time."""
+  def needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds the tables in a layout that TF converts only while
+    it creates the variables (SparseCore); every other path restores per table at any time."""
+    return False
 
 
 class CpuBackend(Backend):
@@ -336,15 +337,8 @@ class TpuV2Backend(Backend):
     return sparse_core.logical_tables(self._mid_level.embedding_tables,
                                       self._mid_level.embedding_layouts, self.config.tables)
 
-  def check_restore_when_built(self, path: str) -> None:
-    if sparse_core.needs_relayout(path, self._mid_level):
-      raise ValueError(
-          f"Cannot restore the checkpoint {path!r} into this SparseCore TPUEmbedding layer (path "
-          f"{self.path.name}) after it is built: the checkpoint holds its tables in another "
-          "layout (per table, as the CPU, V0 and V1 paths save them, or other SparseCore "
-          "stacking), and TensorFlow converts them only while it creates the SparseCore "
-          "variables. Restore before the layer is built, i.e. before its first call or build() "
-          "(create the model under the strategy, restore, then train). Nothing was changed.")
+  def needs_relayout(self, path: str) -> bool:
+    return sparse_core.needs_relayout(path, self._mid_level)
 
   def lookup(self, features, weights, trap):
     @tf.custom_gradient

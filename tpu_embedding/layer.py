@@ -137,11 +137,22 @@ class TPUEmbedding(tf_keras.layers.Layer):
     raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
                      f"({[t.name for t in self._config.tables]}).")
 
+  def checkpoint_needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds this layer's tables in another layout (a per-table
+    checkpoint on SparseCore), which TF converts only while it creates the tables."""
+    return self._backend.needs_relayout(path)
+
   def _checkpoint_adapter(self, path: str) -> Any:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
-    lets the path refuse a checkpoint it cannot apply to tables that already exist."""
-    if self.built:
-      self._backend.check_restore_when_built(path)
+    refuses a checkpoint that would silently leave the existing tables unchanged."""
+    if self.built and self.checkpoint_needs_relayout(path):
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
+          f"(path {self.path.name}) after it is built: the checkpoint holds its tables in another "
+          "layout (per table, as the CPU, V0 and V1 paths save them, or other SparseCore "
+          "stacking), and TensorFlow converts them only while it creates the SparseCore "
+          "variables. Restore before the layer is built, i.e. before its first call or build() "
+          "(create the model under the strategy, restore, then train). Nothing was changed.")
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

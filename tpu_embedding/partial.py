@@ -350,6 +350,25 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
 
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
+
+    On SparseCore the sharded tables are TF's stacked variables, which a per-table checkpoint
+    (as the other paths write) cannot reach, built or not: refused rather than left unrestored.
+    """
+    sharded = self._tpu_embedding
+    if sharded is not None and sharded.checkpoint_needs_relayout(path):
+      names = sorted(name for name, side in self._sides if side == SHARDED)
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
+          f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
+          f"{sharded.path.name}), stacked by TensorFlow, and the checkpoint holds them in another "
+          "layout (per table, as the CPU, V0 and V1 paths save them, or other SparseCore "
+          "stacking), which this layer cannot convert. Restore such a checkpoint into a "
+          "TPUEmbedding layer before it is built, or restore a checkpoint this layer wrote on "
+          "SparseCore. Nothing was changed.")
+    return super()._checkpoint_adapter(path)
+
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
     if save_type != "checkpoint":
