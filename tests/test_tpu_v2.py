@@ -12,6 +12,7 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import hardware
+from tpu_embedding import serving
 from tpu_embedding import sparse_core
 from tpu_embedding.layer import TPUEmbedding
 from tpu_harness import logical_by_hand, pattern, stacked_by_hand
@@ -219,3 +220,44 @@ def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking)
   assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == (1 if stacking else 2)
   assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
       "x": [BATCH, 4], "y": [BATCH, 2]}
+
+
+def _serving_signature(layer):
+  video = _config()["x"]
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+  def serve(ids):
+    return layer({"x": ids}, serving_config={"x": video})["x"]
+
+  return serve
+
+
+def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing(monkeypatch,
+                                                                                  tmp_path):
+  """The export would hold TF's stacked, padded variables, not the tables by name (its
+  `embedding_tables` and `tables=` are by table name): refused with the way that works."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  with pytest.raises(ValueError, match=r"(?s)SparseCore.*restore_from_checkpoint"):
+    serving.export_for_serving(layer, str(tmp_path / "export"), _serving_signature(layer))
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sparse_core_layer_serves_through_its_checkpoint_in_a_cpu_layer(monkeypatch, tmp_path):
+  """The documented way to serve a SparseCore layer: restore its checkpoint into a CPU layer,
+  export that; lookups give the SparseCore layer's logical rows."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  for variable in layer.variables_by_table["user_video"].values():
+    for shard in variable.values:
+      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[4, shard.shape[0]]))
+  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
+  cpu = _cpu_layer()
+  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
+  exported = serving.export_for_serving(cpu, str(tmp_path / "export"), _serving_signature(cpu))
+  loaded = tf.saved_model.load(exported)
+  ids = [0, 3, 15, 3]
+  (out,) = loaded.signatures["serving_default"](ids=tf.constant(ids)).values()
+  video = _by_name(layer.embedding_tables)["video"]
+  np.testing.assert_array_equal(out.numpy(), video[ids])
+  np.testing.assert_array_equal(loaded.embedding_tables["video"].numpy(), video)
