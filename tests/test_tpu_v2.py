@@ -113,6 +113,14 @@ def test_a_cpu_checkpoint_restores_into_sparse_core_through_tfs_adapter(monkeypa
     np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
+def _written_layer(monkeypatch, tmp_path, seed):
+  """(strategy, a built stacked layer whose stack holds seeded values, the checkpoint it wrote)."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  tpu_harness.fill_shards(layer.variables_by_table["user_video"].values(), seed)
+  return strategy, layer, tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
+
+
 def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch,
                                                                            tmp_path):
   """TF re-shards a per-table checkpoint only while it creates the SparseCore variables; read
@@ -135,12 +143,7 @@ def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkey
 
 def test_a_sparse_core_checkpoint_read_after_build_still_restores(monkeypatch, tmp_path):
   """Same layout on both sides: TF restores the stacked variables directly, built or not."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  saved = _layer(strategy)
-  for variable in saved.variables_by_table["user_video"].values():
-    for shard in variable.values:
-      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[2, shard.shape[0]]))
-  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  strategy, saved, path = _written_layer(monkeypatch, tmp_path, seed=2)
   layer = _layer(strategy)
   tf.train.Checkpoint(layer=layer).read(path).assert_consumed()
   want = _by_name(saved.embedding_tables)
@@ -151,13 +154,8 @@ def test_a_sparse_core_checkpoint_read_after_build_still_restores(monkeypatch, t
 def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
   """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
   tables and Adagrad accumulators."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
+  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=1)
   stacked = layer._tpu_embedding.variables["user_video"]
-  for variable in stacked.values():
-    for shard in variable.values:
-      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[1, shard.shape[0]]))
-  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
   cpu = _cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   layouts = layer._tpu_embedding.embedding_layouts
@@ -246,12 +244,7 @@ def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing
 def test_a_sparse_core_layer_serves_through_its_checkpoint_in_a_cpu_layer(monkeypatch, tmp_path):
   """The documented way to serve a SparseCore layer: restore its checkpoint into a CPU layer,
   export that; lookups give the SparseCore layer's logical rows."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
-  for variable in layer.variables_by_table["user_video"].values():
-    for shard in variable.values:
-      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[4, shard.shape[0]]))
-  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
+  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=4)
   cpu = _cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   exported = serving.export_for_serving(cpu, str(tmp_path / "export"), _serving_signature(cpu))

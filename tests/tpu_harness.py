@@ -149,6 +149,19 @@ def tpu_strategy(monkeypatch, feature: EmbeddingFeature, replicas: int = 1
 
 
 # ---------------------------------------------------------------------------------------------
+# Two small tables for the V0 / V1 tests, holding 0, 1, ..., 7 row by row
+
+
+def video_and_user_tables(video: str = "video", user: str = "user"
+                          ) -> tuple[tf.tpu.experimental.embedding.TableConfig, ...]:
+  """A [2, 4] "sum" table and a [4, 2] "mean" table, both 0..7 in row-major order."""
+  make = lambda vocabulary, dim, combiner, name: tf.tpu.experimental.embedding.TableConfig(
+      vocabulary_size=vocabulary, dim=dim, combiner=combiner, name=name,
+      initializer=tf.constant_initializer(np.arange(8.0)))
+  return make(2, 4, "sum", video), make(4, 2, "mean", user)
+
+
+# ---------------------------------------------------------------------------------------------
 # SparseCore tables, known in advance and read back by hand
 
 
@@ -180,6 +193,14 @@ def logical_by_hand(stacked: np.ndarray, layout: Any) -> np.ndarray:
   rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
           + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
   return stacked[rows, :dim]
+
+
+def fill_shards(variables: Any, seed: int) -> None:
+  """Gives every shard of each SparseCore variable seeded uniform values, so that rows, tables
+  and slots all differ (TF's initial values repeat the initializer's pattern)."""
+  for variable in variables:
+    for shard in variable.values:
+      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[seed, shard.shape[0]]))
 
 
 def stacked_by_hand(variable: Any) -> np.ndarray:
