@@ -544,6 +544,22 @@ def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
       np.testing.assert_array_equal(after[key], value, err_msg=key)
 
 
+def test_a_sparse_core_checkpoint_is_refused_off_sparse_core_and_changes_nothing(monkeypatch,
+                                                                                 tmp_path):
+  """Its sharded tables are stacked under stacked names: a CPU layer would keep its own."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  before = {t.name: np.asarray(v).copy() for t, v in cpu.embedding_tables.items()}
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  tpu_harness.fill_shards(saved.tpu_embedding.variables_by_table["b_c"].values(), seed=5)
+  saved.keras_embedding_layers["a"].embeddings.assign(tpu_harness.pattern_table(5, 2, 50.0))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\] stacked by SparseCore.*Nothing"):
+    tf.train.Checkpoint(layer=cpu).read(path)
+  for table, value in cpu.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), before[table.name], err_msg=table.name)
+
+
 def test_on_sparse_core_its_own_checkpoint_restores(monkeypatch, tmp_path):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   saved = sparse_core_partial(strategy, build=True)

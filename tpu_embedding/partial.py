@@ -31,6 +31,7 @@ from tensorflow.python.util import nest as tf_nest  # path-aware flattening, sam
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import sparse_core
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer import TPUEmbedding
@@ -354,10 +355,21 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
 
     On SparseCore the sharded tables are TF's stacked variables, which a per-table checkpoint
-    (as the other paths write) cannot reach, built or not: refused rather than left unrestored.
+    (as the other paths write) cannot reach, built or not; off SparseCore, per-table variables
+    cannot receive a SparseCore checkpoint's stacks: both refused rather than left unrestored.
     """
     sharded = self._tpu_embedding
-    if sharded is not None and sharded.checkpoint_needs_relayout(path):
+    on_sparse_core = sharded is not None and sharded.path is hardware.Path.TPU_V2
+    stacked = sorted(sparse_core.stacked_tables_in(path) & {t.name for t in self._config.tables})
+    if stacked and not on_sparse_core:
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
+          f"{self.name!r}: it holds the tables {stacked} stacked by SparseCore, and this layer "
+          "(not on SparseCore) would silently leave them unrestored. Restore it into the layer "
+          "built under a SparseCore TPUStrategy, or read those tables with "
+          "tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to this layer>/"
+          "_sharded_embedding/_tpu_embedding', variables). Nothing was changed.")
+    if on_sparse_core and sharded.checkpoint_needs_relayout(path):
       names = sorted(name for name, side in self._sides if side == SHARDED)
       raise ValueError(
           f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "

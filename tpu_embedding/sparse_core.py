@@ -64,6 +64,18 @@ def needs_relayout(path: str, mid_level: tf.Module) -> bool:
   return adapter.create_from_checkpoint(path).is_applicable(mid_level)
 
 
+def stacked_tables_in(path: str) -> set[str]:
+  """The names of the tables that the checkpoint at `path` holds stacked by SparseCore."""
+  reader = tf.train.load_checkpoint(path)
+  found = set()
+  for key in reader.get_variable_to_shape_map():
+    if key.endswith(_key("", _LAYOUTS)):
+      layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+      layouts.ParseFromString(reader.get_tensor(key))
+      found.update(layout.table_name for layout in layouts.tables)
+  return found
+
+
 def restore_from_checkpoint(path: str, layer_path: str,
                             variables_by_table: dict[str, dict[str, tf.Variable]]) -> None:
   """Loads the tables and slots a SparseCore layer saved at `path` into unstacked variables.
