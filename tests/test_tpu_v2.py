@@ -165,6 +165,27 @@ def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_p
       np.testing.assert_array_equal(variables[slot].numpy(), want, err_msg=f"{name} {slot}")
 
 
+@pytest.mark.parametrize("feature,optimizer", [(hardware.EmbeddingFeature.V1, "adagrad"),
+                                               (hardware.EmbeddingFeature.UNSUPPORTED, "sgd")],
+                         ids=["V1", "V0"])
+def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(monkeypatch, tmp_path, feature,
+                                                                optimizer):
+  """V1 and V0 keep per-table variables: a SparseCore checkpoint names only its stacks, so
+  they would keep their values in silence."""
+  _, _, path = _written_layer(monkeypatch, tmp_path, seed=6)
+  monkeypatch.undo()  # the next stand-in stubs TF's own runtime functions again
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, feature)
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer=optimizer)
+    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
+  before = {name: value.copy() for name, value in _by_name(layer.embedding_tables).items()}
+  with pytest.raises(ValueError, match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
+                                       r"restore_from_checkpoint.*Nothing"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  for name, value in _by_name(layer.embedding_tables).items():
+    np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
 def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, tmp_path):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   path = tf.train.Checkpoint(layer=_layer(strategy)).write(str(tmp_path / "sc"))

@@ -14,6 +14,7 @@ import tf_keras
 from tpu_embedding import backends
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import sparse_core
 from tpu_embedding.engine import lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -144,8 +145,13 @@ class TPUEmbedding(tf_keras.layers.Layer):
 
   def _checkpoint_adapter(self, path: str) -> Any:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
-    refuses a checkpoint that would silently leave the existing tables unchanged."""
-    if self.built and self.checkpoint_needs_relayout(path):
+    refuses a checkpoint that would silently leave the tables unchanged (a SparseCore one off
+    SparseCore; one in another layout on SparseCore once the tables exist)."""
+    if self.path is not hardware.Path.TPU_V2:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the TPUEmbedding layer {self.name!r} (path {self.path.name})", "_tpu_embedding")
+    elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(
           f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
           f"(path {self.path.name}) after it is built: the checkpoint holds its tables in another "

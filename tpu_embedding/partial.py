@@ -360,15 +360,10 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     """
     sharded = self._tpu_embedding
     on_sparse_core = sharded is not None and sharded.path is hardware.Path.TPU_V2
-    stacked = sorted(sparse_core.stacked_tables_in(path) & {t.name for t in self._config.tables})
-    if stacked and not on_sparse_core:
-      raise ValueError(
-          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
-          f"{self.name!r}: it holds the tables {stacked} stacked by SparseCore, and this layer "
-          "(not on SparseCore) would silently leave them unrestored. Restore it into the layer "
-          "built under a SparseCore TPUStrategy, or read those tables with "
-          "tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to this layer>/"
-          "_sharded_embedding/_tpu_embedding', variables). Nothing was changed.")
+    if not on_sparse_core:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the PartialTPUEmbedding layer {self.name!r}", f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}")
     if on_sparse_core and sharded.checkpoint_needs_relayout(path):
       names = sorted(name for name, side in self._sides if side == SHARDED)
       raise ValueError(

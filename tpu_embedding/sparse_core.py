@@ -76,6 +76,25 @@ def stacked_tables_in(path: str) -> set[str]:
   return found
 
 
+def refuse_stacked_tables(path: str, table_names: set[str], receiver: str,
+                          mid_level_path: str) -> None:
+  """Raises if the checkpoint at `path` holds any of `table_names` stacked by SparseCore.
+
+  Called off SparseCore, from TF's restore hook of `receiver` (before anything is assigned):
+  its per-table variables would otherwise silently keep their values, since the checkpoint
+  names the stacks, not the tables. `mid_level_path` is where, below the receiver's own
+  checkpoint path, the saving layer kept its SparseCore object (for the message).
+  """
+  stacked = sorted(stacked_tables_in(path) & table_names)
+  if stacked:
+    raise ValueError(
+        f"Cannot restore the checkpoint {path!r} into {receiver}: it holds the tables {stacked} "
+        "stacked by SparseCore, which a layer off SparseCore cannot read by table name. Restore "
+        "it into the layer built under a SparseCore TPUStrategy, or read those tables with "
+        f"tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to the layer>/"
+        f"{mid_level_path}', <per-table variables>). Nothing was changed.")
+
+
 def restore_from_checkpoint(path: str, layer_path: str,
                             variables_by_table: dict[str, dict[str, tf.Variable]]) -> None:
   """Loads the tables and slots a SparseCore layer saved at `path` into unstacked variables.
