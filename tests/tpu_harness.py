@@ -15,6 +15,8 @@ dequeue / send-gradients graphs they build. What is stubbed, and why:
 Nothing here executes on a TPU, and V1/V2 training steps can only be traced, never run.
 Every TF-internal name the harness relies on is listed in `runtime_stubs` or
 `STRATEGY_ATTRIBUTES`; `tests/test_tpu_harness.py` fails loudly when a TF upgrade moves one.
+It also holds what the TPU tests share: two small tables, and SparseCore stacks filled and
+read back by hand (independently of `tpu_embedding.sparse_core`).
 """
 
 from __future__ import annotations
