@@ -33,11 +33,7 @@ def tpu(monkeypatch):
 
 
 def tables():
-  video = emb.TableConfig(vocabulary_size=2, dim=4, combiner="sum", name="video_table",
-                          initializer=tf.constant_initializer(np.arange(8.0)))
-  user = emb.TableConfig(vocabulary_size=4, dim=2, combiner="mean", name="user_table",
-                         initializer=tf.constant_initializer(np.arange(8.0)))
-  return video, user
+  return tpu_harness.video_and_user_tables("video_table", "user_table")
 
 
 def feature_config(output_shape=None):

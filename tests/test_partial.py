@@ -485,6 +485,20 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
   np.testing.assert_array_equal(sharded["b"].numpy(), values(20, 3))
 
 
+def test_on_tpu_v1_embedding_tables_copies_the_sharded_tables_back_from_the_tpu_first(tpu_v1):
+  """As TPUEmbedding.embedding_tables does: the host copies are stale between saves."""
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    _traced_step(layer)
+  retrieves = recorded.retrieves
+  tables = {t.name: v for t, v in layer.embedding_tables.items()}
+  assert recorded.retrieves == retrieves + 1  # one retrieve of the sharded side, before reading
+  assert len(tables) == 3  # "a", "b" and the unnamed table (name None in the user's config)
+  np.testing.assert_array_equal(tables["a"].numpy(), values(5, 2))  # replicated: no TPU copy
+  np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
+
+
 def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
   """TF's TPU save/restore callbacks hang on the mid-level object, so it stays in the
   checkpoint graph, while every table also has its side-free name."""
@@ -506,6 +520,133 @@ def test_batch_size_reaches_the_tpu_build(tpu_v1):
       _traced_step(layer)
   (proto,) = recorded.config_protos
   assert [list(f.input_shape) for f in proto.feature_descriptor] == [[3], [3]]
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU V2 (SparseCore): TF's real TPUEmbeddingV2 under tpu_harness.StandInTPUStrategy (runtime
+# stubbed, steps traced, nothing runs on a TPU)
+
+
+def sparse_core_config():
+  """`ckpt_config`'s shapes, with what SparseCore needs: an initializer for any (padded) shape,
+  and every feature's output shape (a batch of 4, one row per SparseCore)."""
+  offsets = {"a": 0.0, "b": 10000.0, "c": 20000.0}
+  shapes = {"a": (5, 2), "b": (20, 3), "c": (12, 2)}
+  return {key: emb.FeatureConfig(emb.TableConfig(*shapes[key], name=key,
+                                                 initializer=tpu_harness.pattern(offset)),
+                                 output_shape=[4])
+          for key, offset in offsets.items()}
+
+
+def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  features = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+              "c": tf.constant([11, 11, 1, 5])}
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, features))
+
+    @tf.function
+    def step(ids):
+      return strategy.run(layer, args=(ids,))
+
+    concrete = step.get_concrete_function(
+        tf.nest.map_structure(tf.TensorSpec.from_tensor, features))
+  assert layer.tpu_embedding.path is hardware.Path.TPU_V2
+  assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
+  # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
+  assert set(layer.tpu_embedding.variables_by_table) == {"b_c"}
+  ops = [op.type for op in concrete.graph.get_operations()]
+  assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1
+  assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
+      "a": [4, 2], "b": [4, 3], "c": [4, 2]}
+  tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
+  np.testing.assert_array_equal(tables["a"], tpu_harness.pattern_table(5, 2, 0.0))
+  # TF initialises the padded, dealt stack; each table is read back through its layout.
+  stacked = tpu_harness.stacked_by_hand(layer.tpu_embedding.variables_by_table["b_c"]["parameters"])
+  layouts = layer.tpu_embedding._tpu_embedding.embedding_layouts
+  for name, offset in {"b": 10000.0, "c": 20000.0}.items():
+    np.testing.assert_array_equal(
+        tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name)
+    vocabulary, dim = layouts[name].unsharded_shape
+    assert tables[name].shape == (vocabulary, dim), name
+    np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
+    assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
+
+
+SPARSE_CORE_FEATURES = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+                        "c": tf.constant([11, 11, 1, 5])}
+
+
+def sparse_core_partial(strategy, build):
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    if build:
+      layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  return layer
+
+
+def stacked_state(layer):
+  return {f"{name}/{slot}": tpu_harness.stacked_by_hand(variable)
+          for name, slots in layer.tpu_embedding.variables_by_table.items()
+          for slot, variable in slots.items()}
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
+    monkeypatch, tmp_path, built):
+  """The sharded tables are TF's stacked variables: a per-table (CPU/V1) checkpoint's sharded
+  tables would silently stay unrestored, built or not."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = sparse_core_partial(strategy, build=built)
+  before = stacked_state(layer) if built else {}
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\].*TPU_V2.*per table.*Nothing"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  with strategy.scope():
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  replicated = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}["a"]
+  np.testing.assert_array_equal(replicated, tpu_harness.pattern_table(5, 2, 0.0))
+  after = stacked_state(layer)
+  assert sorted(after) == ["b_c/accumulators", "b_c/parameters"]
+  for key, value in (before or after).items():
+    np.testing.assert_array_equal(after[key], value, err_msg=key)
+  if not built:  # as a fresh layer: TF's initializer, not the checkpoint's values
+    want = sparse_core_partial(strategy, build=True)
+    for key, value in stacked_state(want).items():
+      np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
+def test_a_sparse_core_checkpoint_is_refused_off_sparse_core_and_changes_nothing(monkeypatch,
+                                                                                 tmp_path):
+  """Its sharded tables are stacked under stacked names: a CPU layer would keep its own."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  before = {t.name: np.asarray(v).copy() for t, v in cpu.embedding_tables.items()}
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  tpu_harness.fill_shards(saved.tpu_embedding.variables_by_table["b_c"].values(), seed=5)
+  saved.keras_embedding_layers["a"].embeddings.assign(tpu_harness.pattern_table(5, 2, 50.0))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\] stacked by SparseCore.*Nothing"):
+    tf.train.Checkpoint(layer=cpu).read(path)
+  for table, value in cpu.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), before[table.name], err_msg=table.name)
+
+
+def test_on_sparse_core_its_own_checkpoint_restores(monkeypatch, tmp_path):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  tpu_harness.fill_shards(saved.tpu_embedding.variables_by_table["b_c"].values(), seed=3)
+  saved.keras_embedding_layers["a"].embeddings.assign(tpu_harness.pattern_table(5, 2, 50.0))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  layer = sparse_core_partial(strategy, build=True)
+  tf.train.Checkpoint(layer=layer).read(path).assert_existing_objects_matched()
+  want = {t.name: np.asarray(v) for t, v in saved.embedding_tables.items()}
+  for table, value in layer.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), want[table.name], err_msg=table.name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,16 +26,8 @@ def v1(monkeypatch):
   return tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
 
 
-def _tables():
-  video = emb.TableConfig(vocabulary_size=2, dim=4, combiner="sum", name="video",
-                          initializer=tf.constant_initializer(np.arange(8.0)))
-  user = emb.TableConfig(vocabulary_size=4, dim=2, combiner="mean", name="user",
-                         initializer=tf.constant_initializer(np.arange(8.0)))
-  return video, user
-
-
 def _config(sequence_length=0):
-  video, user = _tables()
+  video, user = tpu_harness.video_and_user_tables()
   return {"watched": emb.FeatureConfig(video, name="watched"),
           "friends": emb.FeatureConfig(user, name="friends",
                                        max_sequence_length=sequence_length)}
@@ -180,7 +172,7 @@ def test_embedding_tables_are_readable_under_the_tpu_strategy(v1):
 def test_a_serving_lookup_reads_the_tpu_tables(v1):
   strategy, _ = v1
   layer = _built_layer(strategy)
-  video, _ = _tables()
+  video, _ = tpu_harness.video_and_user_tables()
   serving = {"watched": emb.FeatureConfig(video, name="watched")}
   with strategy.scope():
     out = layer({"watched": _ragged([1, 0, 1], [2, 1])}, serving_config=serving)

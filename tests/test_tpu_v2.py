@@ -12,40 +12,14 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import hardware
+from tpu_embedding import serving
 from tpu_embedding import sparse_core
 from tpu_embedding.layer import TPUEmbedding
+from tpu_harness import logical_by_hand, pattern, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
 SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset
-
-
-def pattern(offset):
-  """An initializer whose row r, column c holds offset + 100 r + c, whatever shape TF asks
-  for (SparseCore asks for padded shapes), so every logical entry is known in advance."""
-
-  def initializer(shape, dtype=tf.float32):
-    rows = tf.range(shape[0], dtype=dtype)[:, None]
-    columns = tf.range(shape[1], dtype=dtype)[None, :]
-    return offset + 100.0 * rows + columns
-
-  return initializer
-
-
-def logical_by_hand(stacked, layout):
-  """NumPy reading of a SparseCoreTableLayout: logical row r sits on SparseCore
-  (r mod n + rotation) mod n, at row offset + r // n of that core's block, in the first dim
-  columns."""
-  n = layout.num_sparse_cores
-  rows_per_core = stacked.shape[0] // n
-  vocabulary, dim = layout.unsharded_shape
-  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
-          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
-  return stacked[rows, :dim]
-
-
-def stacked_by_hand(variable):
-  return np.concatenate([shard.numpy() for shard in variable.values])
 
 
 def _config():
@@ -139,16 +113,49 @@ def test_a_cpu_checkpoint_restores_into_sparse_core_through_tfs_adapter(monkeypa
     np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
+def _written_layer(monkeypatch, tmp_path, seed):
+  """(strategy, a built stacked layer whose stack holds seeded values, the checkpoint it wrote)."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  tpu_harness.fill_shards(layer.variables_by_table["user_video"].values(), seed)
+  return strategy, layer, tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
+
+
+def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch,
+                                                                           tmp_path):
+  """TF re-shards a per-table checkpoint only while it creates the SparseCore variables; read
+  into a built layer it would change nothing in silence. Refused instead, before any value is
+  assigned."""
+  cpu = _cpu_layer()
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  before = {name: {slot: stacked_by_hand(v) for slot, v in slots.items()}
+            for name, slots in layer.variables_by_table.items()}
+  with pytest.raises(ValueError, match=r"(?s)before the layer is built.*first call"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  for name, slots in layer.variables_by_table.items():
+    for slot, variable in slots.items():
+      np.testing.assert_array_equal(stacked_by_hand(variable), before[name][slot])
+
+
+def test_a_sparse_core_checkpoint_read_after_build_still_restores(monkeypatch, tmp_path):
+  """Same layout on both sides: TF restores the stacked variables directly, built or not."""
+  strategy, saved, path = _written_layer(monkeypatch, tmp_path, seed=2)
+  layer = _layer(strategy)
+  tf.train.Checkpoint(layer=layer).read(path).assert_consumed()
+  want = _by_name(saved.embedding_tables)
+  for name, value in _by_name(layer.embedding_tables).items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
 def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
   """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
   tables and Adagrad accumulators."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
+  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=1)
   stacked = layer._tpu_embedding.variables["user_video"]
-  for variable in stacked.values():
-    for shard in variable.values:
-      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[1, shard.shape[0]]))
-  path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
   cpu = _cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   layouts = layer._tpu_embedding.embedding_layouts
@@ -156,6 +163,27 @@ def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_p
     for slot in ("parameters", "accumulators"):
       want = logical_by_hand(stacked_by_hand(stacked[slot]), layouts[name])
       np.testing.assert_array_equal(variables[slot].numpy(), want, err_msg=f"{name} {slot}")
+
+
+@pytest.mark.parametrize("feature,optimizer", [(hardware.EmbeddingFeature.V1, "adagrad"),
+                                               (hardware.EmbeddingFeature.UNSUPPORTED, "sgd")],
+                         ids=["V1", "V0"])
+def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(monkeypatch, tmp_path, feature,
+                                                                optimizer):
+  """V1 and V0 keep per-table variables: a SparseCore checkpoint names only its stacks, so
+  they would keep their values in silence."""
+  _, _, path = _written_layer(monkeypatch, tmp_path, seed=6)
+  monkeypatch.undo()  # the next stand-in stubs TF's own runtime functions again
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, feature)
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer=optimizer)
+    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
+  before = {name: value.copy() for name, value in _by_name(layer.embedding_tables).items()}
+  with pytest.raises(ValueError, match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
+                                       r"restore_from_checkpoint.*Nothing"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  for name, value in _by_name(layer.embedding_tables).items():
+    np.testing.assert_array_equal(value, before[name], err_msg=name)
 
 
 def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, tmp_path):
@@ -211,3 +239,39 @@ def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking)
   assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == (1 if stacking else 2)
   assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
       "x": [BATCH, 4], "y": [BATCH, 2]}
+
+
+def _serving_signature(layer):
+  video = _config()["x"]
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+  def serve(ids):
+    return layer({"x": ids}, serving_config={"x": video})["x"]
+
+  return serve
+
+
+def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing(monkeypatch,
+                                                                                  tmp_path):
+  """The export would hold TF's stacked, padded variables, not the tables by name (its
+  `embedding_tables` and `tables=` are by table name): refused with the way that works."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = _layer(strategy)
+  with pytest.raises(ValueError, match=r"(?s)SparseCore.*restore_from_checkpoint"):
+    serving.export_for_serving(layer, str(tmp_path / "export"), _serving_signature(layer))
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sparse_core_layer_serves_through_its_checkpoint_in_a_cpu_layer(monkeypatch, tmp_path):
+  """The documented way to serve a SparseCore layer: restore its checkpoint into a CPU layer,
+  export that; lookups give the SparseCore layer's logical rows."""
+  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=4)
+  cpu = _cpu_layer()
+  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
+  exported = serving.export_for_serving(cpu, str(tmp_path / "export"), _serving_signature(cpu))
+  loaded = tf.saved_model.load(exported)
+  ids = [0, 3, 15, 3]
+  (out,) = loaded.signatures["serving_default"](ids=tf.constant(ids)).values()
+  video = _by_name(layer.embedding_tables)["video"]
+  np.testing.assert_array_equal(out.numpy(), video[ids])
+  np.testing.assert_array_equal(loaded.embedding_tables["video"].numpy(), video)

@@ -15,6 +15,8 @@ dequeue / send-gradients graphs they build. What is stubbed, and why:
 Nothing here executes on a TPU, and V1/V2 training steps can only be traced, never run.
 Every TF-internal name the harness relies on is listed in `runtime_stubs` or
 `STRATEGY_ATTRIBUTES`; `tests/test_tpu_harness.py` fails loudly when a TF upgrade moves one.
+It also holds what the TPU tests share: two small tables, and SparseCore stacks filled and
+read back by hand (independently of `tpu_embedding.sparse_core`).
 """
 
 from __future__ import annotations
@@ -146,3 +148,63 @@ def tpu_strategy(monkeypatch, feature: EmbeddingFeature, replicas: int = 1
   for module, name, replacement in runtime_stubs(recorded):
     monkeypatch.setattr(module, name, replacement)  # raises if TF no longer has `name`
   return StandInTPUStrategy(feature, replicas), recorded
+
+
+# ---------------------------------------------------------------------------------------------
+# Two small tables for the V0 / V1 tests, holding 0, 1, ..., 7 row by row
+
+
+def video_and_user_tables(video: str = "video", user: str = "user"
+                          ) -> tuple[tf.tpu.experimental.embedding.TableConfig, ...]:
+  """A [2, 4] "sum" table and a [4, 2] "mean" table, both 0..7 in row-major order."""
+  make = lambda vocabulary, dim, combiner, name: tf.tpu.experimental.embedding.TableConfig(
+      vocabulary_size=vocabulary, dim=dim, combiner=combiner, name=name,
+      initializer=tf.constant_initializer(np.arange(8.0)))
+  return make(2, 4, "sum", video), make(4, 2, "mean", user)
+
+
+# ---------------------------------------------------------------------------------------------
+# SparseCore tables, known in advance and read back by hand
+
+
+def pattern(offset: float) -> Callable:
+  """An initializer whose row r, column c holds offset + 100 r + c, whatever shape TF asks
+  for (SparseCore asks for padded shapes), so every logical entry is known in advance."""
+
+  def initializer(shape, dtype=tf.float32):
+    rows = tf.range(shape[0], dtype=dtype)[:, None]
+    columns = tf.range(shape[1], dtype=dtype)[None, :]
+    return offset + 100.0 * rows + columns
+
+  return initializer
+
+
+def pattern_table(vocabulary: int, dim: int, offset: float) -> np.ndarray:
+  """The logical table `pattern(offset)` gives a [vocabulary, dim] table, computed in NumPy."""
+  return (offset + 100.0 * np.arange(vocabulary)[:, None] + np.arange(dim)[None, :]).astype(
+      np.float32)
+
+
+def logical_by_hand(stacked: np.ndarray, layout: Any) -> np.ndarray:
+  """NumPy reading of a SparseCoreTableLayout: logical row r sits on SparseCore
+  (r mod n + rotation) mod n, at row offset + r // n of that core's block, in the first dim
+  columns."""
+  n = layout.num_sparse_cores
+  rows_per_core = stacked.shape[0] // n
+  vocabulary, dim = layout.unsharded_shape
+  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
+          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
+  return stacked[rows, :dim]
+
+
+def fill_shards(variables: Any, seed: int) -> None:
+  """Gives every shard of each SparseCore variable seeded uniform values, so that rows, tables
+  and slots all differ (TF's initial values repeat the initializer's pattern)."""
+  for variable in variables:
+    for shard in variable.values:
+      shard.assign(tf.random.stateless_uniform(shard.shape, seed=[seed, shard.shape[0]]))
+
+
+def stacked_by_hand(variable: Any) -> np.ndarray:
+  """A SparseCore variable's per-device shards, one after another."""
+  return np.concatenate([shard.numpy() for shard in variable.values])

@@ -86,6 +86,11 @@ class Backend(abc.ABC):
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""
 
+  def needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds the tables in a layout that TF converts only while
+    it creates the variables (SparseCore); every other path restores per table at any time."""
+    return False
+
 
 class CpuBackend(Backend):
   """Non-TPU strategies: our engine, TPU-faithful by default."""
@@ -340,6 +345,9 @@ class TpuV2Backend(Backend):
     """
     return sparse_core.logical_tables(self._mid_level.embedding_tables,
                                       self._mid_level.embedding_layouts, self.config.tables)
+
+  def needs_relayout(self, path: str) -> bool:
+    return sparse_core.needs_relayout(path, self._mid_level)
 
   def lookup(self, features, weights, trap):
     @tf.custom_gradient

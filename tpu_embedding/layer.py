@@ -15,6 +15,7 @@ from tpu_embedding import backends
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
 from tpu_embedding.engine import lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -186,6 +187,29 @@ class TPUEmbedding(tf_keras.layers.Layer):
         return clone
     raise ValueError(f"Table {name!r} is not one of this layer's tables "
                      f"({[t.name for t in self._config.tables]}).")
+
+  def checkpoint_needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds this layer's tables in another layout (a per-table
+    checkpoint on SparseCore), which TF converts only while it creates the tables."""
+    return self._backend.needs_relayout(path)
+
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
+    refuses a checkpoint that would silently leave the tables unchanged (a SparseCore one off
+    SparseCore; one in another layout on SparseCore once the tables exist)."""
+    if self.path is not hardware.Path.TPU_V2:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the TPUEmbedding layer {self.name!r} (path {self.path.name})", "_tpu_embedding")
+    elif self.built and self.checkpoint_needs_relayout(path):
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
+          f"(path {self.path.name}) after it is built: the checkpoint holds its tables in another "
+          "layout (per table, as the CPU, V0 and V1 paths save them, or other SparseCore "
+          "stacking), and TensorFlow converts them only while it creates the SparseCore "
+          "variables. Restore before the layer is built, i.e. before its first call or build() "
+          "(create the model under the strategy, restore, then train). Nothing was changed.")
+    return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     if save_type == "checkpoint" and tf.executing_eagerly():

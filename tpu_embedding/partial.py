@@ -36,6 +36,7 @@ from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer import TPUEmbedding
@@ -292,11 +293,21 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
     return Placement(self._size_threshold, num_replicas, tuple(entries))
 
   @property
-  def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
-    """Every table variable, either side, keyed by the user's own TableConfig objects."""
-    variables = self._variables_by_table()
-    return {self._config.user_tables[t]: variables[t.name]["parameters"]
-            for t in self._config.tables if t.name in variables}
+  def embedding_tables(self) -> dict[TableConfig, Any]:
+    """Every table, either side, keyed by the user's own TableConfig objects.
+
+    Sharded tables are what the sharded layer's `embedding_tables` gives on its path (on TPU,
+    copied back from TPU memory first; on SparseCore, each table's logical value).
+    """
+    by_name = {}
+    if self._replicated is not None:
+      by_name.update({name: variables["parameters"]
+                      for name, variables in self._replicated.variables_by_table.items()})
+    if self._tpu_embedding is not None and self._tpu_embedding.built:
+      by_name.update({table.name: value
+                      for table, value in self._tpu_embedding.embedding_tables.items()})
+    return {self._config.user_tables[t]: by_name[t.name]
+            for t in self._config.tables if t.name in by_name}
 
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
@@ -382,12 +393,36 @@ class PartialTPUEmbedding(tf_keras.layers.Layer):
       self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
           keras_layer, name=feature.path, overwrite=True)
 
-  def _checkpoint_adapter(self, path: str):
-    # TF's per-object restore hook, called before any table or slot is bound: map a checkpoint
-    # written by tf-recommenders onto these names, and refuse the whole restore if any table or
-    # slot is missing or has another shape (nothing is changed then).
-    checkpoints.validate(self, self._config, not self._keras_managed, path,
-                         layer="PartialTPUEmbedding", tables_key=_TABLES_KEY)
+
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
+
+    Off SparseCore it maps a checkpoint written by tf-recommenders onto this layer's names and
+    refuses the whole restore if any table or slot is missing or has another shape (nothing is
+    changed then). On SparseCore the sharded tables are TF's stacked variables, which a
+    per-table checkpoint (as the other paths write) cannot reach, built or not; off SparseCore,
+    per-table variables cannot receive a SparseCore checkpoint's stacks: both refused rather
+    than left unrestored.
+    """
+    sharded = self._tpu_embedding
+    on_sparse_core = sharded is not None and sharded.path is hardware.Path.TPU_V2
+    if not on_sparse_core:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the PartialTPUEmbedding layer {self.name!r}", f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}")
+    if on_sparse_core and sharded.checkpoint_needs_relayout(path):
+      names = sorted(name for name, side in self._sides if side == SHARDED)
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
+          f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
+          f"{sharded.path.name}), stacked by TensorFlow, and the checkpoint holds them in another "
+          "layout (per table, as the CPU, V0 and V1 paths save them, or other SparseCore "
+          "stacking), which this layer cannot convert. Restore such a checkpoint into a "
+          "TPUEmbedding layer before it is built, or restore a checkpoint this layer wrote on "
+          "SparseCore. Nothing was changed.")
+    if not on_sparse_core:
+      checkpoints.validate(self, self._config, not self._keras_managed, path,
+                           layer="PartialTPUEmbedding", tables_key=_TABLES_KEY)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

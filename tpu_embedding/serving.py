@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 
+from tpu_embedding import hardware
 from tpu_embedding.layer import TPUEmbedding
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -69,6 +70,7 @@ def export_for_serving(model: tf.Module, export_dir: str,
                             "export or choose another directory.")
     _check_replaceable(target)
   layers = _embedding_layers(model)
+  _refuse_sparse_core(layers)
   for layer in layers:
     layer.flush()  # apply updates still held back by pipelining before reading the tables
   functions = _concrete_signatures(signatures)
@@ -151,6 +153,20 @@ def _embedding_layers(model: tf.Module) -> list[TPUEmbedding]:
   found = [model] if isinstance(model, TPUEmbedding) else []
   found += [m for m in model.submodules if isinstance(m, TPUEmbedding)]
   return list({id(layer): layer for layer in found}.values())
+
+
+def _refuse_sparse_core(layers: list[TPUEmbedding]) -> None:
+  """A SparseCore layer's variables are TF's stacked, padded, row-dealt stacks: an export of
+  them could not hold its tables by name (`embedding_tables`, `tables=`)."""
+  for layer in layers:
+    if layer.path is hardware.Path.TPU_V2:
+      raise ValueError(
+          f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path {layer.path.name}): "
+          "its variables are TensorFlow's stacked, padded tables, which export_for_serving "
+          "cannot export by table name. Write a checkpoint of the model, restore it into the "
+          "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
+          "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "
+          "export that model. Nothing was written.")
 
 
 def _concrete_signatures(signatures: Any) -> dict[str, Any]:

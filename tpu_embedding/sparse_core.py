@@ -14,7 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
-# TF internals, each used in this module only: TF's own unshuffling, and its checkpoint key escape.
+# TF internals, each used in this module only: TF's own unshuffling, its SparseCore checkpoint
+# adapter, and its checkpoint key escape.
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
 from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import trackable_utils
 
@@ -52,6 +54,45 @@ def logical_tables(stacked_variables: dict[str, Any], layouts: dict[str, Any],
       stacks[name] = stacked_value(stacked_variables[name])
     result[table] = logical_table(stacks[name], layout)
   return result
+
+
+def needs_relayout(path: str, mid_level: tf.Module) -> bool:
+  """Whether the checkpoint at `path` holds `mid_level`'s tables in another layout (per table, or
+  other SparseCore layouts), which TF's checkpoint adapter converts only while `mid_level`
+  creates its variables: a restore into built variables would then silently change nothing."""
+  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
+
+
+def stacked_tables_in(path: str) -> set[str]:
+  """The names of the tables that the checkpoint at `path` holds stacked by SparseCore."""
+  reader = tf.train.load_checkpoint(path)
+  found = set()
+  for key in reader.get_variable_to_shape_map():
+    if key.endswith(_key("", _LAYOUTS)):
+      layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+      layouts.ParseFromString(reader.get_tensor(key))
+      found.update(layout.table_name for layout in layouts.tables)
+  return found
+
+
+def refuse_stacked_tables(path: str, table_names: set[str], receiver: str,
+                          mid_level_path: str) -> None:
+  """Raises if the checkpoint at `path` holds any of `table_names` stacked by SparseCore.
+
+  Called off SparseCore, from TF's restore hook of `receiver` (before anything is assigned):
+  its per-table variables would otherwise silently keep their values, since the checkpoint
+  names the stacks, not the tables. `mid_level_path` is where, below the receiver's own
+  checkpoint path, the saving layer kept its SparseCore object (for the message).
+  """
+  stacked = sorted(stacked_tables_in(path) & table_names)
+  if stacked:
+    raise ValueError(
+        f"Cannot restore the checkpoint {path!r} into {receiver}: it holds the tables {stacked} "
+        "stacked by SparseCore, which a layer off SparseCore cannot read by table name. Restore "
+        "it into the layer built under a SparseCore TPUStrategy, or read those tables with "
+        f"tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to the layer>/"
+        f"{mid_level_path}', <per-table variables>). Nothing was changed.")
 
 
 def restore_from_checkpoint(path: str, layer_path: str,
