@@ -24,6 +24,7 @@ from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
+from tpu_embedding.engine import sharded
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -52,6 +53,8 @@ class EmbeddingEngine(tf.Module):
     self._keras_managed = keras_managed
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    # Tables row-sharded over parameter servers: the locks their updates hold.
+    self._shard_locks: dict[str, sharded.ShardLocks] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
     # `_register_training_lookup`).
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
@@ -90,6 +93,10 @@ class EmbeddingEngine(tf.Module):
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
       variables.update(self._create_slots(table, parameters))
+      if sharded.is_sharded(parameters):
+        if self._pipelining:
+          sharded.refuse_pipelining(table)
+        self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
       self._pending[table.name] = _pending_buffers(table)
@@ -101,10 +108,13 @@ class EmbeddingEngine(tf.Module):
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
-    slots = {}
-    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
-      self._track_trackable(slots[name], name=f"{table.name}/{name}")
+    if sharded.is_sharded(parameters):
+      slots = sharded.create_slots(table, parameters, names, initializers)
+    else:
+      slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
+               for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers)}
+    for name, slot in slots.items():
+      self._track_trackable(slot, name=f"{table.name}/{name}")
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -254,6 +264,10 @@ class EmbeddingEngine(tf.Module):
               table_rows: Optional[tf.Tensor] = None) -> None:
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
     names, state = self._state(table)
+    if table.name in self._shard_locks:
+      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads,
+                                          learning_rate)
+      return
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
     apply = _row_applier(table.optimizer, names, atomic)
