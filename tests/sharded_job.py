@@ -37,6 +37,8 @@ VOCABULARY = 7  # two shards of 4 and 3 rows, three of 3, 2 and 2
 BATCHES = [[0, 3, 4, 6], [1, 4, 5], [0, 2, 6], [3, 4, 5, 6]]
 STEPS = 24
 MORE = 4
+HAMMER_ROWS = 50_000
+HAMMER_STEPS = 30
 OPTIMIZERS = {
     "sgd": lambda: E.SGD(0.5),
     "adagrad": lambda: E.Adagrad(0.5, initial_accumulator_value=1.0),
@@ -170,5 +172,28 @@ def restore(cluster, out):
     np.savez(os.path.join(out, "back.npz"), **state(back))
 
 
+def hammer(cluster, out):
+    """Both workers update every row of one wide SGD table at once, `HAMMER_STEPS` times."""
+    strategy = sharded_strategy(cluster, 2)
+    with strategy.scope():
+        table = E.TableConfig(vocabulary_size=HAMMER_ROWS, dim=8, combiner="sum", name="rows",
+                              optimizer=E.SGD(0.5), initializer=tf.zeros_initializer())
+        layer = tpu_embedding.TPUEmbedding({"rows": E.FeatureConfig(table=table)})
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    @tf.function
+    def worker_step():
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer({"rows": tf.range(HAMMER_ROWS, dtype=tf.int64)})["rows"])
+            tape.gradient(loss, layer.trainable_variables)
+        strategy.run(step)
+
+    for _ in range(HAMMER_STEPS):
+        coordinator.schedule(worker_step)
+    coordinator.join()
+    np.save(os.path.join(out, "hammer.npy"), layer.variables_by_table["rows"]["parameters"].numpy())
+
+
 if __name__ == "__main__":
-    {"train": train, "restore": restore}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
+    {"train": train, "restore": restore, "hammer": hammer}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
