@@ -7,6 +7,8 @@ of processes already running (`LocalCluster`) and DIR is shared between the phas
   scheduled on the workers by a `ClusterCoordinator`; writes the tables and slots
   (`sharded.npz`), the same steps run in this process without any strategy (`reference.npz`),
   what the worker step's graph does where (`placement.npz`) and a checkpoint (`ckpt_2`).
+* `whole`: the same steps with tables not sharded (`whole.npz`, `whole_devices.json`).
+* `hammer`: both workers update every row of one table at once (`hammer.npy`).
 * `restore`: tables sharded in 3 restore `ckpt_2` (`restored_3.npz`), train `MORE` steps
   (`trained_3.npz`) and write `ckpt_3`; an unsharded layer restores `ckpt_3`
   (`unsharded.npz`), is exported for serving (`exported.npz`: the export's tables), trains
@@ -172,6 +174,21 @@ def restore(cluster, out):
     np.savez(os.path.join(out, "back.npz"), **state(back))
 
 
+def whole(cluster, out):
+    """Without a partitioner: each table whole on one ps task, its slots beside it."""
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        layer = make_layer()
+    run_sharded(strategy, layer, STEPS)
+    devices = {f"{t}/{n}": v.device for t, vs in layer.variables_by_table.items()
+               for n, v in vs.items()}
+    np.savez(os.path.join(out, "whole.npz"), **state(layer))
+    with open(os.path.join(out, "whole_devices.json"), "w") as f:
+        json.dump(devices, f)
+
+
 def hammer(cluster, out):
     """Both workers update every row of one wide SGD table at once, `HAMMER_STEPS` times."""
     strategy = sharded_strategy(cluster, 2)
@@ -196,4 +213,4 @@ def hammer(cluster, out):
 
 
 if __name__ == "__main__":
-    {"train": train, "restore": restore, "hammer": hammer}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
+    {"train": train, "restore": restore, "whole": whole, "hammer": hammer}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])

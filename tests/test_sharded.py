@@ -89,6 +89,20 @@ def test_rows_are_read_and_written_on_the_ps_tasks_under_their_locks(trained):
   assert list(ops).count("MutexLock") == 5 * 2
 
 
+def test_whole_tables_on_several_ps_tasks_keep_their_slots_beside_them(job, trained):
+  out = job("whole")
+  with open(out / "whole_devices.json") as f:
+    devices = json.load(f)
+  for table in sharded_job.OPTIMIZERS:
+    table_device = devices[f"{table}/parameters"]
+    assert all(d == table_device for n, d in devices.items() if n.startswith(f"{table}/")), devices
+  assert len(set(devices.values())) > 1  # the tables are spread over the ps tasks
+  whole = _load(out, "whole.npz")
+  reference = _load(trained, "reference.npz")
+  for name in reference:
+    np.testing.assert_allclose(whole[name], reference[name], rtol=2e-6, atol=1e-6, err_msg=name)
+
+
 def test_checkpoints_move_between_shard_counts_and_unsharded_layers(job, trained):
   out = job("restore")
   trained_state = _load(out, "sharded.npz")

@@ -111,8 +111,10 @@ class EmbeddingEngine(tf.Module):
     if sharded.is_sharded(parameters):
       slots = sharded.create_slots(table, parameters, names, initializers)
     else:
-      slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
-               for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers)}
+      with sharded.colocated_with(parameters):
+        slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
+                 for (name, shape), initializer in zip(config_lib.slot_shapes(table),
+                                                       initializers)}
     for name, slot in slots.items():
       self._track_trackable(slot, name=f"{table.name}/{name}")
     return slots

@@ -24,6 +24,7 @@ variable, so a checkpoint restores under another number of shards or into an uns
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import uuid
 from typing import Any, Callable, Sequence
@@ -52,6 +53,18 @@ def row_starts(variable: ShardedVariable) -> list[int]:
   for shard in shards(variable):
     starts.append(starts[-1] + shard.shape[0])
   return starts
+
+
+def colocated_with(parameters: tf.Variable):
+  """Where a whole (unsharded) table's slots are created: beside the table on its ps task.
+
+  Left to `ParameterServerStrategy`, each variable goes to the next ps task in turn, so a
+  slot would land on another ps than its table and the update, which reads both, could not
+  be placed.
+  """
+  if isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy):
+    return tf.distribute.get_strategy().extended.colocate_vars_with(parameters)
+  return contextlib.nullcontext()
 
 
 def refuse_pipelining(table: TableConfig) -> None:
