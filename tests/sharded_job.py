@@ -8,6 +8,8 @@ of processes already running (`LocalCluster`) and DIR is shared between the phas
   (`sharded.npz`), the same steps run in this process without any strategy (`reference.npz`),
   what the worker step's graph does where (`placement.npz`) and a checkpoint (`ckpt_2`).
 * `whole`: the same steps with tables not sharded (`whole.npz`, `whole_devices.json`).
+* `worker_fault PID`: the `train` steps, with worker process PID SIGKILLed after the first
+  `MORE` (`worker_fault.npz`).
 * `hammer`: both workers update every row of one table at once (`hammer.npy`).
 * `restore`: tables sharded in 3 restore `ckpt_2` (`restored_3.npz`), train `MORE` steps
   (`trained_3.npz`) and write `ckpt_3`; an unsharded layer restores `ckpt_3`
@@ -23,6 +25,7 @@ on their order, for every optimizer; a lost update changes them.
 
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -189,6 +192,19 @@ def whole(cluster, out):
         json.dump(devices, f)
 
 
+def worker_fault(cluster, out, pid):
+    """SGD steps; after the first `MORE`, worker process `pid` is SIGKILLed and the rest run."""
+    strategy = sharded_strategy(cluster, 2)
+    with strategy.scope():
+        layer = make_layer()
+    run_sharded(strategy, layer, MORE)
+    os.kill(int(pid), signal.SIGKILL)
+    run_sharded(strategy, layer, STEPS - MORE, first=MORE)
+    np.savez(os.path.join(out, "worker_fault.npz"), **state(layer))
+    sys.stdout.flush()
+    os._exit(0)  # the coordinator would keep waiting for the dead worker to come back
+
+
 def hammer(cluster, out):
     """Both workers update every row of one wide SGD table at once, `HAMMER_STEPS` times."""
     strategy = sharded_strategy(cluster, 2)
@@ -213,4 +229,5 @@ def hammer(cluster, out):
 
 
 if __name__ == "__main__":
-    {"train": train, "restore": restore, "whole": whole, "hammer": hammer}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
+    {"train": train, "restore": restore, "whole": whole, "hammer": hammer,
+     "worker_fault": worker_fault}[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])

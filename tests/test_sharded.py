@@ -33,8 +33,9 @@ def job(cluster, tmp_path_factory):
   """Runs a phase of the job against the cluster; returns its output directory."""
   out = tmp_path_factory.mktemp("sharded")
 
-  def run(phase: str) -> pathlib.Path:
-    result = subprocess.run([sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)],
+  def run(phase: str, *extra: str) -> pathlib.Path:
+    result = subprocess.run([sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out),
+                             *extra],
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -133,3 +134,15 @@ def test_two_workers_updating_every_row_at_once_lose_no_update(job):
   np.testing.assert_array_equal(
       np.load(out / "hammer.npy"),
       np.full([sharded_job.HAMMER_ROWS, 8], -0.5 * sharded_job.HAMMER_STEPS, np.float32))
+
+
+def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, job, trained):
+  # Last in this module: the cluster's worker 1 is killed here (and restarted afterwards).
+  try:
+    out = job("worker_fault", str(cluster.pid("worker", 1)))
+  finally:
+    cluster.restart("worker", 1)
+  survived = _load(out, "worker_fault.npz")
+  reference = _load(trained, "reference.npz")
+  for name in ("sgd/parameters", "adagrad/accumulators"):
+    np.testing.assert_array_equal(survived[name], reference[name], err_msg=name)

@@ -117,6 +117,7 @@ class LocalCluster:
 
     def restart(self, job: str, index: int) -> None:
         """Starts a killed task again on its address (with empty state)."""
+        self._processes[(job, index)].wait()
         self._spawn(job, index)
         self._wait_listening([(job, index)])
 
