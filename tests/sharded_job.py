@@ -10,6 +10,9 @@ of processes already running (`LocalCluster`) and DIR is shared between the phas
 * `whole`: the same steps with tables not sharded (`whole.npz`, `whole_devices.json`).
 * `worker_fault PID`: the `train` steps, with worker process PID SIGKILLed after the first
   `MORE` (`worker_fault.npz`).
+* `ps_fault PID`: `MORE` steps, checkpoint `ckpt_ps`, ps process PID SIGKILLed, the other
+  steps scheduled: the error they raise (`ps_fault.json`).
+* `resume`: restores `ckpt_ps` and runs the steps after it (`resumed.npz`).
 * `hammer`: both workers update every row of one table at once (`hammer.npy`).
 * `restore`: tables sharded in 3 restore `ckpt_2` (`restored_3.npz`), train `MORE` steps
   (`trained_3.npz`) and write `ckpt_3`; an unsharded layer restores `ckpt_3`
@@ -205,6 +208,36 @@ def worker_fault(cluster, out, pid):
     os._exit(0)  # the coordinator would keep waiting for the dead worker to come back
 
 
+def ps_fault(cluster, out, pid):
+    """`MORE` steps and a checkpoint; then ps process `pid` is SIGKILLed and steps go on,
+    which must fail: writes the error's type and message (`ps_fault.json`)."""
+    strategy = sharded_strategy(cluster, 2)
+    with strategy.scope():
+        layer = make_layer()
+    run_sharded(strategy, layer, MORE)
+    tf.train.Checkpoint(layer=layer).write(os.path.join(out, "ckpt_ps"))
+    os.kill(int(pid), signal.SIGKILL)
+    try:
+        run_sharded(strategy, layer, STEPS - MORE, first=MORE)
+        error = None
+    except Exception as e:  # pylint: disable=broad-except
+        error = {"type": type(e).__name__, "message": str(e)[:2000]}
+    with open(os.path.join(out, "ps_fault.json"), "w") as f:
+        json.dump(error, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def resume(cluster, out):
+    """A new coordinator restores `ckpt_ps` and runs the steps after it (`resumed.npz`)."""
+    strategy = sharded_strategy(cluster, 2)
+    with strategy.scope():
+        layer = make_layer()
+    tf.train.Checkpoint(layer=layer).read(os.path.join(out, "ckpt_ps")).assert_consumed()
+    run_sharded(strategy, layer, STEPS - MORE, first=MORE)
+    np.savez(os.path.join(out, "resumed.npz"), **state(layer))
+
+
 def hammer(cluster, out):
     """Both workers update every row of one wide SGD table at once, `HAMMER_STEPS` times."""
     strategy = sharded_strategy(cluster, 2)
@@ -230,4 +263,4 @@ def hammer(cluster, out):
 
 if __name__ == "__main__":
     {"train": train, "restore": restore, "whole": whole, "hammer": hammer,
-     "worker_fault": worker_fault}[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])
+     "worker_fault": worker_fault, "ps_fault": ps_fault, "resume": resume}[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])

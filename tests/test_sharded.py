@@ -146,3 +146,20 @@ def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, j
   reference = _load(trained, "reference.npz")
   for name in ("sgd/parameters", "adagrad/accumulators"):
     np.testing.assert_array_equal(survived[name], reference[name], err_msg=name)
+
+
+def test_a_killed_ps_fails_the_job_and_a_restart_resumes_from_the_checkpoint(cluster, job, trained):
+  # Last in this module: ps 0 is killed here and restarted (empty) for the resumed job.
+  try:
+    out = job("ps_fault", str(cluster.pid("ps", 0)))
+  finally:
+    cluster.restart("ps", 0)
+  with open(out / "ps_fault.json") as f:
+    error = json.load(f)
+  assert error is not None, "steps went on without a ps task"
+  assert error["type"] == "UnavailableError", error
+  assert "/job:ps/replica:0/task:0" in error["message"], error
+  resumed = _load(job("resume"), "resumed.npz")
+  reference = _load(trained, "reference.npz")
+  for name in ("sgd/parameters", "adagrad/accumulators"):
+    np.testing.assert_array_equal(resumed[name], reference[name], err_msg=name)
