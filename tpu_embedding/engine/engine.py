@@ -28,6 +28,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
+from tpu_embedding.engine import sharded
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -67,6 +68,8 @@ class EmbeddingEngine(tf.Module):
         optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables)
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    # Tables row-sharded over parameter servers: the locks their updates hold.
+    self._shard_locks: dict[str, sharded.ShardLocks] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
     # `_register_training_lookup`).
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
@@ -105,6 +108,10 @@ class EmbeddingEngine(tf.Module):
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
       variables.update(self._create_slots(table, parameters))
+      if sharded.is_sharded(parameters):
+        if self._pipelining:
+          sharded.refuse_pipelining(table)
+        self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
       self._pending[table.name] = _pending_buffers(table)
@@ -116,10 +123,15 @@ class EmbeddingEngine(tf.Module):
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
-    slots = {}
-    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
-      self._track_trackable(slots[name], name=f"{table.name}/{name}")
+    if sharded.is_sharded(parameters):
+      slots = sharded.create_slots(table, parameters, names, initializers)
+    else:
+      with sharded.colocated_with(parameters):
+        slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
+                 for (name, shape), initializer in zip(config_lib.slot_shapes(table),
+                                                       initializers)}
+    for name, slot in slots.items():
+      self._track_trackable(slot, name=f"{table.name}/{name}")
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -292,6 +304,10 @@ class EmbeddingEngine(tf.Module):
     if self._check_finite:
       learning_rate = finite.check_learning_rate(learning_rate, table.name)
     names, state = self._state(table)
+    if table.name in self._shard_locks:
+      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads,
+                                          learning_rate)
+      return
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
     apply = _row_applier(table.optimizer, names, atomic)

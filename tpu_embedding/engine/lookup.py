@@ -27,6 +27,7 @@ from tensorflow.python.eager import record  # whether a gradient tape may be rec
 from tpu_embedding import config as config_lib
 from tpu_embedding.config import Feature
 from tpu_embedding.engine import native
+from tpu_embedding.engine import sharded
 
 Tensor = tf.Tensor
 
@@ -517,16 +518,16 @@ class TableBatch:
     exported and loaded with TensorFlow alone.
     """
     if not deduplicate:
-      return [_combine(bag, quantize(tf.gather(table, bag.ids), self._table))
+      return [_combine(bag, quantize(sharded.gather(table, bag.ids), self._table))
               for bag in self.bags]
     if (self._table.quantization_config is None and record.could_possibly_record() and
-        native.runs_on([table])):
+        not sharded.is_sharded(table) and native.runs_on([table])):
       rows, gains, total = self._occurrences
       flat, unique_ids, index = native.dedup_lookup(
           table, _concat([b.ids for b in self.bags]), rows, gains, total)
       self._deduplicated, self._native = (unique_ids, index), True
     else:
-      self.looked_up_rows = tf.gather(table, self.unique_ids)
+      self.looked_up_rows = sharded.gather(table, self.unique_ids)
       unique_rows = quantize(self.looked_up_rows, self._table)
       one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
       if one_id_per_sample and _needs_blocks(unique_rows):
