@@ -13,6 +13,7 @@ import tf_keras
 
 import reference
 import tpu_embedding
+from tpu_embedding.engine import static_path
 
 E = tf.tpu.experimental.embedding
 
@@ -97,6 +98,31 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
   Compiled steps take the graph-only paths (one id check per step, the update reusing the rows
   the lookup read); eager steps the others.
   """
+  run_step = tf.function(_step, reduce_retracing=True) if compiled else _step
+  _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
+
+
+@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
+@hypothesis.settings(max_examples=8, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                                            hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(
+    dim=st.integers(1, 3),
+    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+    optimizer=optimizers(),
+    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=2),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16))
+def test_jit_compiled_steps_match_reference(monkeypatch, formulation, dim, combiner, optimizer,
+                                            steps, weighted, seed):
+  """The same under `jit_compile=True` (the static-shape path), with each of its two update
+  formulations whatever the table's size; fewer examples, as each one compiles with XLA."""
+  monkeypatch.setattr(static_path, "WHOLE_TABLE_ROWS", 2**62 if formulation == "whole_table" else 0)
+  run_step = tf.function(_step, reduce_retracing=True, jit_compile=True)
+  _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
+
+
+def _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed):
   rng = np.random.default_rng(seed)
   rows = 6
   values = rng.uniform(-1, 1, size=(rows, dim)).astype(np.float32)
@@ -105,7 +131,6 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
                                       "b": E.FeatureConfig(table=table)}, optimizer)
   model = Probe(layer)
   dense = tf_keras.optimizers.SGD(0.0)
-  run_step = tf.function(_step, reduce_retracing=True) if compiled else _step
   params = reference.params_from_optimizer(optimizer)
   w = values.astype(np.float64)
   slots = reference.initial_slots(params, w.shape)

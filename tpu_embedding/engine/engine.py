@@ -24,6 +24,7 @@ from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding.engine import lookup
+from tpu_embedding.engine import static_path
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -135,19 +136,25 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     step = lookup.Step.prepare(self._config, features, weights)
+    static = static_path.compiling()  # XLA compiles this step: decided once for both passes
     if trap is None:
-      flat = step.activations(self.parameters)
+      flat = (static_path.activations(step, self.parameters) if static
+              else step.activations(self.parameters))
     else:
       reusable = self._register_training_lookup(step)
+      if static:
+        self._refuse_pipelining_under_xla()
 
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(step.upstream_by_table(upstream), reusable())
+          self._apply_gradients(step.upstream_by_table(upstream), reusable(), static)
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
+        if static:
+          return static_path.activations(step, self.parameters), grad
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
@@ -177,6 +184,13 @@ class EmbeddingEngine(tf.Module):
 
     return reusable
 
+  def _refuse_pipelining_under_xla(self) -> None:
+    if self._pipelining:
+      raise ValueError(
+          "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
+          "update in variable-length buffers, which XLA cannot compile: train this layer "
+          "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's).")
+
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
       return self._variables[table.name]["parameters"]
@@ -188,13 +202,16 @@ class EmbeddingEngine(tf.Module):
   # Backward: one update per table and step, summed over every replica
 
   def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
-                       reusable: frozenset = frozenset()):
+                       reusable: frozenset = frozenset(), static: bool = False):
     trainable = []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
         _refuse_training(table)
       else:
         trainable.append((table, batch, upstream))
+    if static:  # fixed shapes, and an all-reduce where several replicas train
+      static_path.apply_gradients(trainable, self._state)
+      return
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
       for table, batch, upstream in trainable:
         rows = batch.looked_up_rows if table.name in reusable else None

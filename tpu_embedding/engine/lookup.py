@@ -367,7 +367,7 @@ class TableBatch:
       else:
         flat = self._sample_matrix.matmul(unique_rows)
     parts = self._split(flat, [b.num_samples for b in self.bags])
-    return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
+    return [shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
 
   def _split(self, flat: Tensor, sizes: list[Tensor]) -> list[Tensor]:
     if len(self.bags) == 1:
@@ -482,14 +482,14 @@ def sum_by_index(values: Tensor, index: Tensor, count: Tensor) -> Tensor:
 def _combine(bag: Bags, rows: Tensor) -> Tensor:
   """Reduces each occurrence's row [N, D] into the bag's activations, shaped for the model."""
   if bag.samples is None and bag.gains is None:
-    return _shape_activations(bag, rows)
+    return shape_activations(bag, rows)
   occurrences = tf.range(tf.size(bag.ids, out_type=tf.int64))
   matrix = SampleMatrix.build(_sample_rows(bag), occurrences, _gains_or_ones(bag),
                               bag.num_samples, tf.size(bag.ids, out_type=tf.int64))
-  return _shape_activations(bag, matrix.matmul(rows))
+  return shape_activations(bag, matrix.matmul(rows))
 
 
-def _shape_activations(bag: Bags, flat: Tensor) -> Tensor:
+def shape_activations(bag: Bags, flat: Tensor) -> Tensor:
   dim = tf.shape(flat, out_type=tf.int64)[1:]
   out = tf.reshape(flat, tf.concat([bag.output_shape, dim], axis=0))
   return _set_static_shape(out, bag, flat.shape[-1])
