@@ -80,18 +80,22 @@ def optimizers(draw):
 bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
 
 
+def _reference_examples(max_examples: int, max_steps: int, **more):
+  """The property tests' settings and examples: a table, its optimizer, steps of two features."""
+  settings = hypothesis.settings(
+      max_examples=max_examples, deadline=None,
+      suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                             hypothesis.HealthCheck.function_scoped_fixture])
+  given = hypothesis.given(
+      dim=st.integers(1, 3), combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+      optimizer=optimizers(),
+      steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=max_steps),
+      weighted=st.booleans(), seed=st.integers(0, 2**16), **more)
+  return lambda test: settings(given(test))
+
+
 @pytest.mark.usefixtures("engine_path")  # the same for every example: only sets the path
-@hypothesis.settings(max_examples=30, deadline=None,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                                            hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(
-    dim=st.integers(1, 3),
-    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
-    optimizer=optimizers(),
-    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=3),
-    weighted=st.booleans(),
-    compiled=st.booleans(),
-    seed=st.integers(0, 2**16))
+@_reference_examples(30, 3, compiled=st.booleans())
 def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, compiled, seed):
   """Two features sharing one table, duplicate-heavy bags, several steps: tables and slots.
 
@@ -103,16 +107,7 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
 
 
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
-@hypothesis.settings(max_examples=8, deadline=None,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                                            hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(
-    dim=st.integers(1, 3),
-    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
-    optimizer=optimizers(),
-    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=2),
-    weighted=st.booleans(),
-    seed=st.integers(0, 2**16))
+@_reference_examples(8, 2)
 def test_jit_compiled_steps_match_reference(monkeypatch, formulation, dim, combiner, optimizer,
                                             steps, weighted, seed):
   """The same under `jit_compile=True` (the static-shape path), with each of its two update
