@@ -34,7 +34,9 @@ OPTS = ("adagrad", "adam")
 SLOTS = {"adagrad": 1, "adam": 2}
 DLRM_BATCH = 4096
 # Case 7: (implementation, jit_compile) in run order; `<impl>/xla` labels the compiled ones.
-JIT_VARIANTS = (("ours", True), ("ours", False), ("tfrs", True), ("keras-embedding", True))
+# tfrs runs without XLA only: it requires a legacy Keras optimizer, whose sparse update
+# deduplicates with tf.unique, which XLA cannot compile (measured: the step fails to compile).
+JIT_VARIANTS = (("ours", True), ("ours", False), ("tfrs", False), ("keras-embedding", True))
 PARTIAL_VARIANTS = (("ours-partial", True), ("ours-partial", False))
 REPLICATED_ROWS = 10_000  # PartialTPUEmbedding's default size_threshold
 
@@ -321,14 +323,16 @@ class Report:
     out = ["## 7. Under jit_compile=True: the XLA path",
            "",
            "Case 1's tables and workloads, every step a `tf.function(jit_compile=True)` (`/xla`), "
-           "except `ours` (no XLA: the compiled-kernel path). `x/tfrs` = x's examples/s over "
-           "tfrs/xla's. Partial: `PartialTPUEmbedding(size_threshold=None)` on case 1's tables "
+           "except `ours` (no XLA: the compiled-kernel path) and `tfrs`, which cannot compile "
+           "with XLA (it requires a legacy Keras optimizer, whose sparse update calls "
+           "`tf.unique`); `keras-embedding/xla` uses the current tf-keras optimizers, which do. "
+           "`x/tfrs` = x's examples/s over tfrs's. Partial: `PartialTPUEmbedding(size_threshold=None)` on case 1's tables "
            f"of <= {REPLICATED_ROWS:,} rows (its replicated side), embedding only.", ""]
     table = []
     for family, workload, variants in (("jit", "dlrm", JIT_VARIANTS), ("jit", "emb", JIT_VARIANTS),
                                        ("jit-partial", "emb", PARTIAL_VARIANTS)):
       for opt in OPTS:
-        base = ex_per_s(self.get(family, workload, opt, DLRM_BATCH, "dlrm", "tfrs/xla"))
+        base = ex_per_s(self.get(family, workload, opt, DLRM_BATCH, "dlrm", "tfrs"))
         for impl, jit in variants:
           row = self.get(family, workload, opt, DLRM_BATCH, "dlrm", impl_label(impl, jit))
           eps = ex_per_s(row)
@@ -341,14 +345,14 @@ class Report:
     self.sections.append("\n".join(out))
     speed = lambda family, workload, opt, impl: ex_per_s(
         self.get(family, workload, opt, DLRM_BATCH, "dlrm", impl))
-    for workload, opt, goal, label in (("dlrm", "adam", 5, "jit DLRM Adam: ours >= 5x tfrs"),
-                                       ("dlrm", "adagrad", 1, "jit DLRM Adagrad: ours >= tfrs"),
+    for workload, opt, goal, label in (("dlrm", "adam", 5, "jit DLRM Adam: ours/xla >= 5x tfrs"),
+                                       ("dlrm", "adagrad", 1, "jit DLRM Adagrad: ours/xla >= tfrs"),
                                        ("emb", "adagrad", 1.5, "jit embedding only Adagrad: "
-                                        "ours >= 1.5x tfrs"),
+                                        "ours/xla >= 1.5x tfrs"),
                                        ("emb", "adam", 1.5, "jit embedding only Adam: "
-                                        "ours >= 1.5x tfrs")):
+                                        "ours/xla >= 1.5x tfrs")):
       self.target(label, ratio(speed("jit", workload, opt, "ours/xla"),
-                               speed("jit", workload, opt, "tfrs/xla")), goal, "{:.2f}x")
+                               speed("jit", workload, opt, "tfrs")), goal, "{:.2f}x")
     for opt in OPTS:
       self.target(f"Partial replicated side {opt}: XLA step within 2x of compiled kernels",
                   ratio(speed("jit-partial", "emb", opt, "ours-partial/xla"),

@@ -130,10 +130,9 @@ def build(spec):
                           initializer=init) for i, v in enumerate(spec["sizes"])]
   fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
   lr = LR[opt]
-  if impl == "tfrs":
-    k = tf.keras.optimizers.legacy
-  else:
-    k = tf_keras.optimizers.legacy
+  k = (tf.keras if impl == "tfrs" else tf_keras).optimizers
+  # The legacy optimizers' sparse updates deduplicate with tf.unique, which XLA cannot compile.
+  k = k if spec.get("jit_compile") else k.legacy
   keras_opt = k.Adagrad(lr) if opt == "adagrad" else k.Adam(lr)
   mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
   if impl == "ours":
