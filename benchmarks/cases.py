@@ -136,8 +136,10 @@ def jit_plan(s: Settings) -> list[tuple[str, str, dict]]:
                "dim": 16, "multi_hot": [], "measure": [{"workload": "emb", "batch": DLRM_BATCH}]}
     else:
       group = {"kind": "jit", "sizes": dlrm_sizes(), "dim": 16, "multi_hot": [0, 1, 2],
-               "measure": [{"workload": "emb", "batch": DLRM_BATCH},
-                           {"workload": "dlrm", "batch": DLRM_BATCH}]}
+               # DLRM first: a current tf-keras optimizer is built on the variables of its
+               # first step and then refuses any other; the embedding-only step uses a subset.
+               "measure": [{"workload": "dlrm", "batch": DLRM_BATCH},
+                           {"workload": "emb", "batch": DLRM_BATCH}]}
     jobs.append(("train", f"round {r + 1}: {opt} {impl_label(impl, jit)}",
                  dict(base_spec(s, impl, opt, 16), jit_compile=jit, groups=[group])))
   return jobs
