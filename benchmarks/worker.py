@@ -131,8 +131,9 @@ def build(spec):
   fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
   lr = LR[opt]
   k = (tf.keras if impl == "tfrs" else tf_keras).optimizers
-  # The legacy optimizers' sparse updates deduplicate with tf.unique, which XLA cannot compile.
-  k = k if spec.get("jit_compile") else k.legacy
+  # The legacy optimizers' sparse updates deduplicate with tf.unique, which XLA cannot compile:
+  # Keras Embedding tables under XLA take the current ones (every other variable is dense).
+  k = k if spec.get("jit_compile") and impl == "keras-embedding" else k.legacy
   keras_opt = k.Adagrad(lr) if opt == "adagrad" else k.Adam(lr)
   mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
   if impl == "ours":
