@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from tensorflow.python.tpu import tpu_replication  # the context TPUStrategy's replica steps run in
 
 import reference
 import tpu_embedding
@@ -31,6 +32,19 @@ def test_compiling_is_true_exactly_while_xla_compiles_the_graph():
   model.compile("sgd", "mse", jit_compile=True)
   model.train_on_batch(np.ones([2, 1]), np.ones([2, 1]))
   assert seen == {"eager": False, "function": False, "jit": True, "keras_jit": True}
+
+
+def test_compiling_is_true_inside_tensorflows_tpu_replicate_context():
+  """What `TPUStrategy.run` enters around each replica's step (TF's real class; no TPU needed)."""
+  with tf.Graph().as_default():
+    context = tpu_replication.TPUReplicateContext(b"replicate", num_replicas=2,
+                                                  pivot=tf.no_op())
+    context.Enter()
+    try:
+      inside = static_path.compiling()
+    finally:
+      context.Exit()
+    assert inside and not static_path.compiling()
 
 
 OPTIMIZERS = {
