@@ -596,3 +596,42 @@ def test_keras_adam_without_bias_correction_is_logged_once(layer):
   assert "tables ['t'] are trained by the TPU embedding engine's Adam" in warning[0]
   assert "sqrt(1 - beta_2**t) / (1 - beta_1**t)" in warning[0]
   assert lines.index(warning[0]) == len(lines) - 2  # after every MARK but the end
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA: tf-keras `compile(jit_compile=True)` + `fit` (the static-shape engine path)
+
+
+def test_keras_fit_with_jit_compile_trains_dense_ragged_and_sparse_inputs_like_the_reference():
+  """loss = mean over samples of <activations, y>, so each activation's gradient is y / B."""
+  import reference  # pylint: disable=import-outside-toplevel
+
+  values = row_id_table(6, 2) / 10
+  optimizer = E.Adam(0.1, lazy_adam=True)
+  shared = table(6, 2, combiner="sum", name="t", values=values)
+  layer = tpu_embedding.TPUEmbedding({k: E.FeatureConfig(shared) for k in "drs"}, optimizer)
+  inputs = {"d": tf_keras.Input(shape=(1,), dtype=tf.int64),
+            "r": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True),
+            "s": tf_keras.Input(shape=(2,), dtype=tf.int64, sparse=True)}
+  out = layer(inputs)
+  model = tf_keras.Model(inputs, tf.concat([out["d"], out["r"], out["s"]], axis=1))
+  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
+                jit_compile=True)
+  dense, ragged, sparse = [[1], [5]], [[0, 2, 2], [4]], [[3], [0, 1]]
+  x = {"d": tf.constant(dense, tf.int64), "r": tf.ragged.constant(ragged, tf.int64),
+       "s": tf.sparse.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([3, 0, 1], tf.int64),
+                                   [2, 2])}
+  y = np.array([[1.0, -2.0, 0.5, 1.5, -1.0, 2.0], [3.0, 1.0, -0.5, 2.0, 1.0, -1.0]], np.float32)
+  model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1, verbose=0)
+
+  params = reference.params_from_optimizer(optimizer)
+  w, slots = values.astype(np.float64), reference.initial_slots(params, values.shape)
+  bags = [(ids, None) for ids in [*dense, *ragged, *sparse]]
+  upstream = np.concatenate([y[:, 0:2], y[:, 2:4], y[:, 4:6]]) / 2  # d, r, s; mean over B = 2
+  for _ in range(2):
+    row_ids, grads = reference.assemble_gradients(bags, upstream, "sum")
+    w, slots = reference.apply_step(w, slots, row_ids, grads, 0.1, params)
+  variables = layer.variables_by_table["t"]
+  np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=1e-5, atol=1e-6)
+  for name, value in slots.items():
+    np.testing.assert_allclose(variables[name].numpy(), value, rtol=1e-5, atol=1e-6)

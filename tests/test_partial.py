@@ -708,3 +708,72 @@ def test_sharding_on_a_tpu_without_embedding_hardware_is_refused(monkeypatch):
       PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=10)
     replicated = PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=None)
   assert replicated.tpu_embedding is None
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA: both sides train under jit_compile (the static-shape engine path), as on a TPU step
+
+
+def _expected_tables(optimizer, bags_by_table, upstream_by_table, steps):
+  """Reference tables and slots after `steps` identical steps, per table name."""
+  import reference  # pylint: disable=import-outside-toplevel
+  params = reference.params_from_optimizer(optimizer)
+  expected = {}
+  for name, (vocab, dim, combiner) in {"a": (5, 2, "sum"), "b": (20, 2, "mean")}.items():
+    w, slots = values(vocab, dim).astype(np.float64), reference.initial_slots(params, (vocab, dim))
+    for _ in range(steps):
+      row_ids, grads = reference.assemble_gradients(
+          [(ids, None) for ids in bags_by_table[name]], upstream_by_table[name], combiner)
+      w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
+    expected[name] = {"parameters": w, **slots}
+  return expected
+
+
+def _check_tables(layer, expected):
+  variables = layer._variables_by_table()
+  for name, want in expected.items():
+    for key, value in want.items():
+      np.testing.assert_allclose(variables[name][key].numpy(), value, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{name}/{key}")
+
+
+@pytest.mark.parametrize("optimizer", [emb.FTRL(0.5, l2_regularization_strength=0.1),
+                                       emb.Adam(0.5, lazy_adam=False)], ids=["ftrl", "adam"])
+def test_a_jit_compiled_custom_step_trains_both_sides_like_the_reference(optimizer):
+  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),  # replicated
+            "b": emb.FeatureConfig(table(20, 2, name="b"))}  # sharded
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
+  bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
+  upstream = {"a": np.array([[1.0, -1.0], [0.5, 2.0]], np.float32),
+              "b": np.array([[-2.0, 1.0], [1.0, 0.25]], np.float32)}
+
+  @tf.function(jit_compile=True)
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = layer(features)
+      loss = sum(tf.reduce_sum(out[k] * upstream[k]) for k in out)
+    tape.gradient(loss, layer.trainable_variables)
+
+  for _ in range(2):
+    step({"a": tf.constant(bags["a"]), "b": tf.ragged.constant(bags["b"])})
+  _check_tables(layer, _expected_tables(optimizer, bags, upstream, 2))
+
+
+def test_keras_fit_with_jit_compile_trains_both_sides_like_the_reference():
+  optimizer = emb.Adagrad(0.5)
+  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
+            "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
+  inputs = {"a": tf_keras.Input(shape=(), dtype=tf.int64, sparse=True),
+            "b": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True)}
+  out = layer(inputs)
+  model = tf_keras.Model(inputs, tf.concat([out["a"], out["b"]], axis=1))
+  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
+                jit_compile=True)
+  bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
+  x = {"a": tf.sparse.SparseTensor([[0], [1]], tf.constant([1, 4], tf.int64), [2]),
+       "b": tf.ragged.constant(bags["b"], tf.int64)}
+  y = np.array([[1.0, -1.0, -2.0, 1.0], [0.5, 2.0, 1.0, 0.25]], np.float32)
+  model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), verbose=0)
+  upstream = {"a": y[:, :2] / 2, "b": y[:, 2:] / 2}  # the loss is a mean over 2 samples
+  _check_tables(layer, _expected_tables(optimizer, bags, upstream, 2))

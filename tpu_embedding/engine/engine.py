@@ -29,6 +29,7 @@ from tpu_embedding import optimizers
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
+from tpu_embedding.engine import static_path
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -172,13 +173,17 @@ class EmbeddingEngine(tf.Module):
     plain differentiable variables in the SavedModel, as in tf-recommenders.
     """
     self.build()
-    step = lookup.Step.prepare(self._config, features, weights)
+    static = static_path.compiling()  # XLA compiles this step: decided once for both passes
+    step = lookup.Step.prepare(self._config, features, weights, check_ranges=not static)
     if self._check_finite:
       finite.check_weights(step)
     if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
-      flat = step.activations(self.parameters)
+      flat = (static_path.activations(step, self.parameters) if static
+              else step.activations(self.parameters))
     else:
       reusable = self._register_training_lookup(step)
+      if static:
+        self._refuse_pipelining_under_xla()
 
       gradients_taken = [0]
 
@@ -190,9 +195,11 @@ class EmbeddingEngine(tf.Module):
             warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(step.upstream_by_table(upstream), reusable())
+          self._apply_gradients(step.upstream_by_table(upstream), reusable(), static)
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
+        if static:
+          return static_path.activations(step, self.parameters), grad
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
@@ -224,6 +231,13 @@ class EmbeddingEngine(tf.Module):
 
     return reusable
 
+  def _refuse_pipelining_under_xla(self) -> None:
+    if self._pipelining:
+      raise ValueError(
+          "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
+          "update in variable-length buffers, which XLA cannot compile: train this layer "
+          "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's).")
+
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
       return self._variables[table.name]["parameters"]
@@ -235,13 +249,16 @@ class EmbeddingEngine(tf.Module):
   # Backward: one update per table and step, summed over every replica
 
   def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
-                       reusable: frozenset = frozenset()):
+                       reusable: frozenset = frozenset(), static: bool = False):
     trainable = []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
         _refuse_training(table)
       else:
         trainable.append((table, batch, upstream))
+    if static:  # fixed shapes, and an all-reduce where several replicas train
+      static_path.apply_gradients(trainable, self._state)
+      return
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
       for table, batch, upstream in trainable:
         rows = batch.looked_up_rows if table.name in reusable else None

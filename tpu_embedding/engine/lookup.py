@@ -536,7 +536,7 @@ class TableBatch:
       else:
         flat = self._sample_matrix.matmul(unique_rows)
     parts = self._split(flat, [b.num_samples for b in self.bags])
-    return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
+    return [shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
 
   def _split(self, flat: Tensor, sizes: list[Tensor]) -> list[Tensor]:
     if len(self.bags) == 1:
@@ -651,14 +651,14 @@ def sum_by_index(values: Tensor, index: Tensor, count: Tensor) -> Tensor:
 def _combine(bag: Bags, rows: Tensor) -> Tensor:
   """Reduces each occurrence's row [N, D] into the bag's activations, shaped for the model."""
   if bag.samples is None and bag.gains is None:
-    return _shape_activations(bag, rows)
+    return shape_activations(bag, rows)
   occurrences = tf.range(tf.size(bag.ids, out_type=tf.int64))
   matrix = SampleMatrix.build(_sample_rows(bag), occurrences, _gains_or_ones(bag),
                               bag.num_samples, tf.size(bag.ids, out_type=tf.int64))
-  return _shape_activations(bag, matrix.matmul(rows))
+  return shape_activations(bag, matrix.matmul(rows))
 
 
-def _shape_activations(bag: Bags, flat: Tensor) -> Tensor:
+def shape_activations(bag: Bags, flat: Tensor) -> Tensor:
   dim = tf.shape(flat, out_type=tf.int64)[1:]
   out = tf.reshape(flat, tf.concat([bag.output_shape, dim], axis=0))
   return _set_static_shape(out, bag, flat.shape[-1])
@@ -691,12 +691,17 @@ class Step:
 
   @classmethod
   def prepare(cls, config: config_lib.EmbeddingConfig, features: Any, weights: Any = None,
-              subset: bool = False) -> "Step":
-    """Validates `features`/`weights` against `config` (a subset of its features if `subset`)."""
+              subset: bool = False, check_ranges: bool = True) -> "Step":
+    """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
+
+    `check_ranges=False` leaves out the id-range check, for steps XLA compiles: they cannot
+    raise at run time (the static path clamps such ids instead).
+    """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [to_bags(feature, ids, w)
             for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))]
-    check_id_ranges(bags)
+    if check_ranges:
+      check_id_ranges(bags)
     grouped: dict = {}
     for bag in bags:
       grouped.setdefault(bag.feature.table, []).append(bag)
