@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 

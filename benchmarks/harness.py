@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 IMPLS = ("ours", "ours-keras", "tfrs", "keras-embedding")
 # The DLRM model with constant activations and no embedding work: what no embedding layer
@@ -160,8 +160,3 @@ def run_worker(spec: dict, timeout: float, log: Any = None) -> dict:
     print(f"    {spec.get('impl')} {spec.get('opt', '')}: {result['process_wall_s']:.0f}s",
           file=log, flush=True)
   return result
-
-
-def iter_measurements(results: Iterable[dict]) -> Iterator[dict]:
-  for r in results:
-    yield from r.get("measurements", [])

@@ -78,43 +78,44 @@ def unique_rows(batches) -> float:
 
 def run_limit(spec) -> dict:
   """Random-row gather and scatter bandwidth of this machine, GB/s (row bytes moved / s)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  out = {}
-  for rows, dim in spec["shapes"]:
-    table = np.ones((rows, dim), np.float32)
-    n = spec["n_rows"]
-    idx = rng.integers(0, rows, n)
-    uidx = np.unique(idx)
-    vals = np.ones((len(uidx), dim), np.float32)
-    tt = tf.Variable(table)
-    tidx = tf.constant(idx)
-
-    def best(fn, reps=spec["reps"]):  # all repetitions, not just the best
-      times = []
-      for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-      return times
-
-    row_bytes = dim * 4
-    out_rows = np.empty((n, dim), np.float32)
-    tk = best(lambda: np.take(table, idx, axis=0, out=out_rows))
-    g = best(lambda: table[idx])
-    s = best(lambda: table.__setitem__(uidx, vals))
-    gather = tf.function(lambda: tf.reduce_sum(tf.gather(tt, tidx)[:, 0]))
-    gather()
-    tg = best(lambda: gather().numpy())
-    key = f"{rows}x{dim}"
-    out[key] = {
-        "numpy_take_gbs": [n * row_bytes / t / 1e9 for t in tk],
-        "numpy_gather_gbs": [n * row_bytes / t / 1e9 for t in g],
-        "numpy_scatter_gbs": [len(uidx) * row_bytes / t / 1e9 for t in s],
-        "tf_gather_gbs": [n * row_bytes / t / 1e9 for t in tg],
-    }
-    del table, tt
+  out = {f"{rows}x{dim}": _limit_of_shape(rows, dim, spec, rng) for rows, dim in spec["shapes"]}
   return {"limit": out, "vmhwm": vmhwm_bytes()}
+
+
+def _limit_of_shape(rows: int, dim: int, spec, rng) -> dict:
+  """The bandwidths for one table shape; its table is freed on return, before the next one."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  table = np.ones((rows, dim), np.float32)
+  n = spec["n_rows"]
+  idx = rng.integers(0, rows, n)
+  uidx = np.unique(idx)
+  vals = np.ones((len(uidx), dim), np.float32)
+  tt = tf.Variable(table)
+  tidx = tf.constant(idx)
+
+  def best(fn, reps=spec["reps"]):  # all repetitions, not just the best
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - t0)
+    return times
+
+  row_bytes = dim * 4
+  out_rows = np.empty((n, dim), np.float32)
+  tk = best(lambda: np.take(table, idx, axis=0, out=out_rows))
+  g = best(lambda: table[idx])
+  s = best(lambda: table.__setitem__(uidx, vals))
+  gather = tf.function(lambda: tf.reduce_sum(tf.gather(tt, tidx)[:, 0]))
+  gather()
+  tg = best(lambda: gather().numpy())
+  return {
+      "numpy_take_gbs": [n * row_bytes / t / 1e9 for t in tk],
+      "numpy_gather_gbs": [n * row_bytes / t / 1e9 for t in g],
+      "numpy_scatter_gbs": [len(uidx) * row_bytes / t / 1e9 for t in s],
+      "tf_gather_gbs": [n * row_bytes / t / 1e9 for t in tg],
+  }
 
 
 def build(spec):

@@ -11,9 +11,9 @@ object it reaches, asks `Trackable._checkpoint_adapter(path)` (the per-object re
 it looks at the object's children. Values are assigned only after the whole walk (or, for
 variables not created yet, when they are created), so raising from that hook leaves every
 variable of the engine untouched. The hook receives only the checkpoint path; the position of the
-engine in the checkpoint (needed to tell two engines in one model apart) is the `checkpoint_position`
-of its caller, `restore._maybe_get_adapter`. If a later TF changes that, `validate` says so with
-a warning and the restore proceeds with TF's own per-variable checks.
+engine in the checkpoint (needed to tell two engines in one model apart) and the checkpoint's object
+graph come from `tf_restore`, the one module that reads TF's restore internals; if a later TF moves
+them, the restore is refused there with an error naming the TF version it was checked against.
 
 Checkpoints written by tf-recommenders 0.7.7 name things differently (slots owned by the Keras
 optimizer; `PartialTPUEmbedding`'s replicated tables inside Keras `Embedding` layers). The same
@@ -23,16 +23,11 @@ to the checkpoint's object graph there are restored by TF's own machinery, with 
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
-
-import tensorflow as tf
-from absl import logging
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
-
-VARIABLE_VALUE = "VARIABLE_VALUE"
+from tpu_embedding import tf_restore
 
 
 def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[int]]]:
@@ -66,24 +61,18 @@ def validate(trackable: Any, config: Any, with_slots: bool, path: str, *,
   tf-recommenders are first mapped onto this package's names (`_adopt_tfrs_partial_layout`,
   `_adopt_keras_slots`); what cannot be mapped is refused below by name.
   """
-  position = _position_of(trackable)
-  if position is None:
-    logging.warning("tpu_embedding: could not find the checkpoint position of the %s tables in "
-                    "this TensorFlow version; the restore of %s is not pre-validated.", layer,
-                    path)
-    return
-  coordinator = position.checkpoint
-  proto = position.object_proto
+  restore = tf_restore.restore_of(trackable)
+  node = restore.node
   if tables_key is not None:
-    proto = _adopt_tfrs_partial_layout(coordinator, proto, tables_key, config)
-  if proto is None:
+    node = _adopt_tfrs_partial_layout(restore, tables_key, config)
+  if node is None:
     problems = [f"no table of this layer is in the checkpoint (nothing under {tables_key!r})"]
   else:
     if with_slots:
-      _adopt_keras_slots(coordinator, proto, config)
-    problems = _problems(coordinator, proto, config, with_slots)
+      _adopt_keras_slots(restore, node, config)
+    problems = _problems(restore, node, config, with_slots)
   if problems:
-    _forget_pending_restores(coordinator)
+    restore.forget_pending_restores()
     raise ValueError(
         f"Cannot restore the checkpoint {path!r} into this {layer} layer:\n  - "
         + "\n  - ".join(problems)
@@ -91,16 +80,16 @@ def validate(trackable: Any, config: Any, with_slots: bool, path: str, *,
         "with the same tables (names, vocabulary sizes, dims and optimizers).")
 
 
-def _problems(coordinator: Any, proto: Any, config: Any, with_slots: bool) -> list[str]:
-  nodes = coordinator.object_graph_proto.nodes
-  in_checkpoint = {child.local_name: child.node_id for child in proto.children}
+def _problems(restore: tf_restore.Restore, node: Any, config: Any,
+              with_slots: bool) -> list[str]:
+  in_checkpoint = {child.local_name: child.node_id for child in node.children}
   problems = []
   for name, (table, shape) in expected_shapes(config, with_slots).items():
     what = f"table {table!r}" if name == table else f"slot {name!r} of table {table!r}"
     if name not in in_checkpoint:
       problems.append(f"{what} (shape {shape} in this layer) is missing from the checkpoint")
       continue
-    stored = _stored_shape(coordinator, nodes[in_checkpoint[name]])
+    stored = restore.stored_shape(restore.nodes[in_checkpoint[name]])
     if stored is not None and stored != shape:
       problems.append(f"{what} has shape {shape} in this layer but {stored} in the checkpoint")
   return problems
@@ -110,7 +99,7 @@ def _problems(coordinator: Any, proto: Any, config: Any, with_slots: bool) -> li
 # Checkpoints written by tf-recommenders 0.7.7
 
 
-def _adopt_keras_slots(coordinator: Any, proto: Any, config: Any) -> None:
+def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> None:
   """Makes the Keras optimizer's slots of each table also the engine's `<table>/<slot>`.
 
   tf-recommenders creates table slots through the Keras optimizer (on CPU and on TPU), so its
@@ -119,11 +108,10 @@ def _adopt_keras_slots(coordinator: Any, proto: Any, config: Any) -> None:
   the engine's node under the engine's name; the Keras optimizer is told not to restore it into
   a slot of its own, since the engine, not the Keras optimizer, trains these tables.
   """
-  nodes = coordinator.object_graph_proto.nodes
-  in_checkpoint = {child.local_name: child.node_id for child in proto.children}
+  in_checkpoint = {child.local_name: child.node_id for child in node.children}
   keras_slots: dict[int, dict[str, int]] = {}
-  for node in nodes:
-    for reference in node.slot_variables:
+  for other in restore.nodes:
+    for reference in other.slot_variables:
       keras_slots.setdefault(reference.original_variable_node_id, {})[reference.slot_name] = (
           reference.slot_variable_node_id)
   for table in config.tables:
@@ -136,12 +124,11 @@ def _adopt_keras_slots(coordinator: Any, proto: Any, config: Any) -> None:
           optimizers.keras_slot_name(table.optimizer, name))
       if key in in_checkpoint or slot_node is None:
         continue
-      proto.children.add(node_id=slot_node, local_name=key)
-      pending = coordinator.slot_restorations.get(table_node, [])
-      pending[:] = [r for r in pending if r.slot_variable_id != slot_node]
+      node.children.add(node_id=slot_node, local_name=key)
+      restore.skip_slot_restore(table_node, slot_node)
 
 
-def _adopt_tfrs_partial_layout(coordinator: Any, proto: Any, tables_key: str,
+def _adopt_tfrs_partial_layout(restore: tf_restore.Restore, tables_key: str,
                                config: Any) -> Optional[Any]:
   """The node holding the tables under `tables_key`, built from tf-recommenders' layout if need be.
 
@@ -151,7 +138,7 @@ def _adopt_tfrs_partial_layout(coordinator: Any, proto: Any, tables_key: str,
   that layout, a node with this package's names (`<table>`) pointing at those variables is added
   to the checkpoint's object graph and put under `tables_key`. None if there is no such node.
   """
-  nodes = coordinator.object_graph_proto.nodes
+  nodes, proto = restore.nodes, restore.node
 
   def child(node: Any, name: str) -> Optional[int]:
     for reference in node.children:
@@ -192,46 +179,3 @@ def _adopt_tfrs_partial_layout(coordinator: Any, proto: Any, tables_key: str,
       return adopted
   proto.children.add(node_id=adopted_id, local_name=tables_key)
   return adopted
-
-
-def _position_of(trackable: Any) -> Optional[Any]:
-  """The `CheckpointPosition` TF is expanding for `trackable`, from the restore's call stack."""
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  for _ in range(6):  # validate <- _checkpoint_adapter <- restore._maybe_get_adapter
-    if frame is None:
-      return None
-    position = frame.f_locals.get("checkpoint_position")
-    try:
-      if position is not None and position.trackable is trackable:
-        return position
-    except (AttributeError, KeyError):
-      pass
-    frame = frame.f_back
-  return None
-
-
-def _stored_shape(coordinator: Any, node: Any) -> Optional[list[int]]:
-  for attribute in node.attributes:
-    if attribute.name == VARIABLE_VALUE:
-      shape = coordinator.shape_map.get(attribute.checkpoint_key)
-      return None if shape is None else list(shape)
-  return None
-
-
-def _forget_pending_restores(coordinator: Any) -> None:
-  """Drops the refused checkpoint's deferred restores queued on objects visited so far.
-
-  Objects not built yet (e.g. a Keras layer that has not been called) keep the checkpoint
-  positions of their future variables and would restore them when built; after a refused
-  restore they must not.
-  """
-  for trackable in list(coordinator.all_python_objects):
-    deferred = getattr(trackable, "_deferred_dependencies", None)
-    if not deferred:
-      continue
-    for name in list(deferred):
-      kept = [p for p in deferred[name] if p.checkpoint is not coordinator]
-      if kept:
-        deferred[name] = kept
-      else:
-        del deferred[name]

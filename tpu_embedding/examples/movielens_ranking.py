@@ -24,6 +24,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+from tpu_embedding import serving
 from tpu_embedding.data import movielens
 
 EMBEDDING_DIM = 32
@@ -292,23 +293,8 @@ def export_saved_model(
         tf.train.Checkpoint(model=model).restore(checkpoint_path).expect_partial()
         module = ServingModule(model)
         signatures = {"serving_default": module.serve}
-        export = _package_export()
-        if export is not None:
-            export(module, export_dir, signatures=signatures, overwrite=True)
-        else:
-            # The serving copy has no optimizer, so its lookups have no gradient worth saving.
-            options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
-            tf.saved_model.save(module, export_dir, signatures=signatures, options=options)
+        serving.export_for_serving(module, export_dir, signatures=signatures, overwrite=True)
     return export_dir
-
-
-def _package_export() -> Optional[Callable]:
-    """`tpu_embedding.serving.export_for_serving` when the package has it."""
-    try:
-        from tpu_embedding import serving  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return None
-    return getattr(serving, "export_for_serving", None)
 
 
 def recommend(
