@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 
-from tpu_embedding.layer import TPUEmbedding
+from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -107,9 +107,14 @@ def export_for_serving(model: tf.Module, export_dir: str,
 # What to export
 
 
-def _embedding_layers(model: tf.Module) -> list[TPUEmbedding]:
-  found = [model] if isinstance(model, TPUEmbedding) else []
-  found += [m for m in model.submodules if isinstance(m, TPUEmbedding)]
+def _embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
+  """The `TPUEmbedding` layers of either Keras flavour in `model`."""
+  # tf.Module and tf-keras list their submodules; a Keras 3 model is walked as a trackable.
+  submodules = getattr(model, "submodules", None)
+  if submodules is None:
+    submodules = tf.train.TrackableView(model).descendants()
+  found = [model] if isinstance(model, TPUEmbeddingCore) else []
+  found += [m for m in submodules if isinstance(m, TPUEmbeddingCore)]
   return list({id(layer): layer for layer in found}.values())
 
 
@@ -128,7 +133,7 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
   return functions
 
 
-def _embedding_variables(layers: list[TPUEmbedding]) -> dict[Any, tuple[str, Optional[str]]]:
+def _embedding_variables(layers: list[TPUEmbeddingCore]) -> dict[Any, tuple[str, Optional[str]]]:
   """{variable ref: (table name, slot name or None)} over every layer's tables and slots."""
   owners: dict[Any, tuple[str, Optional[str]]] = {}
   for layer in layers:
@@ -148,7 +153,7 @@ def _sorted(owners: Mapping[Any, tuple[str, Optional[str]]]):
   return sorted(owners.items(), key=lambda item: (item[1][0], item[1][1] or ""))
 
 
-def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, Any],
+def _kept_tables(tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[Any, Any],
                  needed: set[str]) -> set[str]:
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
@@ -173,7 +178,7 @@ def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, A
   return kept
 
 
-def _name_of(table: Any, layers: list[TPUEmbedding]) -> str:
+def _name_of(table: Any, layers: list[TPUEmbeddingCore]) -> str:
   for layer in layers:
     config = layer._config  # pylint: disable=protected-access
     for clone, user in config.user_tables.items():

@@ -1,0 +1,67 @@
+"""`TPUEmbedding` for Keras 3 (TensorFlow backend): the tf-keras layer's logic over a Keras 3 base.
+
+Everything the layer does is `tpu_embedding.layer_core.TPUEmbeddingCore`, shared with the
+tf-keras layer, so both train tables with the same engine on CPU/GPU, drive the same TPU
+backends, and write checkpoints with the same keys. This module only adapts Keras 3: keras-rs
+configs, `.keras` saving, and the refusal of what Keras 3 cannot train.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from tpu_embedding import hardware
+from tpu_embedding.keras import config_conversion
+from tpu_embedding.layer_core import TPUEmbeddingCore
+
+
+def check_backend() -> None:
+  """Refuses a Keras 3 backend other than TensorFlow, which the engine and TPU paths need."""
+  if keras.backend.backend() != "tensorflow":
+    raise RuntimeError(
+        f"tpu_embedding.keras needs the TensorFlow backend of Keras 3, but KERAS_BACKEND is "
+        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
+
+
+class TPUEmbedding(TPUEmbeddingCore, keras.layers.Layer):
+  """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
+
+  The same layer as `tpu_embedding.TPUEmbedding`, for Keras 3 models (`tf.keras` on TF 2.16+,
+  keras-rs users).
+
+  Args:
+    feature_config: any nest of `tf.tpu.experimental.embedding.FeatureConfig` or of
+      `keras_rs.layers.FeatureConfig` (converted by `tpu_embedding.keras.config_conversion`).
+    optimizer: for every table without its own optimizer: a string, a Keras optimizer or a
+      `tf.tpu.experimental.embedding` optimizer. None is for serving-only layers.
+    pipeline_execution_with_tensor_core: overlap embedding and dense work on TPU; emulated on CPU.
+    batch_size: per-replica batch size for building the TPU V1 engine (deprecated by TF).
+    embedding_feature: force a TPU embedding feature (`UNSUPPORTED` is always allowed).
+    sparse_core_embedding_config: passed to `TPUEmbeddingV2` on SparseCore.
+    **kwargs: Keras layer arguments (`name`, ...).
+
+  Tables are always trained by each table's own optimizer through the gradient trap, never by
+  the model's optimizer (whose zero update of the trap weight is harmless).
+  """
+
+  def __init__(self, feature_config: Any, optimizer: Any = None,
+               pipeline_execution_with_tensor_core: bool = False,
+               batch_size: Optional[int] = None,
+               embedding_feature: Optional[hardware.EmbeddingFeature] = None,
+               sparse_core_embedding_config: Any = None, **kwargs):
+    check_backend()
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    super().__init__(
+        config_conversion.to_mid_level(feature_config, num_replicas), optimizer,
+        pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+        batch_size=batch_size, embedding_feature=embedding_feature,
+        sparse_core_embedding_config=sparse_core_embedding_config, **kwargs)
+    if not self._backend.needs_trap:
+      raise ValueError(
+          f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "
+          "by the model's optimizer (table_updates='keras', or a TPU without an embedding "
+          "engine), which in Keras 3 only updates Keras variables. Leave table_updates at "
+          "'engine', or use the tf-keras layer tpu_embedding.TPUEmbedding.")
