@@ -6,5 +6,6 @@ never imports tf-keras.
 """
 
 from tpu_embedding.keras.layer import TPUEmbedding
+from tpu_embedding.keras.partial import PartialTPUEmbedding
 
-__all__ = ["TPUEmbedding"]
+__all__ = ["PartialTPUEmbedding", "TPUEmbedding"]

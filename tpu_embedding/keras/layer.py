@@ -18,12 +18,14 @@ from tpu_embedding.keras import config_conversion
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 
-def check_backend() -> None:
-  """Refuses a Keras 3 backend other than TensorFlow, which the engine and TPU paths need."""
+def feature_config_for_keras3(feature_config: Any) -> Any:
+  """The user's nest as mid-level configs, once the Keras 3 backend is known to be TensorFlow."""
   if keras.backend.backend() != "tensorflow":
     raise RuntimeError(
         f"tpu_embedding.keras needs the TensorFlow backend of Keras 3, but KERAS_BACKEND is "
         f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
+  num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  return config_conversion.to_mid_level(feature_config, num_replicas)
 
 
 class TPUEmbedding(TPUEmbeddingCore, keras.layers.Layer):
@@ -52,10 +54,8 @@ class TPUEmbedding(TPUEmbeddingCore, keras.layers.Layer):
                batch_size: Optional[int] = None,
                embedding_feature: Optional[hardware.EmbeddingFeature] = None,
                sparse_core_embedding_config: Any = None, **kwargs):
-    check_backend()
-    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
     super().__init__(
-        config_conversion.to_mid_level(feature_config, num_replicas), optimizer,
+        feature_config_for_keras3(feature_config), optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size, embedding_feature=embedding_feature,
         sparse_core_embedding_config=sparse_core_embedding_config, **kwargs)
