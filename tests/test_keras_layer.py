@@ -227,3 +227,40 @@ def test_export_for_serving_reads_the_trained_tables(tmp_path):
   table = layer.embedding_tables[t].numpy()
   np.testing.assert_allclose(loaded.signatures["serving_default"](ids=tf.constant(IDS))
                              ["output_0"].numpy(), table[IDS].sum(axis=1), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# .keras files
+
+
+def test_keras_file_round_trip_keeps_tables_slots_and_training(tmp_path):
+  t = make_table(keras.optimizers.Adam(0.05, beta_1=0.8))
+  layer = TPUEmbedding({"f": E.FeatureConfig(table=t)})
+  model = build_model("functional", layer)
+  model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+  model.fit({"f": IDS}, LABELS, batch_size=4, epochs=1, verbose=0)
+  model.save(str(tmp_path / "model.keras"))
+
+  loaded = keras.models.load_model(str(tmp_path / "model.keras"))
+  (loaded_layer,) = [l for l in loaded.layers if isinstance(l, TPUEmbedding)]
+  for name in ["parameters", "momenta", "velocities"]:
+    np.testing.assert_array_equal(loaded_layer.variables_by_table["t"][name].numpy(),
+                                  layer.variables_by_table["t"][name].numpy())
+  (saved_table,) = loaded_layer.get_config()["feature_config"]["tables"]
+  assert saved_table["optimizer"]["class"] == "Adam"
+  assert saved_table["optimizer"]["config"]["beta_1"] == pytest.approx(0.8)
+  assert saved_table["optimizer"]["config"]["learning_rate"] == pytest.approx(0.05)
+  # Both go on training the same way.
+  for m in (model, loaded):
+    m.fit({"f": IDS}, LABELS, batch_size=4, epochs=1, verbose=0)
+  np.testing.assert_allclose(loaded_layer.variables_by_table["t"]["parameters"].numpy(),
+                             layer.variables_by_table["t"]["parameters"].numpy(), rtol=1e-6)
+
+
+def test_keras_file_with_a_table_of_another_shape_is_refused(tmp_path):
+  layer = TPUEmbedding({"f": E.FeatureConfig(table=make_table(E.SGD(0.1)))})
+  store = {"table:t": np.zeros((5, 2), np.float32)}
+  before = layer.variables_by_table["t"]["parameters"].numpy()
+  with pytest.raises(ValueError, match=r"table 't' 'parameters' has shape \[5, 2\].*\[4, 2\]"):
+    layer.load_own_variables(store)
+  np.testing.assert_array_equal(layer.variables_by_table["t"]["parameters"].numpy(), before)

@@ -71,3 +71,21 @@ def test_checkpoint_restores_into_the_tf_keras_layer(tmp_path):
   assert not np.allclose(trained["small"], 0.5) and not np.allclose(trained["large"], -0.25)
   for name, values in trained.items():
     np.testing.assert_array_equal(reader.variables_by_table[name]["parameters"].numpy(), values)
+
+
+def test_keras_file_round_trip_of_both_sides(tmp_path):
+  small, large = tables()
+  layer = PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+                              E.Adagrad(0.5), size_threshold=5)
+  inputs = {k: keras.Input(shape=(), dtype="int32", name=k) for k in IDS}
+  activations = layer(inputs)
+  model = keras.Model(inputs, keras.ops.sum(activations["small"] + activations["large"], axis=1))
+  model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+  model.fit(IDS, LABELS, batch_size=4, epochs=1, verbose=0)
+  model.save(str(tmp_path / "partial.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "partial.keras"))
+  (loaded_layer,) = [l for l in loaded.layers if isinstance(l, PartialTPUEmbedding)]
+  assert loaded_layer.side("large") == "sharded" and loaded_layer.side("small") == "replicated"
+  trained = {t.name: v.numpy() for t, v in layer.embedding_tables.items()}
+  for t, variable in loaded_layer.embedding_tables.items():
+    np.testing.assert_array_equal(variable.numpy(), trained[t.name])

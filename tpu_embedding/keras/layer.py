@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tpu_embedding import hardware
 from tpu_embedding.keras import config_conversion
+from tpu_embedding.keras import saving
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 
@@ -28,7 +29,8 @@ def feature_config_for_keras3(feature_config: Any) -> Any:
   return config_conversion.to_mid_level(feature_config, num_replicas)
 
 
-class TPUEmbedding(TPUEmbeddingCore, keras.layers.Layer):
+@keras.saving.register_keras_serializable(package="tpu_embedding")
+class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
   """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
 
   The same layer as `tpu_embedding.TPUEmbedding`, for Keras 3 models (`tf.keras` on TF 2.16+,
@@ -59,9 +61,14 @@ class TPUEmbedding(TPUEmbeddingCore, keras.layers.Layer):
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size, embedding_feature=embedding_feature,
         sparse_core_embedding_config=sparse_core_embedding_config, **kwargs)
+    self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+                           batch_size=batch_size)
     if not self._backend.needs_trap:
       raise ValueError(
           f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "
           "by the model's optimizer (table_updates='keras', or a TPU without an embedding "
           "engine), which in Keras 3 only updates Keras variables. Leave table_updates at "
           "'engine', or use the tf-keras layer tpu_embedding.TPUEmbedding.")
+
+  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
+    return self.variables_by_table

@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import keras
+import tensorflow as tf
 
+from tpu_embedding.keras import saving
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
 from tpu_embedding.partial_core import PartialTPUEmbeddingCore
 
 
-class PartialTPUEmbedding(PartialTPUEmbeddingCore, keras.layers.Layer):
+@keras.saving.register_keras_serializable(package="tpu_embedding")
+class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.layers.Layer):
   """Replicates small tables and shards large ones (see `tpu_embedding.PartialTPUEmbedding`).
 
   Args:
@@ -39,3 +42,9 @@ class PartialTPUEmbedding(PartialTPUEmbeddingCore, keras.layers.Layer):
         feature_config_for_keras3(feature_config), optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size, size_threshold=size_threshold, **kwargs)
+    self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+                           batch_size=batch_size, size_threshold=size_threshold)
+
+  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
+    # The sharded side is a Keras sublayer, which Keras saves on its own.
+    return {} if self._replicated is None else self._replicated.variables_by_table
