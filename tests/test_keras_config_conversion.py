@@ -70,8 +70,10 @@ def test_global_output_shape_becomes_per_replica_without_the_dimension():
   feature = rs_feature(rs_table(), batch=8, output_shape=(8, 3, 4))
   table = config_conversion.to_mid_level_table(feature.table)
   assert config_conversion.to_mid_level_feature(feature, table, 2).output_shape == [4, 3]
-  unknown_batch = rs_feature(rs_table(), output_shape=(None, 4))
-  assert config_conversion.to_mid_level_feature(unknown_batch, table, 2).output_shape.rank is None
+  # (batch, dim) is the input's own shape: not fixed, so any batch size is served.
+  for shape in [(8, 4), (None, 4), (None, 3, 4)]:
+    unfixed = rs_feature(rs_table(), output_shape=shape)
+    assert config_conversion.to_mid_level_feature(unfixed, table, 2).output_shape.rank is None
 
 
 @pytest.mark.parametrize("output_shape,match", [

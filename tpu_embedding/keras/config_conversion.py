@@ -79,8 +79,9 @@ def to_mid_level_feature(feature: Any, table: MidLevelTableConfig, num_replicas:
   """One keras-rs `FeatureConfig` over its converted `table`.
 
   keras-rs gives the global-batch activation shape with the embedding dimension last; the
-  mid-level API wants it per replica and without that dimension. Where the batch size is not
-  given, the activation shape follows the input, as the mid-level API does by default.
+  mid-level API wants it per replica and without that dimension. A shape that is only
+  (batch, dim) says what the input's own shape gives anyway, so it is not fixed: the layer
+  then takes any batch size (e.g. in `predict`), as the mid-level API does by default.
   """
   where = f"keras-rs FeatureConfig {feature.name!r} (feature {path or '<root>'!r})"
   output_shape = list(feature.output_shape)
@@ -89,11 +90,11 @@ def to_mid_level_feature(feature: Any, table: MidLevelTableConfig, num_replicas:
         f"{where} has output_shape={tuple(feature.output_shape)}; expected (batch, ..., "
         f"{table.dim}): a batch dimension first and the table's embedding_dim last.")
   batch = output_shape[0]
+  if batch is not None and batch % num_replicas:
+    raise ValueError(f"{where}: batch size {batch} of output_shape is not a multiple of the "
+                     f"{num_replicas} replicas in sync.")
   per_replica = None
-  if batch is not None and None not in output_shape:
-    if batch % num_replicas:
-      raise ValueError(f"{where}: batch size {batch} of output_shape is not a multiple of the "
-                       f"{num_replicas} replicas in sync.")
+  if len(output_shape) > 2 and None not in output_shape:
     per_replica = [batch // num_replicas, *output_shape[1:-1]]
   return MidLevelFeatureConfig(table=table, output_shape=per_replica, name=feature.name)
 
