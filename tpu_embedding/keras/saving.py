@@ -8,7 +8,8 @@ The configuration is saved as the layer uses it: every table with its resolved m
 optimizer. Saved as values: a learning rate that is a callable or follows a Keras optimizer is
 saved at its current value. A table's initializer is kept when it is a Keras initializer;
 any other gives the default one to a layer rebuilt from config alone (`load_model` then
-assigns the saved values anyway).
+assigns the saved values anyway). The hardware arguments (`embedding_feature`,
+`sparse_core_embedding_config`) are not saved: the machine that loads the file decides.
 """
 
 from __future__ import annotations
