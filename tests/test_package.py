@@ -31,8 +31,10 @@ def loaded_after(statement: str) -> dict:
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_keras3_layers_do_not_import_tf_keras():
-  loaded = loaded_after("import tpu_embedding.keras\n"
+def test_keras3_layers_and_the_package_do_not_import_tf_keras():
+  loaded = loaded_after("import tpu_embedding\n"
+                        "assert 'tf_keras' not in sys.modules, 'import tpu_embedding loads tf_keras'\n"
+                        "import tpu_embedding.keras\n"
                         "from tpu_embedding import serving")
   assert not loaded["tf_keras"]
 
@@ -45,7 +47,6 @@ def test_tf_keras_layers_do_not_import_more_keras3():
 
 
 def test_top_level_names_are_imported_on_first_use():
-  assert not loaded_after("import tpu_embedding")["tf_keras"]
   import tpu_embedding  # pylint: disable=g-import-not-at-top
   from tpu_embedding import layer, partial  # pylint: disable=g-import-not-at-top
   assert tpu_embedding.TPUEmbedding is layer.TPUEmbedding
