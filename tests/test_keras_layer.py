@@ -148,6 +148,23 @@ def test_custom_loop_under_default_and_mirrored_strategy(mirrored):
   np.testing.assert_allclose(tables, expected, rtol=1e-5)
 
 
+def test_fit_under_mirrored_strategy_trains_on_the_global_batch():
+  strategy = tf.distribute.MirroredStrategy(  # no collectives: see the custom loop test above
+      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    t = make_table()
+    layer = TPUEmbedding({"f": E.FeatureConfig(table=t)}, E.Adagrad(0.2))
+    inputs = {"f": keras.Input(shape=(), dtype="int32", name="f")}
+    # Predictions of shape [batch, 1]: Keras scales a per-sample loss for the replicas, but not
+    # the scalar that "mse" makes of [batch]-shaped predictions and labels.
+    model = keras.Model(inputs, keras.ops.sum(layer(inputs)["f"], axis=1, keepdims=True))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+  dataset = tf.data.Dataset.from_tensor_slices(({"f": IDS}, LABELS[:, None])).batch(4)
+  model.fit(dataset, epochs=2, verbose=0)
+  expected, _ = adagrad_steps(VALUES, [(IDS, LABELS)] * 2, 0.2)
+  np.testing.assert_allclose(layer.embedding_tables[t].numpy(), expected, rtol=1e-5)
+
+
 def test_keras_rs_configs_train_like_the_mid_level_ones():
   keras_rs = pytest.importorskip("keras_rs")
   table = keras_rs.layers.TableConfig(
