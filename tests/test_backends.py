@@ -685,3 +685,49 @@ def test_a_refused_call_builds_nothing(tpu):
   with pytest.raises(RuntimeError):
     layer(features())
   assert "build" not in log.methods()
+
+
+# --------------------------------------------------------------------------------------------
+# The Keras 3 layer drives the same backends
+
+
+@pytest.mark.parametrize("path", [Path.TPU_V1, Path.TPU_V2])
+def test_the_keras3_layer_drives_the_same_tpu_wiring(tpu, path):
+  """Wiring only (fakes, no TPU): `tpu_embedding.keras.TPUEmbedding` in a Keras 3 model makes
+  the same mid-level calls with the same gradients as the tf-keras layer."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding  # pylint: disable=g-import-not-at-top
+
+  class Keras3Model(keras.Model):
+    def __init__(self, layer):
+      super().__init__()
+      self.embedding = layer
+
+    def call(self, inputs):
+      return self.embedding(inputs)
+
+  log = tpu(path)
+  layer = Keras3TPUEmbedding(feature_config([BATCH] if path is Path.TPU_V2 else None),
+                             optimizer=keras.optimizers.SGD(0.1))
+  assert layer.execution_path is path
+  gradients = train_step(Keras3Model(layer), keras.optimizers.SGD(0.1), features(), False)
+  lookup = ["enqueue", "dequeue"] if path is Path.TPU_V1 else ["__call__"]
+  # Keras 3 first runs the model's call symbolically to build it (a lookup, never a gradient),
+  # then the step: lookup, then the gradients applied with the step's own name or state.
+  assert log.methods() == ["__init__", "build", *lookup, *lookup, "apply_gradients"]
+  if path is Path.TPU_V1:
+    enqueue, dequeue, apply = [arguments for _, _, arguments in log.calls[-3:]]
+    assert enqueue["training"] is True and dequeue["name"] == apply["name"] == enqueue["name"]
+  else:
+    call, apply = [arguments for _, _, arguments in log.calls[-2:]]
+    assert apply["preserved_outputs"] is call["preserved"]
+  _check_gradients(layer, log, gradients)
+
+
+def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
+  """On V0 the model's optimizer would have to train the tables, which Keras 3 cannot."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding  # pylint: disable=g-import-not-at-top
+  tpu(Path.TPU_V0)
+  with pytest.raises(ValueError, match="TPU_V0: these tables would be trained by the model's"):
+    Keras3TPUEmbedding(feature_config(), optimizer=keras.optimizers.SGD(0.1))

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import keras
 import tensorflow as tf
+from tensorflow.python.util import nest as tf_nest  # flattening up to the feature nest
 
 from tpu_embedding import hardware
 from tpu_embedding.keras import config_conversion
@@ -69,6 +70,16 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
           "by the model's optimizer (table_updates='keras', or a TPU without an embedding "
           "engine), which in Keras 3 only updates Keras variables. Leave table_updates at "
           "'engine', or use the tf-keras layer tpu_embedding.TPUEmbedding.")
+
+  def build(self, input_shape: Any) -> None:
+    # Keras 3 gives shapes as tuples, which tf.nest would take for more structure: hand the
+    # backend one TensorShape per feature, as tf-keras does (TPU V1 builds from them).
+    try:
+      input_shape = tf_nest.map_structure_up_to(
+          self._config.feature_config, tf.TensorShape, input_shape, check_types=False)
+    except (TypeError, ValueError):
+      pass  # not the features' structure (e.g. None): the backend detects shapes on its own
+    super().build(input_shape)
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
     return self.variables_by_table
