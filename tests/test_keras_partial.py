@@ -89,3 +89,39 @@ def test_keras_file_round_trip_of_both_sides(tmp_path):
   trained = {t.name: v.numpy() for t, v in layer.embedding_tables.items()}
   for t, variable in loaded_layer.embedding_tables.items():
     np.testing.assert_array_equal(variable.numpy(), trained[t.name])
+
+
+def test_custom_loop_under_mirrored_strategy_and_export_for_serving(tmp_path):
+  from tpu_embedding import serving  # pylint: disable=g-import-not-at-top
+  strategy = tf.distribute.MirroredStrategy(  # no collectives: see test_keras_layer
+      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+  with strategy.scope():
+    small, large = tables()
+    layer = PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+                                E.SGD(0.5), size_threshold=5)
+
+  def replica_step(ids, labels):
+    with tf.GradientTape() as tape:
+      out = layer(ids)
+      pred = tf.reduce_sum(out["small"] + out["large"], axis=1)
+      loss = tf.reduce_sum((pred - labels) ** 2) / 4.0  # mean over the global batch
+    tape.gradient(loss, layer.trainable_variables)
+
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((IDS, LABELS)).batch(4))
+  for ids, labels in dataset:
+    tf.function(lambda i, l: strategy.run(replica_step, args=(i, l)))(ids, labels)
+  want_small, want_large = expected_sgd(0.5)
+  np.testing.assert_allclose(layer.embedding_tables[small].numpy(), want_small, rtol=1e-6)
+  np.testing.assert_allclose(layer.embedding_tables[large].numpy(), want_large, rtol=1e-6)
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)] * 2)
+  def serve(small, large):
+    out = layer({"small": small, "large": large})
+    return tf.reduce_sum(out["small"] + out["large"], axis=1)
+
+  serving.export_for_serving(layer, str(tmp_path / "export"), signatures=serve)
+  loaded = tf.saved_model.load(str(tmp_path / "export"))
+  got = loaded.signatures["serving_default"](**{k: tf.constant(v) for k, v in IDS.items()})
+  np.testing.assert_allclose(list(got.values())[0].numpy(), want_small[IDS["small"]].sum(1) +
+                             want_large[IDS["large"]].sum(1), rtol=1e-6)
