@@ -7,6 +7,9 @@ Cases (names for `python -m benchmarks <case>`):
   limit       4. random-row gather/scatter bandwidth vs. the bytes the engine moves
   memory      5. peak RSS training a 1e7 x 32 table (Adagrad, Adam) vs. table + slot bytes
   serving     6. serving latency (benchmarks/serving_latency.py, another engineer's script)
+  jit         7. DLRM and embedding only with jit_compile=True: ours (XLA path) vs tfrs and
+                 Keras Embedding under jit, and vs ours without XLA (compiled kernels); the
+                 PartialTPUEmbedding replicated side (tables of <= 10,000 rows) with and without XLA
 
 Processes are shared where cases measure the same tables: `dlrm` and `batch` run in one process
 per (implementation, optimizer); `table-size` and `memory` too (the 1e7 table is built first, so
@@ -26,10 +29,16 @@ import numpy as np
 
 from benchmarks import harness as h
 
-CASES = ("dlrm", "table-size", "batch", "limit", "memory", "serving")
+CASES = ("dlrm", "table-size", "batch", "limit", "memory", "serving", "jit")
 OPTS = ("adagrad", "adam")
 SLOTS = {"adagrad": 1, "adam": 2}
 DLRM_BATCH = 4096
+# Case 7: (implementation, jit_compile) in run order; `<impl>/xla` labels the compiled ones.
+# tfrs runs without XLA only: it requires a legacy Keras optimizer, whose sparse update
+# deduplicates with tf.unique, which XLA cannot compile (measured: the step fails to compile).
+JIT_VARIANTS = (("ours", True), ("ours", False), ("tfrs", False), ("keras-embedding", True))
+PARTIAL_VARIANTS = (("ours-partial", True), ("ours-partial", False))
+REPLICATED_ROWS = 10_000  # PartialTPUEmbedding's default size_threshold
 
 
 def dlrm_sizes() -> list[int]:
@@ -104,11 +113,35 @@ def plan(cases: set[str], s: Settings) -> list[tuple[str, str, dict]]:
     if groups:
       jobs.append(("train", f"round {r + 1}: {opt} {impl}",
                    dict(base_spec(s, impl, opt, 16), groups=groups)))
+  if "jit" in cases:
+    jobs += jit_plan(s)
   if cases & {"limit"}:
     jobs.append(("limit", "gather/scatter bandwidth",
                  {"workload": "limit", "impl": "numpy", "reps": 3 if s.quick else 5,
                   "n_rows": s.limit_rows,
                   "shapes": [[10**6, 16], [10**7, 32]]}))
+  return jobs
+
+
+def impl_label(impl: str, jit_compile: bool) -> str:
+  return f"{impl}/xla" if jit_compile else impl
+
+
+def jit_plan(s: Settings) -> list[tuple[str, str, dict]]:
+  """Case 7: one process per (optimizer, implementation, jit_compile)."""
+  jobs = []
+  for r, opt, (impl, jit) in h.schedule(OPTS, JIT_VARIANTS + PARTIAL_VARIANTS, s.rounds):
+    if impl == "ours-partial":
+      group = {"kind": "jit-partial", "sizes": [n for n in dlrm_sizes() if n <= REPLICATED_ROWS],
+               "dim": 16, "multi_hot": [], "measure": [{"workload": "emb", "batch": DLRM_BATCH}]}
+    else:
+      group = {"kind": "jit", "sizes": dlrm_sizes(), "dim": 16, "multi_hot": [0, 1, 2],
+               # DLRM first: a current tf-keras optimizer is built on the variables of its
+               # first step and then refuses any other; the embedding-only step uses a subset.
+               "measure": [{"workload": "dlrm", "batch": DLRM_BATCH},
+                           {"workload": "emb", "batch": DLRM_BATCH}]}
+    jobs.append(("train", f"round {r + 1}: {opt} {impl_label(impl, jit)}",
+                 dict(base_spec(s, impl, opt, 16), jit_compile=jit, groups=[group])))
   return jobs
 
 
@@ -187,15 +220,16 @@ def collect(raw: dict) -> tuple[dict, list[str]]:
     for m in result.get("measurements", []):
       sizes = tuple(m["sizes"])
       kind = m.get("kind") or run_["family"]
+      impl = impl_label(spec["impl"], spec.get("jit_compile", False))
       key = (kind, m["workload"], spec["opt"], m["batch"],
-             sizes[0] if kind == "table" else "dlrm", spec["impl"])
+             sizes[0] if kind == "table" else "dlrm", impl)
       if key in rows:
         old = rows[key]
         old.step_s += m["step_s"]
         old.partial = old.partial or m["partial"]
         old.vmhwm = max(old.vmhwm, m["vmhwm"])
       else:
-        rows[key] = Row(kind, spec["impl"], spec["opt"], m["workload"], m["batch"],
+        rows[key] = Row(kind, impl, spec["opt"], m["workload"], m["batch"],
                         sizes, list(m["step_s"]), m["partial"], m["steps_per_rep"],
                         m["unique_rows"], m["vmhwm"], m["first_step_s"])
   return rows, errors
@@ -285,6 +319,46 @@ class Report:
                 ex_per_s(self.get("dlrm", workload, opt, DLRM_BATCH, "dlrm", "tfrs")))
       self.target(label, r, goal, "{:.2f}x")
     self._bar_plot()
+
+  # 7 ----------------------------------------------------------------------------------------
+  def jit(self) -> None:
+    out = ["## 7. Under jit_compile=True: the XLA path",
+           "",
+           "Case 1's tables and workloads, every step a `tf.function(jit_compile=True)` (`/xla`), "
+           "except `ours` (no XLA: the compiled-kernel path) and `tfrs`, which cannot compile "
+           "with XLA (it requires a legacy Keras optimizer, whose sparse update calls "
+           "`tf.unique`); `keras-embedding/xla` uses the current tf-keras optimizers, which do. "
+           "`x/tfrs` = x's examples/s over tfrs's. Partial: `PartialTPUEmbedding(size_threshold=None)` on case 1's tables "
+           f"of <= {REPLICATED_ROWS:,} rows (its replicated side), embedding only.", ""]
+    table = []
+    for family, workload, variants in (("jit", "dlrm", JIT_VARIANTS), ("jit", "emb", JIT_VARIANTS),
+                                       ("jit-partial", "emb", PARTIAL_VARIANTS)):
+      for opt in OPTS:
+        base = ex_per_s(self.get(family, workload, opt, DLRM_BATCH, "dlrm", "tfrs"))
+        for impl, jit in variants:
+          row = self.get(family, workload, opt, DLRM_BATCH, "dlrm", impl_label(impl, jit))
+          eps = ex_per_s(row)
+          table.append([f"{'partial ' if family == 'jit-partial' else ''}{workload}", opt,
+                        impl_label(impl, jit), h.fmt_stat(ms(row)), h.fmt_stat(eps),
+                        h.fmt_ratio(ratio(eps, base)), note(row, self.s)])
+    out.append(h.markdown_table(["model", "optimizer", "implementation",
+                                 "ms/step median (min–max, n)", "examples/s median (min–max, n)",
+                                 "x/tfrs", "notes"], table))
+    self.sections.append("\n".join(out))
+    speed = lambda family, workload, opt, impl: ex_per_s(
+        self.get(family, workload, opt, DLRM_BATCH, "dlrm", impl))
+    for workload, opt, goal, label in (("dlrm", "adam", 5, "jit DLRM Adam: ours/xla >= 5x tfrs"),
+                                       ("dlrm", "adagrad", 1, "jit DLRM Adagrad: ours/xla >= tfrs"),
+                                       ("emb", "adagrad", 1.5, "jit embedding only Adagrad: "
+                                        "ours/xla >= 1.5x tfrs"),
+                                       ("emb", "adam", 1.5, "jit embedding only Adam: "
+                                        "ours/xla >= 1.5x tfrs")):
+      self.target(label, ratio(speed("jit", workload, opt, "ours/xla"),
+                               speed("jit", workload, opt, "tfrs")), goal, "{:.2f}x")
+    for opt in OPTS:
+      self.target(f"Partial replicated side {opt}: XLA step within 2x of compiled kernels",
+                  ratio(speed("jit-partial", "emb", opt, "ours-partial/xla"),
+                        speed("jit-partial", "emb", opt, "ours-partial")), 0.5, "{:.2f}x")
 
   def _dense_bound(self) -> str:
     """How much of the speed-up the dense MLPs allow over tfrs ours reaches, with Adagrad."""
@@ -494,7 +568,8 @@ class Report:
     cases = set(self.raw["cases"])
     for name, section in (("dlrm", self.dlrm), ("table-size", self.table_size),
                           ("batch", self.batch), ("limit", self.limit),
-                          ("memory", self.memory), ("serving", self.serving)):
+                          ("memory", self.memory), ("serving", self.serving),
+                          ("jit", self.jit)):
       if name in cases:
         try:
           section()

@@ -7,9 +7,13 @@ peak-RSS figure. It prints one line `RESULT {json}` on stdout.
 Implementations (spec["impl"]):
   ours             tpu_embedding.TPUEmbedding, default engine (tables trained by the engine)
   ours-keras       tpu_embedding.TPUEmbedding(..., table_updates="keras")
+  ours-partial     tpu_embedding.PartialTPUEmbedding(..., size_threshold=None): every table on
+                   its replicated side
   tfrs             tensorflow-recommenders 0.7.7 tfrs.layers.embedding.TPUEmbedding (CPU path)
   keras-embedding  one tf_keras.layers.Embedding per table, trained by the same Keras optimizer
   dense-only       constant activations, no embedding work (DLRM workload only: the bound)
+
+spec["jit_compile"] compiles the training step with XLA (`tf.function(jit_compile=True)`).
 
 Workloads (spec["workload"]):
   dlrm   13 dense features -> bottom MLP 512-256-16; 26 embeddings; concat interaction;
@@ -126,10 +130,10 @@ def build(spec):
                           initializer=init) for i, v in enumerate(spec["sizes"])]
   fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
   lr = LR[opt]
-  if impl == "tfrs":
-    k = tf.keras.optimizers.legacy
-  else:
-    k = tf_keras.optimizers.legacy
+  k = (tf.keras if impl == "tfrs" else tf_keras).optimizers
+  # The legacy optimizers' sparse updates deduplicate with tf.unique, which XLA cannot compile:
+  # Keras Embedding tables under XLA take the current ones (every other variable is dense).
+  k = k if spec.get("jit_compile") and impl == "keras-embedding" else k.legacy
   keras_opt = k.Adagrad(lr) if opt == "adagrad" else k.Adam(lr)
   mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
   if impl == "ours":
@@ -138,6 +142,9 @@ def build(spec):
   elif impl == "ours-keras":
     import tpu_embedding  # pylint: disable=g-import-not-at-top
     layer = tpu_embedding.TPUEmbedding(fc, mid_opt, table_updates="keras")
+  elif impl == "ours-partial":
+    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    layer = tpu_embedding.PartialTPUEmbedding(fc, mid_opt, size_threshold=None)
   elif impl == "tfrs":
     import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
     layer = tfrs.layers.embedding.TPUEmbedding(fc, keras_opt)
@@ -220,8 +227,8 @@ def run_train(spec) -> dict:
   return {"measurements": results, "import_s": t_import, "rss_after_import": rss_after_import}
 
 
-def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
-  """Warm-up, then up to spec["reps"] timed repetitions of `steps` steps each."""
+def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
+  """(batches, the tf.function training step, unique rows per step) for one measurement."""
   batch, workload = m["batch"], m["workload"]
   multi = tuple(group.get("multi_hot", ()))
   raw = make_id_batches(sizes, batch, spec["num_batches"], multi, seed=spec.get("seed", 0))
@@ -249,7 +256,7 @@ def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
     models["mlp"] = (mlp([512, 256], 16), mlp([512, 256], 1),
                      tf_keras.losses.BinaryCrossentropy(from_logits=True))
 
-  @tf.function
+  @tf.function(jit_compile=spec.get("jit_compile", False))
   def step(feats, dense, labels):
     with tf.GradientTape() as tape:
       acts = layer(feats)
@@ -267,9 +274,36 @@ def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
     opt.apply_gradients(zip(grads, variables))
     return loss
 
+  return batches, step, uniq
+
+
+def first_steps(tf, tf_keras, spec, layer, opt, models, sizes, group, m, steps) -> dict:
+  """Seconds of the first step (tracing, compiling, building) and of the `steps - 1` next."""
+  batches, step, _ = prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m)
+  t0 = time.perf_counter()
+  float(step(*batches[0]).numpy())
+  t_first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  loss = None
+  for k in range(1, steps):
+    loss = step(*batches[k % len(batches)])
+  if loss is not None:
+    float(loss.numpy())
+  return {"first_step_s": t_first, "next_steps_s": time.perf_counter() - t0}
+
+
+def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
+  """Warm-up, then up to spec["reps"] timed repetitions of `steps` steps each."""
+  batch, workload = m["batch"], m["workload"]
+  batches, step, uniq = prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m)
   t0 = time.perf_counter()
   float(step(*batches[0]).numpy())  # traces (and, the first time, builds the tables)
   t_first = time.perf_counter() - t0
+  if spec.get("jit_compile"):
+    # XLA compiles once per input shape, and ragged batches differ in shape: compile each
+    # batch's program before timing (a training run reuses them for its whole length).
+    for b in batches[1:]:
+      float(step(*b).numpy())
   t0 = time.perf_counter()
   n_warm = 0
   # At least one warm-up step after the tracing one; more while they fit in a quarter budget.

@@ -295,3 +295,148 @@ def test_expected_shapes_are_what_the_engine_creates():
   tracked = {name: list(v.shape) for name, v in engine._trackable_children().items()}
   expected = checkpoints.expected_shapes(engine._config, with_slots=True)
   assert tracked == {name: shape for name, (_, shape) in expected.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints written by tf-recommenders 0.7.7 itself (tests/tfrs_checkpoint_writer.py)
+
+sys.path.insert(0, HERE)
+import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402  pylint: disable=g-import-not-at-top
+
+# The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
+TFRS_SLOTS = {"sgd": {}, "adagrad": {"accumulators": "accumulator"},
+              "adam": {"momenta": "m", "velocities": "v"},
+              "ftrl": {"accumulators": "accumulator", "linears": "linear"}}
+
+
+@pytest.fixture(scope="module")
+def tfrs_checkpoints(tmp_path_factory):
+  """{(layer, optimizer): checkpoint path}, written by tf-recommenders in a subprocess."""
+  directory = tmp_path_factory.mktemp("tfrs")
+  result = subprocess.run(
+      [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
+      env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return {case: str(directory / "-".join(case) / "ckpt") for case in tfrs_writer.CASES}
+
+
+def our_model(layer_name, optimizer_name, **kwargs):
+  """tf-recommenders' model from the writer, with this package's layer (the user's one change)."""
+  optimizer = tfrs_writer.keras_optimizer(optimizer_name, tf_keras.optimizers.legacy)
+  config = tfrs_writer.feature_config()
+  if layer_name == "TPUEmbedding":
+    layer = tpu_embedding.TPUEmbedding(config, optimizer, **kwargs)
+  else:
+    layer = tpu_embedding.PartialTPUEmbedding(
+        config, optimizer, size_threshold=tfrs_writer.SIZE_THRESHOLD, **kwargs)
+  model = tfrs_writer.build_model(layer, optimizer, tf_keras)
+  model(tfrs_writer.inputs())
+  return model, optimizer
+
+
+def tfrs_key(layer_name, table, slot=None):
+  """Where tf-recommenders stored a table (Partial: `small` is replicated, `large` sharded)."""
+  if layer_name == "TPUEmbedding":
+    key = f"model/embedding/_tpu_embedding/{table}"
+  elif table == "small":
+    key = "model/embedding/_keras_embedding_layers/a/embeddings"
+  else:
+    key = f"model/embedding/_tpu_embedding/_tpu_embedding/{table}"
+  if slot is not None:
+    key += f"/.OPTIMIZER_SLOT/optimizer/{slot}"
+  return key + "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+@pytest.mark.parametrize("layer_name,optimizer_name", tfrs_writer.CASES)
+def test_tfrs_checkpoint_restores_every_table_and_slot(tfrs_checkpoints, layer_name,
+                                                       optimizer_name):
+  path = tfrs_checkpoints[(layer_name, optimizer_name)]
+  model, optimizer = our_model(layer_name, optimizer_name)
+  tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
+  variables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+               else model.embedding._variables_by_table())
+  restored = 0
+  for table in ("small", "large"):
+    expected = {"parameters": tf.train.load_variable(path, tfrs_key(layer_name, table))}
+    for ours, keras in TFRS_SLOTS[optimizer_name].items():
+      expected[ours] = tf.train.load_variable(path, tfrs_key(layer_name, table, keras))
+    assert sorted(variables[table]) == sorted(expected)
+    for name, value in expected.items():
+      np.testing.assert_array_equal(variables[table][name].numpy(), value, err_msg=name)
+      restored += 1
+  assert restored == 2 * (1 + len(TFRS_SLOTS[optimizer_name]))
+  np.testing.assert_array_equal(model.dense.kernel.numpy(),
+                                tf.train.load_variable(path, "model/dense/kernel/.ATTRIBUTES/"
+                                                       "VARIABLE_VALUE"))
+  # The engine trains the tables: the Keras optimizer made no slot of its own for them.
+  assert not [v for v in optimizer.variables() if v.shape.rank == 2 and v.shape[0] in (8, 30)]
+
+
+@pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints, layer_name):
+  """table_updates="keras" is tf-recommenders' CPU behaviour: its Keras optimizer's slots."""
+  path = tfrs_checkpoints[(layer_name, "adagrad")]
+  model, optimizer = our_model(layer_name, "adagrad", table_updates="keras")
+  tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
+  tables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+            else model.embedding._variables_by_table())
+  assert sorted(tables) == ["large", "small"]
+  for table, variables in tables.items():
+    np.testing.assert_array_equal(variables["parameters"].numpy(),
+                                  tf.train.load_variable(path, tfrs_key(layer_name, table)))
+    np.testing.assert_array_equal(
+        optimizer.get_slot(variables["parameters"], "accumulator").numpy(),
+        tf.train.load_variable(path, tfrs_key(layer_name, table, "accumulator")))
+
+
+@pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_tfrs_slots_of_another_optimizer_are_refused_by_name(tfrs_checkpoints, layer_name):
+  path = tfrs_checkpoints[(layer_name, "adagrad")]
+  model, optimizer = our_model(layer_name, "adam")
+  before = {t: v["parameters"].numpy() for t, v in (
+      model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+      else model.embedding._variables_by_table()).items()}
+  with pytest.raises(ValueError) as error:
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
+  message = str(error.value)
+  assert f"into this {layer_name} layer" in message
+  for table, shape in (("small", [8, 4]), ("large", [30, 2])):
+    for slot in ("momenta", "velocities"):
+      assert (f"slot '{table}/{slot}' of table '{table}' (shape {shape} in this layer) is "
+              "missing from the checkpoint") in message
+  after = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+           else model.embedding._variables_by_table())
+  for table, value in before.items():
+    np.testing.assert_array_equal(after[table]["parameters"].numpy(), value, err_msg=table)
+
+
+@pytest.mark.parametrize("table_updates", ["engine", "keras"])
+@pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_our_checkpoint_loads_back_into_tfrs(tmp_path, layer_name, table_updates):
+  """Tables always; slots only where the Keras optimizer owned them (table_updates="keras")."""
+  model, optimizer = our_model(layer_name, "adagrad", table_updates=table_updates)
+  model.fit(tf.data.Dataset.from_tensors((tfrs_writer.inputs(),
+                                          tf.constant(tfrs_writer.LABELS))).repeat(2), verbose=0)
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ours"))
+  out = str(tmp_path / "tfrs.npz")
+  result = subprocess.run(
+      [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), "--read", path, out,
+       layer_name],
+      env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  loaded = np.load(out)
+  tables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
+            else model.embedding._variables_by_table())
+  assert sorted(tables) == ["large", "small"]
+  for table, variables in tables.items():
+    np.testing.assert_array_equal(loaded[table], variables["parameters"].numpy())
+    if table_updates == "keras":
+      np.testing.assert_array_equal(
+          loaded[table + "/accumulator"],
+          optimizer.get_slot(variables["parameters"], "accumulator").numpy())
+    else:  # the engine's slots are not where tf-recommenders looks: its own start afresh
+      fresh = loaded[table + "/accumulator"]
+      assert np.isnan(fresh).all() or (fresh == np.float32(0.1)).all(), fresh
+      assert (variables["accumulators"].numpy() != np.float32(0.1)).any()

@@ -4,6 +4,8 @@ The property test compares the engine with `tests/reference.py`, a float64 NumPy
 the semantics spec written independently of the engine.
 """
 
+import warnings
+
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
@@ -13,6 +15,7 @@ import tf_keras
 
 import reference
 import tpu_embedding
+from tpu_embedding.engine import static_path
 
 E = tf.tpu.experimental.embedding
 
@@ -79,24 +82,44 @@ def optimizers(draw):
 bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
 
 
+def _reference_examples(max_examples: int, max_steps: int, **more):
+  """The property tests' settings and examples: a table, its optimizer, steps of two features."""
+  settings = hypothesis.settings(
+      max_examples=max_examples, deadline=None,
+      suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                             hypothesis.HealthCheck.function_scoped_fixture])
+  given = hypothesis.given(
+      dim=st.integers(1, 3), combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+      optimizer=optimizers(),
+      steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=max_steps),
+      weighted=st.booleans(), seed=st.integers(0, 2**16), **more)
+  return lambda test: settings(given(test))
+
+
 @pytest.mark.usefixtures("engine_path")  # the same for every example: only sets the path
-@hypothesis.settings(max_examples=30, deadline=None,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                                            hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(
-    dim=st.integers(1, 3),
-    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
-    optimizer=optimizers(),
-    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=3),
-    weighted=st.booleans(),
-    compiled=st.booleans(),
-    seed=st.integers(0, 2**16))
+@_reference_examples(30, 3, compiled=st.booleans())
 def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, compiled, seed):
   """Two features sharing one table, duplicate-heavy bags, several steps: tables and slots.
 
   Compiled steps take the graph-only paths (one id check per step, the update reusing the rows
   the lookup read); eager steps the others.
   """
+  run_step = tf.function(_step, reduce_retracing=True) if compiled else _step
+  _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
+
+
+@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
+@_reference_examples(8, 2)
+def test_jit_compiled_steps_match_reference(monkeypatch, formulation, dim, combiner, optimizer,
+                                            steps, weighted, seed):
+  """The same under `jit_compile=True` (the static-shape path), with each of its two update
+  formulations whatever the table's size; fewer examples, as each one compiles with XLA."""
+  monkeypatch.setattr(static_path, "WHOLE_TABLE_ROWS", 2**62 if formulation == "whole_table" else 0)
+  run_step = tf.function(_step, reduce_retracing=True, jit_compile=True)
+  _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
+
+
+def _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed):
   rng = np.random.default_rng(seed)
   rows = 6
   values = rng.uniform(-1, 1, size=(rows, dim)).astype(np.float32)
@@ -105,7 +128,6 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
                                       "b": E.FeatureConfig(table=table)}, optimizer)
   model = Probe(layer)
   dense = tf_keras.optimizers.SGD(0.0)
-  run_step = tf.function(_step, reduce_retracing=True) if compiled else _step
   params = reference.params_from_optimizer(optimizer)
   w = values.astype(np.float64)
   slots = reference.initial_slots(params, w.shape)
@@ -172,9 +194,22 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
     tape.gradient(loss, layer.trainable_variables)
     tape.gradient(loss, layer.trainable_variables)
 
-  step()
+  with pytest.warns(UserWarning, match="received a second gradient.*updated them again"):
+    step()
   np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
                                 [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
+
+
+def test_one_gradient_per_step_gives_no_warning():
+  layer = _sgd_layer(np.zeros((3, 1), np.float32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for _ in range(2):  # eager: one lookup and one gradient per step
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([1])))
+      tape.gradient(loss, layer.trainable_variables)
+  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
+                                [[0.0], [-2.0], [0.0]])
 
 
 def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path):

@@ -1,16 +1,16 @@
 """Tests for tpu_embedding.hardware: which execution path a strategy and an override lead to.
 
-No TPU is available here: TPU strategies are represented either by patching
-`hardware.detect_embedding_feature` (the one function that asks the runtime) or by a stand-in
-strategy object shaped like a TPU strategy. These tests check the decision, not TPU execution.
+No TPU is available here: a TPU is `tpu_harness.StandInTPUStrategy`, a real
+`tf.distribute.TPUStrategy` instance reporting a chosen embedding feature. These tests check the
+decision, not TPU execution.
 """
 
 import itertools
-import types
 
 import pytest
 import tensorflow as tf
 
+import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding.hardware import EmbeddingFeature, Path
 
@@ -43,14 +43,9 @@ def test_the_strategy_in_scope_is_what_is_examined():
 
 
 @pytest.fixture
-def fake_tpu(monkeypatch):
-  """Makes every strategy look like a TPU whose runtime reports the given feature."""
-
-  def install(feature):
-    monkeypatch.setattr(hardware, "detect_embedding_feature", lambda strategy: feature)
-    return tf.distribute.get_strategy()
-
-  return install
+def fake_tpu():
+  """A TPU strategy whose runtime reports the given feature."""
+  return tpu_harness.StandInTPUStrategy
 
 
 @pytest.mark.parametrize("detected", FEATURES)
@@ -87,7 +82,7 @@ def test_forcing_a_feature_the_hardware_lacks_is_an_error(fake_tpu, detected, ov
   assert "UNSUPPORTED" in message  # the override that is always possible
 
 
-def test_every_case_of_the_matrix_is_decided(monkeypatch):
+def test_every_case_of_the_matrix_is_decided():
   """The whole (detected x override) table, written out once."""
   expected = {}
   for detected, override in itertools.product(FEATURES, OVERRIDES):
@@ -99,30 +94,20 @@ def test_every_case_of_the_matrix_is_decided(monkeypatch):
       expected[detected, override] = ValueError
   assert list(expected.values()).count(ValueError) == 4
   for (detected, override), want in expected.items():
-    monkeypatch.setattr(hardware, "detect_embedding_feature", lambda s, d=detected: d)
+    strategy = tpu_harness.StandInTPUStrategy(detected)
     if want is ValueError:
       with pytest.raises(ValueError):
-        hardware.choose_path(object(), override)
+        hardware.choose_path(strategy, override)
     else:
-      assert hardware.choose_path(object(), override) is want, (detected, override)
+      assert hardware.choose_path(strategy, override) is want, (detected, override)
 
 
-# --- detect_embedding_feature itself, on stand-in strategy objects -------------------------
+# --- detect_embedding_feature itself ------------------------------------------------------
 
 
-def _tpu_like(cls_name, feature, base=object):
-  """An object of a class named `cls_name` whose runtime reports `feature`."""
-  cls = type(cls_name, (base,), {})
-  strategy = cls.__new__(cls)
-  strategy.extended = types.SimpleNamespace(
-      tpu_hardware_feature=types.SimpleNamespace(embedding_feature=feature))
-  return strategy
-
-
-@pytest.mark.parametrize("cls_name", ["TPUStrategy", "TPUStrategyV2", "TPUStrategyV1"])
 @pytest.mark.parametrize("feature", FEATURES)
-def test_detection_reads_the_runtime_feature_of_a_tpu_strategy(cls_name, feature):
-  strategy = _tpu_like(cls_name, feature)
+def test_detection_reads_the_runtime_feature_of_a_tpu_strategy(feature):
+  strategy = tpu_harness.StandInTPUStrategy(feature)
   assert hardware.is_tpu_strategy(strategy)
   assert hardware.detect_embedding_feature(strategy) == feature
   assert hardware.choose_path(strategy) is PATH_OF[feature]
@@ -130,16 +115,40 @@ def test_detection_reads_the_runtime_feature_of_a_tpu_strategy(cls_name, feature
 
 def test_a_subclass_of_a_tpu_strategy_is_still_a_tpu_strategy():
   # Users and frameworks subclass TPUStrategy; the CPU path must never be taken under one.
-  base = type("TPUStrategy", (), {})
-  strategy = _tpu_like("MyCompanyStrategy", EmbeddingFeature.V1, base=base)
-  assert hardware.is_tpu_strategy(strategy)
-  assert hardware.choose_path(strategy) is Path.TPU_V1
+  subclass = type("MyCompanyStrategy", (tpu_harness.StandInTPUStrategy,), {})
+  assert hardware.choose_path(subclass(EmbeddingFeature.V1)) is Path.TPU_V1
+
+
+def test_a_class_merely_named_like_a_tpu_strategy_is_not_one():
+  named = type("TPUStrategyLookalike", (tf.distribute.OneDeviceStrategy,), {})
+  strategy = named("/cpu:0")
+  assert not hardware.is_tpu_strategy(strategy)
+  assert hardware.choose_path(strategy) is Path.CPU
 
 
 def test_real_tpu_strategy_classes_are_recognised_by_type():
   for cls in (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy):
     strategy = cls.__new__(cls)  # never initialised: there is no TPU to connect to
     assert hardware.is_tpu_strategy(strategy), cls
+
+
+def test_the_tf1_tpu_strategy_is_refused_by_name():
+  """Failure 6: TF's embedding classes refuse TPUStrategyV1 (V1 silently treats it as CPU)."""
+  cls = tf.compat.v1.distribute.experimental.TPUStrategy
+  strategy = cls.__new__(cls)
+  with pytest.raises(TypeError, match=r"tf\.compat\.v1\.distribute\.experimental\.TPUStrategy"
+                     r".*tf\.distribute\.TPUStrategy"):
+    hardware.choose_path(strategy)
+
+
+@pytest.mark.parametrize("override", [None, EmbeddingFeature.V1])
+def test_an_unknown_embedding_feature_is_refused_not_replicated(override):
+  """Failure 7: a feature this package does not know used to fall to V0 in silence."""
+  unknown = "EmbeddingFeature.V3"
+  with pytest.raises(ValueError, match="EmbeddingFeature.V3.*UNSUPPORTED"):
+    hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown), override)
+  assert hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown),
+                              EmbeddingFeature.UNSUPPORTED) is Path.TPU_V0
 
 
 def test_detection_never_touches_the_runtime_off_tpu():

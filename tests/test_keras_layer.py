@@ -98,7 +98,6 @@ def test_fit_evaluate_predict_with_keras_optimizer_for_tables():
   np.testing.assert_allclose(layer.embedding_tables[t].numpy(), expected, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the XLA engine path of issue 14")
 def test_fit_with_jit_compile():
   t = make_table()
   layer = TPUEmbedding({"f": E.FeatureConfig(table=t)}, E.SGD(0.5))

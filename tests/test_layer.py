@@ -4,7 +4,10 @@ Expected values come from NumPy computations on tables with known constant initi
 from the hand-worked examples of the semantics spec.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -390,6 +393,18 @@ def test_one_check_per_step_still_names_the_feature_at_fault():
   assert not re.search(r"Feature \\*'watched", message)
 
 
+def test_range_check_traces_one_assert_whatever_the_number_of_features():
+  """The check's failure branch is traced into every step: it must not grow with the features
+  (first-step latency of a 26-feature DLRM)."""
+  t = table(rows=5, dim=2, name="videos")
+  features = {f"f{i}": E.FeatureConfig(table=t) for i in range(6)}
+  layer = tpu_embedding.TPUEmbedding(features, "sgd")
+  graph = tf.function(layer).get_concrete_function(
+      {name: tf.TensorSpec([None], tf.int64) for name in features}).graph.as_graph_def()
+  nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+  assert sum(n.op == "Assert" for n in nodes) == 1
+
+
 @pytest.mark.parametrize("ids,dtype", [([1.0, 2.0], "float32"), (["a", "b"], "string")])
 def test_non_integer_ids_are_refused(ids, dtype):
   with pytest.raises(TypeError, match=f"Feature 'watched': ids must be integers.*{dtype}"):
@@ -429,6 +444,30 @@ def test_unknown_combiner_and_duplicate_table_names():
                                 "b": E.FeatureConfig(table=table(name="x"))}, "sgd")
 
 
+@pytest.mark.parametrize("initializer,error,message", [
+    (tf.keras.initializers.Zeros, TypeError,
+     "Table 'videos': initializer is the class Zeros; pass an instance, e.g. Zeros()"),
+    (tf.constant_initializer(np.zeros([3, 2])), ValueError,
+     r"Embedding variable 'videos': its initializer failed for shape \[5, 2\]"),
+    (lambda shape, dtype=None: tf.zeros(shape, tf.int32), ValueError,
+     r"Embedding variable 'videos': its initializer gave a int32 tensor of shape \[5, 2\]; "
+     r"expected float32 \[5, 2\]"),
+])
+def test_a_bad_initializer_is_refused_naming_the_table(initializer, error, message):
+  t = E.TableConfig(5, 2, name="videos", initializer=initializer)
+  with pytest.raises(error, match=message):
+    tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")(tf.constant([1]))
+
+
+def test_two_strategy_objects_of_one_kind_are_named_as_two():
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    layer = _layer()
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    with pytest.raises(RuntimeError, match="created under MirroredStrategy but is called under "
+                                           "another MirroredStrategy object"):
+      layer({"watched": tf.constant([1]), "liked": tf.constant([0])})
+
+
 def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table()), "sgd",
                                      embedding_feature=hardware.EmbeddingFeature.V1)
@@ -445,6 +484,64 @@ def test_tables_exist_before_the_first_call_and_can_be_replaced():
   np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[7.0, 7.0]])
   with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
     layer.update_embedding_table(table(name="other"), replacement)
+  with pytest.raises(ValueError, match="Table 'other' is not one of this layer's tables"):
+    layer.update_embedding_table("other", replacement)
+  with pytest.raises(TypeError, match="Expected one of this layer's TableConfigs .*, got int"):
+    layer.update_embedding_table(3, replacement)
+  by_name = tf.Variable(np.full((3, 2), 5.0, np.float32))
+  layer.update_embedding_table("videos", by_name)
+  np.testing.assert_array_equal(layer(tf.constant([2])).numpy(), [[5.0, 5.0]])
+
+
+@pytest.mark.parametrize("table_updates", ["engine", "keras"])
+def test_a_replaced_table_is_trained_and_checkpointed(tmp_path, table_updates):
+  t = table(rows=3, dim=2, name="videos", combiner="sum")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd", table_updates=table_updates)
+  layer(tf.constant([0]))
+  replacement = tf.Variable(np.full((3, 2), 7.0, np.float32))
+  layer.update_embedding_table(t, replacement)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(layer(tf.constant([1])))
+  grads = tape.gradient(loss, layer.trainable_variables)
+  tf_keras.optimizers.SGD(0.5).apply_gradients(zip(grads, layer.trainable_variables))
+  # d(loss)/d(row 1) = 1: the engine's SGD steps by its own learning rate (0.01), Keras by 0.5.
+  trained = np.full((3, 2), 7.0, np.float32)
+  trained[1] -= 0.01 if table_updates == "engine" else 0.5
+  np.testing.assert_allclose(replacement.numpy(), trained)
+  path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
+  fresh = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table(rows=3, dim=2, name="videos")),
+                                     "sgd", table_updates=table_updates)
+  fresh(tf.constant([0]))
+  tf.train.Checkpoint(layer=fresh).restore(path).assert_consumed()
+  np.testing.assert_allclose(fresh.variables_by_table["videos"]["parameters"].numpy(), trained)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "tensor"])
+def test_a_replacement_that_is_not_a_table_like_variable_is_refused(bad):
+  t = table(rows=3, dim=2, name="videos")
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
+  replacement = {"shape": tf.Variable(tf.zeros([4, 2])),
+                 "dtype": tf.Variable(tf.zeros([3, 2], tf.float64)),
+                 "tensor": tf.zeros([3, 2])}[bad]
+  with pytest.raises(ValueError, match=r"Table 'videos': update_embedding_table needs a "
+                                       r"tf.Variable of shape \[3, 2\] and dtype float32"):
+    layer.update_embedding_table(t, replacement)
+  np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
+
+
+@pytest.mark.parametrize("file_name", ["model", "model.keras"])
+def test_load_model_is_refused_with_the_way_to_save_and_restore(tmp_path, file_name):
+  """A reloaded model would silently stop training its tables: refused, naming the remedy."""
+  inputs = tf_keras.Input(shape=(1,), dtype=tf.int64)
+  layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table(name="videos"))}, "sgd")
+  model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(layer({"f": inputs})["f"]))
+  model.compile(tf_keras.optimizers.SGD(0.1), loss="mse")
+  model.fit(np.array([[1], [2]]), np.array([[1.0], [0.0]]), verbose=0)
+  path = str(tmp_path / file_name)
+  model.save(path)
+  with pytest.raises(ValueError, match=r"cannot be rebuilt by tf_keras.models.load_model.*"
+                                       r"tf.train.Checkpoint\(model=model\).restore\(path\)"):
+    tf_keras.models.load_model(path)
 
 
 def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
@@ -458,3 +555,83 @@ def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
   loaded = tf.saved_model.load(str(tmp_path / "model"))
   np.testing.assert_array_equal(loaded.serve(tf.constant([3, 1])).numpy(),
                                 row_id_table(4, 2)[[3, 1]])
+
+
+ADAM_WARNING_SCRIPT = """
+import sys
+import tensorflow as tf, tf_keras
+import tpu_embedding
+E = tf.tpu.experimental.embedding
+config = {"f": E.FeatureConfig(E.TableConfig(4, 2, name="t"))}
+def mark(text):
+  print(text, file=sys.stderr, flush=True)
+if sys.argv[1] == "TPUEmbedding":
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.Adam(1.0), table_updates="keras")
+  mark("MARK keras mode")
+  tpu_embedding.TPUEmbedding(config, E.Adam(1.0))
+  mark("MARK mid-level Adam")
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+  tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.legacy.Adam(1.0))
+else:
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0), table_updates="keras")
+  mark("MARK keras mode")
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+  tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
+mark("MARK end")
+"""
+
+
+@pytest.mark.parametrize("layer", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_keras_adam_without_bias_correction_is_logged_once(layer):
+  """Only where the engine trains the tables (not table_updates="keras", not a mid-level Adam)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", ADAM_WARNING_SCRIPT, layer],
+                          env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines()
+           if "MARK" in line or "no bias correction" in line]
+  warning = [line for line in lines if "no bias correction" in line]
+  assert len(warning) == 1, lines
+  assert "tables ['t'] are trained by the TPU embedding engine's Adam" in warning[0]
+  assert "sqrt(1 - beta_2**t) / (1 - beta_1**t)" in warning[0]
+  assert lines.index(warning[0]) == len(lines) - 2  # after every MARK but the end
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA: tf-keras `compile(jit_compile=True)` + `fit` (the static-shape engine path)
+
+
+def test_keras_fit_with_jit_compile_trains_dense_ragged_and_sparse_inputs_like_the_reference():
+  """loss = mean over samples of <activations, y>, so each activation's gradient is y / B."""
+  import reference  # pylint: disable=import-outside-toplevel
+
+  values = row_id_table(6, 2) / 10
+  optimizer = E.Adam(0.1, lazy_adam=True)
+  shared = table(6, 2, combiner="sum", name="t", values=values)
+  layer = tpu_embedding.TPUEmbedding({k: E.FeatureConfig(shared) for k in "drs"}, optimizer)
+  inputs = {"d": tf_keras.Input(shape=(1,), dtype=tf.int64),
+            "r": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True),
+            "s": tf_keras.Input(shape=(2,), dtype=tf.int64, sparse=True)}
+  out = layer(inputs)
+  model = tf_keras.Model(inputs, tf.concat([out["d"], out["r"], out["s"]], axis=1))
+  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
+                jit_compile=True)
+  dense, ragged, sparse = [[1], [5]], [[0, 2, 2], [4]], [[3], [0, 1]]
+  x = {"d": tf.constant(dense, tf.int64), "r": tf.ragged.constant(ragged, tf.int64),
+       "s": tf.sparse.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([3, 0, 1], tf.int64),
+                                   [2, 2])}
+  y = np.array([[1.0, -2.0, 0.5, 1.5, -1.0, 2.0], [3.0, 1.0, -0.5, 2.0, 1.0, -1.0]], np.float32)
+  model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1, verbose=0)
+
+  params = reference.params_from_optimizer(optimizer)
+  w, slots = values.astype(np.float64), reference.initial_slots(params, values.shape)
+  bags = [(ids, None) for ids in [*dense, *ragged, *sparse]]
+  upstream = np.concatenate([y[:, 0:2], y[:, 2:4], y[:, 4:6]]) / 2  # d, r, s; mean over B = 2
+  for _ in range(2):
+    row_ids, grads = reference.assemble_gradients(bags, upstream, "sum")
+    w, slots = reference.apply_step(w, slots, row_ids, grads, 0.1, params)
+  variables = layer.variables_by_table["t"]
+  np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=1e-5, atol=1e-6)
+  for name, value in slots.items():
+    np.testing.assert_allclose(variables[name].numpy(), value, rtol=1e-5, atol=1e-6)

@@ -6,6 +6,10 @@ Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqr
 up to an ulp off; the kernel keeps the exact division.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,6 +18,7 @@ from tpu_embedding.engine import native
 from tpu_embedding.engine import updates
 
 E = tf.tpu.experimental.embedding
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every option the kernel implements, on each optimizer it serves.
 OPTIONS = {
@@ -94,6 +99,45 @@ def test_dedup_lookup_refuses_ids_and_samples_out_of_range(ids, samples, message
   with pytest.raises(tf.errors.InvalidArgumentError, match=message):
     native.dedup_lookup(table, tf.constant(ids), None if samples is None else tf.constant(samples),
                         None, 2)
+
+
+# Counts the kernels allocate rows for: negative, too many to be a shape, or not a scalar.
+_BAD_COUNTS = {"-1": (-1, "must be in [0, 2**31), got -1"),
+               "2**61": (2**61, f"must be in [0, 2**31), got {2**61}"),
+               "non-scalar": ([1, 2], "must be a scalar")}
+_HOSTILE_COUNTS = """
+import sys
+import tensorflow as tf
+from tpu_embedding.engine import native
+table = tf.Variable(tf.zeros([5, 2]))
+for name, (count, _) in {counts}.items():
+  for op in ("dedup_lookup", "row_gradients"):
+    print(op, name, flush=True)
+    try:
+      if op == "dedup_lookup":
+        native.dedup_lookup(table, tf.constant([0, 1], tf.int64), None, None, tf.constant(count))
+      else:
+        native.row_gradients(tf.constant([0, 0], tf.int64), None, None, tf.ones([2, 2]),
+                             tf.constant(count))
+      print("accepted")
+    except tf.errors.InvalidArgumentError as e:
+      print("refused:", e.message)
+"""
+
+
+def test_kernels_refuse_bad_counts_without_aborting():
+  """Run in a child process: an abort (a failed CHECK) there fails this test, not pytest."""
+  script = _HOSTILE_COUNTS.format(counts=repr(_BAD_COUNTS))
+  child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,
+                                               TF_CPP_MIN_LOG_LEVEL="3"))
+  assert child.returncode == 0, f"the child died ({child.returncode}):\n{child.stdout}{child.stderr}"
+  lines = child.stdout.splitlines()
+  assert len(lines) == 4 * len(_BAD_COUNTS), child.stdout
+  for (name, (_, message)), at in zip(_BAD_COUNTS.items(), range(0, len(lines), 4)):
+    for op, result in zip(("dedup_lookup", "row_gradients"), lines[at + 1:at + 4:2]):
+      count = "num_samples" if op == "dedup_lookup" else "num_unique"
+      assert result.startswith("refused:") and f"{count} {message}" in result, (op, name, result)
 
 
 def test_kernels_were_built_by_the_install():

@@ -226,6 +226,14 @@ def test_non_optimizer_is_a_type_error():
         optimizers.normalize_optimizer(3.0, where="TableConfig 'a'.optimizer")
 
 
+@pytest.mark.parametrize("caught", [TypeError, ValueError])
+def test_non_optimizer_is_caught_as_tfrs_users_catch_it(caught):
+    """tf-recommenders raised ValueError here; code written for it catches that."""
+    with pytest.raises(caught) as error:
+        optimizers.translate_keras_optimizer(object())
+    assert str(error.value).startswith("optimizer: expected a Keras optimizer, got object: ")
+
+
 # --- Adagrad epsilon rule: epsilon <= 1e-6 * min(sqrt(a0), 2 * a0) --------------------------
 
 
@@ -315,12 +323,37 @@ def test_mid_level_variable_learning_rate_is_refused():
         optimizers.normalize_optimizer(mid)
 
 
+@pytest.mark.parametrize(
+    "make,what",
+    [
+        (lambda: emb.SGD(learning_rate=0.1, clipvalue=(0.5, -0.5)), "clipvalue"),
+        (lambda: emb.Adagrad(learning_rate=0.1, clipvalue=-1.0), "clipvalue"),
+        (lambda: tf_keras.optimizers.SGD(0.1, clipvalue=-1.0), "clipvalue"),
+        (lambda: emb.SGD(learning_rate=0.1, clip_weight_min=1.0, clip_weight_max=0.0),
+         "clip_weight_min/clip_weight_max"),
+    ],
+)
+def test_clipping_limits_with_min_above_max_are_refused(make, what):
+    with pytest.raises(ValueError, match=f"TableConfig 't'.optimizer: {what} has minimum .* above "
+                                         "maximum"):
+        optimizers.normalize_optimizer(make(), where="TableConfig 't'.optimizer")
+
+
 # --- learning rates ---------------------------------------------------------------------------
 
 
 def test_learning_rate_tensor_of_constant():
     lr = optimizers.learning_rate_tensor(emb.SGD(learning_rate=0.25))
     assert lr.dtype == tf.float32 and lr.shape == () and float(lr) == 0.25
+
+
+@pytest.mark.parametrize(
+    "rate", [lambda: "0.1", lambda: None, lambda: [0.1, 0.2], lambda: tf.constant([0.1]),
+             lambda: tf.constant(True)])
+def test_learning_rate_callable_must_return_a_scalar_float(rate):
+    with pytest.raises(TypeError, match="Table 't': its learning_rate callable returned .*; "
+                                        "expected a scalar float"):
+        optimizers.learning_rate_tensor(emb.SGD(learning_rate=rate), where="Table 't'")
 
 
 def test_learning_rate_tensor_calls_mid_level_callable_each_step():

@@ -7,15 +7,14 @@ by a recording fake; they check what is handed to whom, not TPU execution.
 """
 
 import math
-import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+import tpu_harness
 import tpu_embedding
-from tpu_embedding import backends
 from tpu_embedding import hardware
 from tpu_embedding.partial import PartialTPUEmbedding, ReplicatedTable
 
@@ -306,10 +305,12 @@ def test_placement_reports_sides_and_bytes():
 # Checkpoints across thresholds
 
 
-def ckpt_config():
-  return {"a": emb.FeatureConfig(table(5, 2, name="a")),
-          "b": emb.FeatureConfig(table(20, 3, name="b")),
-          "c": emb.FeatureConfig(table(12, 2))}  # unnamed: "table_2" whatever its side
+def ckpt_config(a_rows=5, with_c=True, offset=0.0):
+  config = {"a": emb.FeatureConfig(table(a_rows, 2, name="a", offset=offset)),
+            "b": emb.FeatureConfig(table(20, 3, name="b", offset=offset))}
+  if with_c:
+    config["c"] = emb.FeatureConfig(table(12, 2, offset=offset))  # unnamed: "table_2"
+  return config
 
 
 def ckpt_features():
@@ -368,106 +369,284 @@ def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path)
     np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
 
 
+def assert_refused_and_unchanged(path, layer, *messages):
+  before = slots_by_table(layer._variables_by_table())
+  with pytest.raises(ValueError) as error:
+    tf.train.Checkpoint(embedding=layer).restore(path)
+  assert "into this PartialTPUEmbedding layer" in str(error.value)
+  for message in messages:
+    assert message in str(error.value)
+  after = slots_by_table(layer._variables_by_table())
+  assert sorted(after) == sorted(before)
+  for key, value in before.items():
+    np.testing.assert_array_equal(after[key], value, err_msg=str(key))
+
+
+def test_restore_of_a_small_table_of_another_shape_is_refused_and_changes_nothing(tmp_path):
+  """Threshold 10: `a` replicated, `b` and `table_2` sharded; TF alone would assign `b` before
+  failing on `a`."""
+  saved = PartialTPUEmbedding(ckpt_config(a_rows=5, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "five_rows"))
+  layer = PartialTPUEmbedding(ckpt_config(a_rows=6), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint")
+  np.testing.assert_array_equal(layer._variables_by_table()["b"]["parameters"].numpy(),
+                                values(20, 3))
+
+
+def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
+  saved = PartialTPUEmbedding(ckpt_config(with_c=False, offset=1.0), emb.Adagrad(0.5),
+                              size_threshold=10)
+  path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "no_c"))
+  layer = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=10)
+  assert_refused_and_unchanged(
+      path, layer, "table 'table_2' (shape [12, 2] in this layer) is missing from the checkpoint",
+      "slot 'table_2/accumulators' of table 'table_2'")
+
+
 # ---------------------------------------------------------------------------------------------
-# TPU wiring (hardware seam patched, mid-level class faked: no TPU execution is tested)
+# table_updates="keras": tf-recommenders' behaviour, replicated side included
 
 
-class FakeMidLevelV1:
-  """Records how the TPU V1 path drives TensorFlow's mid-level `TPUEmbedding`."""
+@pytest.mark.parametrize("threshold", [None, 10, 0])  # all replicated, both sides, all sharded
+def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
+  small = table(8, 4, name="small")  # shared by two features: one variable
+  large = table(30, 2, name="large", offset=1.0)
+  config = {"a": emb.FeatureConfig(small), "b": emb.FeatureConfig(small),
+            "c": emb.FeatureConfig(large)}
+  optimizer = tf_keras.optimizers.legacy.Adagrad(0.5, initial_accumulator_value=0.1)
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=threshold, table_updates="keras")
+  ids = {"a": [0, 3], "b": [3, 7], "c": [29, 29]}
+  with tf.GradientTape() as tape:
+    out = layer({k: tf.constant(v) for k, v in ids.items()})
+    loss = sum(tf.reduce_sum(o * o) for o in out.values())
+  variables = layer.trainable_variables
+  assert sorted(tuple(v.shape) for v in variables) == [(8, 4), (30, 2)]
+  optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
-  instances = []
+  start = {"small": values(8, 4), "large": values(30, 2, 1.0)}
+  grads = {name: np.zeros_like(value) for name, value in start.items()}
+  for feature, rows in ids.items():
+    name = "large" if feature == "c" else "small"
+    for row in rows:
+      grads[name][row] += 2 * start[name][row]  # d sum(o * o) / d o
+  tables = layer._variables_by_table()
+  for name, value in start.items():
+    accumulator = 0.1 + grads[name] ** 2  # Keras (legacy) Adagrad, untouched rows included
+    variable = tables[name]["parameters"]
+    assert list(tables[name]) == ["parameters"]  # no engine slots...
+    np.testing.assert_allclose(optimizer.get_slot(variable, "accumulator").numpy(),
+                               accumulator, rtol=1e-6)  # ...the Keras optimizer's
+    np.testing.assert_allclose(
+        variable.numpy(), value - 0.5 * grads[name] / (np.sqrt(accumulator) + 1e-7), rtol=1e-6)
 
-  def __init__(self, feature_config, optimizer, pipelining=False):
-    self.feature_config = feature_config
-    self.optimizer = optimizer
-    self.pipelining = pipelining
-    self.calls = []
-    self._variables = {}
-    FakeMidLevelV1.instances.append(self)
 
-  def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
-    self.calls.append(("build", per_replica_input_shapes, per_replica_batch_size))
-    for feature in tf.nest.flatten(self.feature_config):
-      t = feature.table
-      self._variables.setdefault(t.name, {"parameters": tf.Variable(
-          tf.zeros([t.vocabulary_size, t.dim]), trainable=False, name=t.name)})
-
-  def enqueue(self, features, weights=None, training=True, name=None):
-    self.calls.append(("enqueue", sorted(features), training, name))
-    self._batch = {k: v.shape[0] for k, v in features.items()}
-
-  def dequeue(self, name=None):
-    self.calls.append(("dequeue", name))
-    return {k: tf.fill([self._batch[k], f.table.dim], 0.5)
-            for k, f in self.feature_config.items()}
-
-  def apply_gradients(self, gradients, name=None):
-    self.calls.append(("apply_gradients", {k: g.numpy() for k, g in gradients.items()}, name))
-
-  @property
-  def embedding_tables(self):
-    return {f.table: self._variables[f.table.name]["parameters"]
-            for f in tf.nest.flatten(self.feature_config)}
+# ---------------------------------------------------------------------------------------------
+# TPU V1: TF's real TPUEmbedding under tpu_harness.StandInTPUStrategy (runtime stubbed, steps
+# traced, nothing runs on a TPU)
 
 
 @pytest.fixture
-def fake_tpu_v1(monkeypatch):
-  FakeMidLevelV1.instances = []
-  monkeypatch.setattr(hardware, "detect_embedding_feature",
-                      lambda strategy: hardware.EmbeddingFeature.V1)
-  monkeypatch.setattr(backends, "mid_level", types.SimpleNamespace(TPUEmbedding=FakeMidLevelV1))
+def tpu_v1(monkeypatch):
+  return tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
 
 
-def test_wiring_on_tpu_v1_large_tables_go_to_the_embedding_engine(fake_tpu_v1):
-  """Wiring test: only the sharded features reach the (fake) mid-level TPUEmbedding."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+def _traced_step(layer):
+  @tf.function
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = layer(features)
+      loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(out))
+    return tape.gradient(loss, layer.trainable_variables)
+
+  return step.get_concrete_function(
+      tf.nest.map_structure(tf.TensorSpec.from_tensor, ckpt_features())).graph
+
+
+def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    graph = _traced_step(layer)
   assert layer.tpu_embedding.path is hardware.Path.TPU_V1
-  (mid,) = FakeMidLevelV1.instances
-  assert sorted(mid.feature_config) == ["b", "c"]
-  assert sorted(f.table.name for f in mid.feature_config.values()) == ["b", "table_2"]
-  assert all(f.table.optimizer is not None for f in mid.feature_config.values())
-  assert mid.calls == []  # on TPU the engine is built from the first call's shapes
-
-  upstream = {"a": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
-              "b": np.full([2, 3], 2.0, np.float32), "c": np.full([2, 2], 3.0, np.float32)}
-  with tf.GradientTape() as tape:
-    out = layer(ckpt_features())
-    loss = sum(tf.reduce_sum(out[k] * upstream[k]) for k in out)
-  tape.gradient(loss, layer.trainable_variables)
-
-  build, enqueue, dequeue, apply = mid.calls
-  assert build[0] == "build" and sorted(build[1]) == ["b", "c"]
-  assert build[1]["b"].as_list() == [2]
-  assert enqueue[:3] == ("enqueue", ["b", "c"], True)
-  assert dequeue[0] == "dequeue" and apply[0] == "apply_gradients"
-  np.testing.assert_array_equal(apply[1]["b"], upstream["b"])
-  np.testing.assert_array_equal(apply[1]["c"], upstream["c"])
-  np.testing.assert_array_equal(out["b"].numpy(), np.full([2, 3], 0.5))
-  # The replicated table is an ordinary variable looked up and trained by the engine (SGD).
-  a = layer.keras_embedding_layers["a"].embeddings
-  assert isinstance(a, tf.Variable) and not a.trainable
-  expected = values(5, 2)
-  np.testing.assert_array_equal(out["a"].numpy(), expected[[1, 4]])
-  expected[[1, 4]] -= 0.5 * upstream["a"]
-  np.testing.assert_array_equal(a.numpy(), expected)
+  (proto,) = recorded.config_protos
+  assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [("b", 20),
+                                                                          ("table_2", 12)]
+  assert [f.table_id for f in proto.feature_descriptor] == [0, 1]
+  ops = [op.type for op in graph.get_operations()]
+  assert ops.count("EnqueueTPUEmbeddingArbitraryTensorBatch") == 1
+  assert ops.count("RecvTPUEmbeddingActivations") == 1
+  assert ops.count("SendTPUEmbeddingGradients") == 1
+  # Failure 2: the sharded side's tables are readable under the TPU strategy.
+  tables = {t.name: v for t, v in layer.embedding_tables.items()}
+  np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
+  sharded = {t.name: v for t, v in layer.tpu_embedding.embedding_tables.items()}
+  np.testing.assert_array_equal(sharded["b"].numpy(), values(20, 3))
 
 
-def test_wiring_on_tpu_v1_checkpoint_keeps_the_mid_level_object(fake_tpu_v1):
-  """Wiring test: on TPU the sharded layer stays in the checkpoint graph (TF's TPU save/restore
-  callbacks hang on the mid-level object) while every table also has its side-free name."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
-  layer(ckpt_features())
+def test_on_tpu_v1_embedding_tables_copies_the_sharded_tables_back_from_the_tpu_first(tpu_v1):
+  """As TPUEmbedding.embedding_tables does: the host copies are stale between saves."""
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    _traced_step(layer)
+  retrieves = recorded.retrieves
+  tables = {t.name: v for t, v in layer.embedding_tables.items()}
+  assert recorded.retrieves == retrieves + 1  # one retrieve of the sharded side, before reading
+  assert len(tables) == 3  # "a", "b" and the unnamed table (name None in the user's config)
+  np.testing.assert_array_equal(tables["a"].numpy(), values(5, 2))  # replicated: no TPU copy
+  np.testing.assert_array_equal(tables["b"].numpy(), values(20, 3))
+
+
+def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
+  """TF's TPU save/restore callbacks hang on the mid-level object, so it stays in the
+  checkpoint graph, while every table also has its side-free name."""
+  strategy, _ = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
+    _traced_step(layer)
   children = layer._trackable_children()
   assert "_sharded_embedding" in children
   names = set(children["_tpu_embedding"]._trackable_children())
-  assert names == {"a", "b", "table_2"}
+  assert names == {"a", "b", "table_2", "_tpu_embedding"}  # the last: tfrs's names, aliases
 
 
-def test_wiring_batch_size_reaches_the_tpu_build(fake_tpu_v1):
-  """Wiring test: batch_size is forwarded to the mid-level build on TPU."""
-  layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(0.5), batch_size=2, size_threshold=10)
-  layer(ckpt_features())
-  assert FakeMidLevelV1.instances[0].calls[0] == ("build", None, 2)
+def test_batch_size_reaches_the_tpu_build(tpu_v1):
+  strategy, recorded = tpu_v1
+  with strategy.scope():
+    layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(0.5), batch_size=3, size_threshold=10)
+    with pytest.raises(ValueError, match=r"\(3,\).*\(2,\)"):  # TF checks the batch of 2
+      _traced_step(layer)
+  (proto,) = recorded.config_protos
+  assert [list(f.input_shape) for f in proto.feature_descriptor] == [[3], [3]]
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU V2 (SparseCore): TF's real TPUEmbeddingV2 under tpu_harness.StandInTPUStrategy (runtime
+# stubbed, steps traced, nothing runs on a TPU)
+
+
+def sparse_core_config():
+  """`ckpt_config`'s shapes, with what SparseCore needs: an initializer for any (padded) shape,
+  and every feature's output shape (a batch of 4, one row per SparseCore)."""
+  offsets = {"a": 0.0, "b": 10000.0, "c": 20000.0}
+  shapes = {"a": (5, 2), "b": (20, 3), "c": (12, 2)}
+  return {key: emb.FeatureConfig(emb.TableConfig(*shapes[key], name=key,
+                                                 initializer=tpu_harness.pattern(offset)),
+                                 output_shape=[4])
+          for key, offset in offsets.items()}
+
+
+def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  features = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+              "c": tf.constant([11, 11, 1, 5])}
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, features))
+
+    @tf.function
+    def step(ids):
+      return strategy.run(layer, args=(ids,))
+
+    concrete = step.get_concrete_function(
+        tf.nest.map_structure(tf.TensorSpec.from_tensor, features))
+  assert layer.tpu_embedding.path is hardware.Path.TPU_V2
+  assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
+  # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
+  assert set(layer.tpu_embedding.variables_by_table) == {"b_c"}
+  ops = [op.type for op in concrete.graph.get_operations()]
+  assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1
+  assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
+      "a": [4, 2], "b": [4, 3], "c": [4, 2]}
+  tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
+  np.testing.assert_array_equal(tables["a"], tpu_harness.pattern_table(5, 2, 0.0))
+  # TF initialises the padded, dealt stack; each table is read back through its layout.
+  stacked = tpu_harness.stacked_by_hand(layer.tpu_embedding.variables_by_table["b_c"]["parameters"])
+  layouts = layer.tpu_embedding._tpu_embedding.embedding_layouts
+  for name, offset in {"b": 10000.0, "c": 20000.0}.items():
+    np.testing.assert_array_equal(
+        tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name)
+    vocabulary, dim = layouts[name].unsharded_shape
+    assert tables[name].shape == (vocabulary, dim), name
+    np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
+    assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
+
+
+SPARSE_CORE_FEATURES = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
+                        "c": tf.constant([11, 11, 1, 5])}
+
+
+def sparse_core_partial(strategy, build):
+  with strategy.scope():
+    layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
+    if build:
+      layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  return layer
+
+
+def stacked_state(layer):
+  return {f"{name}/{slot}": tpu_harness.stacked_by_hand(variable)
+          for name, slots in layer.tpu_embedding.variables_by_table.items()
+          for slot, variable in slots.items()}
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
+    monkeypatch, tmp_path, built):
+  """The sharded tables are TF's stacked variables: a per-table (CPU/V1) checkpoint's sharded
+  tables would silently stay unrestored, built or not."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  for variable in cpu.embedding_tables.values():
+    variable.assign(variable * 2.0 + 7.0)
+  path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  layer = sparse_core_partial(strategy, build=built)
+  before = stacked_state(layer) if built else {}
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\].*TPU_V2.*per table.*Nothing"):
+    tf.train.Checkpoint(layer=layer).read(path)
+  with strategy.scope():
+    layer.build(tf.nest.map_structure(lambda ids: ids.shape, SPARSE_CORE_FEATURES))
+  replicated = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}["a"]
+  np.testing.assert_array_equal(replicated, tpu_harness.pattern_table(5, 2, 0.0))
+  after = stacked_state(layer)
+  assert sorted(after) == ["b_c/accumulators", "b_c/parameters"]
+  for key, value in (before or after).items():
+    np.testing.assert_array_equal(after[key], value, err_msg=key)
+  if not built:  # as a fresh layer: TF's initializer, not the checkpoint's values
+    want = sparse_core_partial(strategy, build=True)
+    for key, value in stacked_state(want).items():
+      np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
+def test_a_sparse_core_checkpoint_is_refused_off_sparse_core_and_changes_nothing(monkeypatch,
+                                                                                 tmp_path):
+  """Its sharded tables are stacked under stacked names: a CPU layer would keep its own."""
+  cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
+  before = {t.name: np.asarray(v).copy() for t, v in cpu.embedding_tables.items()}
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  tpu_harness.fill_shards(saved.tpu_embedding.variables_by_table["b_c"].values(), seed=5)
+  saved.keras_embedding_layers["a"].embeddings.assign(tpu_harness.pattern_table(5, 2, 50.0))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\] stacked by SparseCore.*Nothing"):
+    tf.train.Checkpoint(layer=cpu).read(path)
+  for table, value in cpu.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), before[table.name], err_msg=table.name)
+
+
+def test_on_sparse_core_its_own_checkpoint_restores(monkeypatch, tmp_path):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  saved = sparse_core_partial(strategy, build=True)
+  tpu_harness.fill_shards(saved.tpu_embedding.variables_by_table["b_c"].values(), seed=3)
+  saved.keras_embedding_layers["a"].embeddings.assign(tpu_harness.pattern_table(5, 2, 50.0))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "sc"))
+  layer = sparse_core_partial(strategy, build=True)
+  tf.train.Checkpoint(layer=layer).read(path).assert_existing_objects_matched()
+  want = {t.name: np.asarray(v) for t, v in saved.embedding_tables.items()}
+  for table, value in layer.embedding_tables.items():
+    np.testing.assert_array_equal(np.asarray(value), want[table.name], err_msg=table.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,3 +699,81 @@ def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_glob
   got = slots_by_table(mirrored._variables_by_table())
   for key, value in want.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=str(key))
+
+
+def test_sharding_on_a_tpu_without_embedding_hardware_is_refused(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=r"(?s)\['b', 'c'\].*size_threshold=None"):
+      PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=10)
+    replicated = PartialTPUEmbedding(ckpt_config(), "sgd", size_threshold=None)
+  assert replicated.tpu_embedding is None
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA: both sides train under jit_compile (the static-shape engine path), as on a TPU step
+
+
+def _expected_tables(optimizer, bags_by_table, upstream_by_table, steps):
+  """Reference tables and slots after `steps` identical steps, per table name."""
+  import reference  # pylint: disable=import-outside-toplevel
+  params = reference.params_from_optimizer(optimizer)
+  expected = {}
+  for name, (vocab, dim, combiner) in {"a": (5, 2, "sum"), "b": (20, 2, "mean")}.items():
+    w, slots = values(vocab, dim).astype(np.float64), reference.initial_slots(params, (vocab, dim))
+    for _ in range(steps):
+      row_ids, grads = reference.assemble_gradients(
+          [(ids, None) for ids in bags_by_table[name]], upstream_by_table[name], combiner)
+      w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
+    expected[name] = {"parameters": w, **slots}
+  return expected
+
+
+def _check_tables(layer, expected):
+  variables = layer._variables_by_table()
+  for name, want in expected.items():
+    for key, value in want.items():
+      np.testing.assert_allclose(variables[name][key].numpy(), value, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{name}/{key}")
+
+
+@pytest.mark.parametrize("optimizer", [emb.FTRL(0.5, l2_regularization_strength=0.1),
+                                       emb.Adam(0.5, lazy_adam=False)], ids=["ftrl", "adam"])
+def test_a_jit_compiled_custom_step_trains_both_sides_like_the_reference(optimizer):
+  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),  # replicated
+            "b": emb.FeatureConfig(table(20, 2, name="b"))}  # sharded
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
+  bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
+  upstream = {"a": np.array([[1.0, -1.0], [0.5, 2.0]], np.float32),
+              "b": np.array([[-2.0, 1.0], [1.0, 0.25]], np.float32)}
+
+  @tf.function(jit_compile=True)
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = layer(features)
+      loss = sum(tf.reduce_sum(out[k] * upstream[k]) for k in out)
+    tape.gradient(loss, layer.trainable_variables)
+
+  for _ in range(2):
+    step({"a": tf.constant(bags["a"]), "b": tf.ragged.constant(bags["b"])})
+  _check_tables(layer, _expected_tables(optimizer, bags, upstream, 2))
+
+
+def test_keras_fit_with_jit_compile_trains_both_sides_like_the_reference():
+  optimizer = emb.Adagrad(0.5)
+  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
+            "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
+  inputs = {"a": tf_keras.Input(shape=(), dtype=tf.int64, sparse=True),
+            "b": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True)}
+  out = layer(inputs)
+  model = tf_keras.Model(inputs, tf.concat([out["a"], out["b"]], axis=1))
+  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
+                jit_compile=True)
+  bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
+  x = {"a": tf.sparse.SparseTensor([[0], [1]], tf.constant([1, 4], tf.int64), [2]),
+       "b": tf.ragged.constant(bags["b"], tf.int64)}
+  y = np.array([[1.0, -1.0, -2.0, 1.0], [0.5, 2.0, 1.0, 0.25]], np.float32)
+  model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), verbose=0)
+  upstream = {"a": y[:, :2] / 2, "b": y[:, 2:] / 2}  # the loss is a mean over 2 samples
+  _check_tables(layer, _expected_tables(optimizer, bags, upstream, 2))

@@ -40,10 +40,10 @@ def feature_config():
 
 class Ranker(tf_keras.Model):
 
-  def __init__(self, config):
+  def __init__(self, config, optimizer="sgd", layer=tpu_embedding.TPUEmbedding):
     super().__init__()
     self.config = config
-    self.embedding = tpu_embedding.TPUEmbedding(config, optimizer="sgd")
+    self.embedding = layer(config, optimizer=optimizer)
     self.hidden = tf_keras.layers.Dense(8, activation="relu")
     self.out = tf_keras.layers.Dense(1)
 
@@ -252,6 +252,48 @@ def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
   np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), model(features).numpy(), rtol=1e-6)
 
 
+KERAS_ADAGRAD_LAYERS = {
+    "TPUEmbedding": tpu_embedding.TPUEmbedding,
+    # genre (20 rows) replicated, movie and user sharded
+    "PartialTPUEmbedding": lambda config, optimizer: tpu_embedding.PartialTPUEmbedding(
+        config, optimizer, size_threshold=20),
+}
+
+
+@pytest.mark.parametrize("layer,steps", [("TPUEmbedding", 2), ("TPUEmbedding", 0),
+                                         ("PartialTPUEmbedding", 2)])
+def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorflow(
+    tmp_path, layer, steps):
+  """tfrs's guide saves with `tf.saved_model.save(model, path, signatures=...)`: the serving
+  trace must not carry the training trap's gradient (which reads the Keras optimizer's
+  learning rate, a variable the model does not reach)."""
+  tf.keras.utils.set_random_seed(0)
+  model = Ranker(feature_config(), tf_keras.optimizers.legacy.Adagrad(0.5),
+                 KERAS_ADAGRAD_LAYERS[layer])
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  model.compile(tf_keras.optimizers.legacy.Adagrad(0.5), "mse")
+  if steps:
+    before = model(features).numpy()
+    model.fit(tf.data.Dataset.from_tensors((features, tf.ones([5, 1]))).repeat(steps), verbose=0)
+    assert np.abs(model(features).numpy() - before).max() > 1e-3  # it did train
+  else:
+    model(features)
+  directory = str(tmp_path / "plain")
+  tf.saved_model.save(model, directory, signatures={"serving_default": signatures(model)[
+      "serving_default"]})
+  result = run_python(textwrap.dedent(f"""
+      import sys
+      sys.modules["tpu_embedding"] = None  # importing the package would fail
+      import numpy as np, tensorflow as tf
+      loaded = tf.saved_model.load({directory!r})
+      ids = {{k: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
+      np.save({str(tmp_path / "scores.npy")!r},
+              loaded.signatures["serving_default"](**ids)["score"].numpy())
+      """))
+  assert result.returncode == 0, result.stderr[-3000:]
+  np.testing.assert_array_equal(np.load(tmp_path / "scores.npy"), model(features).numpy())
+
+
 def saved_keys(directory):
   return {k for k, _ in tf.train.list_variables(os.path.join(directory, "variables", "variables"))}
 
@@ -306,6 +348,89 @@ def test_existing_export_is_refused_unless_overwrite(exported, tmp_path):
   serving.export_for_serving(model, target, fns, overwrite=True)
   assert sorted(tf.saved_model.load(target).signatures) == sorted(fns)
   assert os.listdir(tmp_path) == ["model"]  # no staging or old copies left behind
+
+
+@pytest.mark.parametrize("setup", ["user_files", "empty_dir", "file", "export_plus_notes"])
+def test_overwrite_replaces_only_a_saved_model(exported, tmp_path, setup):
+  """overwrite=True never deletes a directory or file that is not an earlier export."""
+  model, _, _ = exported
+  fns = {"user_movie": signatures(model)["user_movie"]}
+  target = tmp_path / "target"
+  if setup == "file":
+    target.write_text("mine")
+  elif setup == "export_plus_notes":
+    serving.export_for_serving(model, str(target), fns)
+    (target / "notes.txt").write_text("mine")
+  else:
+    target.mkdir()
+    if setup == "user_files":
+      (target / "notes.txt").write_text("mine")
+  before = files_digest(str(target)) if target.is_dir() else target.read_text()
+  with pytest.raises(FileExistsError, match=re.escape(str(target)) + ".*not a SavedModel"):
+    serving.export_for_serving(model, str(target), fns, overwrite=True)
+  assert (files_digest(str(target)) if target.is_dir() else target.read_text()) == before
+  assert sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_empty_export_dir_is_refused(exported, tmp_path, monkeypatch):
+  model, _, _ = exported
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="export_dir is empty"):
+    serving.export_for_serving(model, "", signatures(model)["user_movie"], overwrite=True)
+  assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_export_arguments_of_the_wrong_kind_are_refused_by_name(exported, tmp_path):
+  model, _, _ = exported
+  fns = signatures(model)["user_movie"]
+  with pytest.raises(TypeError, match="export_dir=None: expected a path"):
+    serving.export_for_serving(model, None, fns)
+  with pytest.raises(ValueError, match="tables=3: expected None, 'all', or a list"):
+    serving.export_for_serving(model, str(tmp_path / "x"), fns, tables=3)
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_serving_config_table_of_another_size_is_refused(exported):
+  model, _, _ = exported
+  other = {"user": E.FeatureConfig(E.TableConfig(100, 5, name="user"))}
+  with pytest.raises(ValueError, match=r"serving_config feature 'user' uses table 'user' with "
+                                       r"\(vocabulary_size, dim\) = \(100, 5\), but this "
+                                       r"layer's table has \(100, 4\)"):
+    model.embedding({"user": tf.constant([1])}, serving_config=other)
+
+
+def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(exported,
+                                                                               tmp_path):
+  """One request must not kill the server: a huge dense_shape is an error, in TF alone."""
+  model, _, _ = exported
+  spec = [tf.TensorSpec([None, 2], tf.int64, name="indices"),
+          tf.TensorSpec([None], tf.int64, name="values"),
+          tf.TensorSpec([2], tf.int64, name="dense_shape")]
+
+  @tf.function(input_signature=spec, autograph=False)
+  def sparse_users(indices, values, dense_shape):
+    ids = tf.SparseTensor(indices, values, dense_shape)
+    config = {"user": model.config["user"]}
+    return {"user": model.embedding({"user": ids}, serving_config=config)["user"]}
+
+  directory = serving.export_for_serving(model, str(tmp_path / "sparse"), sparse_users)
+  result = run_python(textwrap.dedent(f"""
+      import tensorflow as tf
+      serve = tf.saved_model.load({directory!r}).signatures["serving_default"]
+      ok = serve(indices=tf.constant([[0, 0], [1, 1]], tf.int64),
+                 values=tf.constant([1, 2], tf.int64), dense_shape=tf.constant([2, 2], tf.int64))
+      print(ok["user"].shape)
+      try:
+        serve(indices=tf.constant([[0, 0]], tf.int64), values=tf.constant([1], tf.int64),
+              dense_shape=tf.constant([2**61, 3], tf.int64))
+      except tf.errors.InvalidArgumentError as e:
+        print("refused:", e.message.replace("\\n", " "))
+      """))
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert lines[0] == "(2, 4)"
+  assert lines[1].startswith("refused:") and "Feature" in lines[1] and "2147483647" in lines[1]
 
 
 def test_a_signature_needs_an_input_signature(exported, tmp_path):

@@ -1,26 +1,46 @@
 """One backend per execution path; the layer holds exactly one and never re-tests the hardware.
 
 Each backend owns the object stored at the layer's `_tpu_embedding` attribute (the checkpoint
-path tf-recommenders uses), so a checkpoint's keys are the same on every path.
-The TPU backends drive the mid-level API as its documentation prescribes; they cannot run
-without a TPU, and their tests check the wiring only.
+path tf-recommenders uses), so a table's checkpoint key is the same on the CPU, V0 and V1 paths;
+SparseCore saves stacked tables instead (see `tpu_embedding.sparse_core`).
+The TPU backends drive TF's mid-level classes as their documentation prescribes; their tests run
+those real classes with only the TPU runtime stubbed (tests/tpu_harness.py).
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import itertools
+import typing
 from typing import Any, Optional
 
 import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
 from tpu_embedding.engine.engine import EmbeddingEngine
 
-mid_level = tf.tpu.experimental.embedding  # looked up at call time, so tests can substitute
+_PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
+
+_embedding = tf.tpu.experimental.embedding
 
 TABLE_UPDATES = ("engine", "keras")
+
+
+# The two TF-internal members of the mid-level classes this module uses, each in one place
+# (tests/test_tpu_harness.py checks that TF still has them).
+def tf_variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:
+  """The mid-level object's {table name: {"parameters" or slot name: variable}}."""
+  return mid_level._variables  # pylint: disable=protected-access
+
+
+def retrieve_from_tpu(mid_level: tf.Module) -> None:
+  """Copies V1's tables and slots from TPU memory into their host variables (as a save does)."""
+  mid_level._retrieve_variables()  # pylint: disable=protected-access
 
 
 class Backend(abc.ABC):
@@ -52,7 +72,11 @@ class Backend(abc.ABC):
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
-    return self.mid_level._variables  # pylint: disable=protected-access
+    return tf_variables_by_table(self.mid_level)
+
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table everywhere; TF's classes track their variables dict."""
+    self.variables_by_table[table.name]["parameters"] = variable
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
@@ -62,19 +86,26 @@ class Backend(abc.ABC):
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""
 
+  def needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds the tables in a layout that TF converts only while
+    it creates the variables (SparseCore); every other path restores per table at any time."""
+    return False
+
 
 class CpuBackend(Backend):
   """Non-TPU strategies: our engine, TPU-faithful by default."""
 
   path = hardware.Path.CPU
 
-  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine"):
+  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine",
+               check_finite: bool = False):
     super().__init__(config)
     if table_updates not in TABLE_UPDATES:
       raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
     keras_managed = table_updates == "keras"
     self.needs_trap = not keras_managed
-    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed)
+    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed,
+                                   check_finite=check_finite)
 
   @property
   def mid_level(self) -> EmbeddingEngine:
@@ -94,6 +125,9 @@ class CpuBackend(Backend):
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     return self._engine.variables_by_table
 
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    self._engine.replace_table(table, variable)
+
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return [] if self.needs_trap else list(self._engine.embedding_tables.values())
@@ -103,14 +137,23 @@ class CpuBackend(Backend):
 
 
 class TpuV0Backend(Backend):
-  """TPU without an embedding accelerator: tables replicated, trained by the Keras optimizer."""
+  """TPU without an embedding accelerator: replicated tables, trained by the Keras optimizer.
+
+  TF's V0 class only looks rows up; the tables are ordinary trainable variables that the
+  optimizer the model applies updates (Keras semantics, as in tf-recommenders). A mid-level
+  optimizer, whose TPU update rule V0 cannot give, is therefore refused rather than ignored,
+  and no slot variables are created (TF would create them and never update them).
+  """
 
   path = hardware.Path.TPU_V0
   needs_trap = False
 
-  def __init__(self, config):
+  def __init__(self, config, user_optimizer: Any = None):
     super().__init__(config)
-    self._mid_level = mid_level.TPUEmbeddingV0(config.feature_config, config.optimizer)
+    _refuse_mid_level_optimizers(config, user_optimizer)
+    for table in config.tables:
+      table.optimizer = None  # slots would live in the Keras optimizer, not here
+    self._mid_level = _embedding.TPUEmbeddingV0(config.feature_config, None)
 
   @property
   def mid_level(self):
@@ -120,11 +163,48 @@ class TpuV0Backend(Backend):
     self._mid_level.build()
 
   def lookup(self, features, weights, trap):
-    return self._mid_level(features, weights)
+    activations = self._mid_level(features, weights)
+    return tf.nest.pack_sequence_as(self.config.feature_config, [
+        _as_other_paths_give(feature, ids, out) for (feature, ids), out in zip(
+            config_lib.match_structure(self.config, features), tf.nest.flatten(activations))])
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return list(self._mid_level.embedding_tables.values())
+
+
+def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:
+  """Two differences of TF's V0 class from every other path, undone: it keeps the trailing 1 of
+  dense [B, 1] ids ([B, 1, D], not [B, D]), and it looks the padding of a short ragged or sparse
+  sequence up as id 0 (row 0's values, not zeros)."""
+  if (isinstance(ids, tf.Tensor) and ids.shape.rank is not None and ids.shape.rank >= 2
+      and ids.shape[-1] == 1):
+    return tf.squeeze(out, -2)
+  length = feature.config.max_sequence_length
+  if not length or isinstance(ids, tf.Tensor):
+    return out
+  if isinstance(ids, tf.RaggedTensor):
+    present = tf.sequence_mask(ids.row_lengths(), length)
+  else:
+    positions = tf.SparseTensor(ids.indices, tf.ones_like(ids.values, tf.bool), ids.dense_shape)
+    present = tf.sparse.to_dense(tf.sparse.slice(
+        positions, [0, 0], tf.stack([ids.dense_shape[0], length])), default_value=False)
+    present = tf.pad(present, [[0, 0], [0, length - tf.shape(present)[1]]])
+  return out * tf.cast(present, out.dtype)[:, :, None]
+
+
+def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimizer: Any) -> None:
+  given = [("optimizer", user_optimizer)] + [
+      (f"TableConfig {clone.name!r}.optimizer", config.user_tables[clone].optimizer)
+      for clone in config.tables]
+  for where, optimizer in given:
+    if isinstance(optimizer, typing.get_args(optimizers.MidLevelOptimizer)):
+      raise ValueError(
+          f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
+          f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
+          "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
+          "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
+          "Keras optimizer (or its name) and apply that same optimizer to the model.")
 
 
 class TpuV1Backend(Backend):
@@ -136,13 +216,32 @@ class TpuV1Backend(Backend):
   def __init__(self, config, pipelining: bool = False, batch_size: Optional[int] = None):
     super().__init__(config)
     self._batch_size = batch_size
-    self._mid_level = mid_level.TPUEmbedding(config.feature_config, config.optimizer,
+    _require_optimizers(config, self.path)
+    _give_packing_status_as_enum(config)
+    self._mid_level = _embedding.TPUEmbedding(config.feature_config, config.optimizer,
                                              pipelining)
     self._call_ids = itertools.count(1)
 
   @property
   def mid_level(self):
     return self._mid_level
+
+  @property
+  def embedding_tables(self) -> dict:
+    """{TableConfig: variable}, refreshed from TPU memory first.
+
+    TF's class answers only while a checkpoint is written (its host copies are stale in
+    between), so the tables are retrieved as a save would, eagerly even inside a trace.
+    """
+    with tf.init_scope():
+      retrieve_from_tpu(self._mid_level)
+    variables = self.variables_by_table
+    return {table: variables[table.name]["parameters"] for table in self.config.tables}
+
+  def flush(self) -> None:
+    """Copies the tables and slots from TPU memory into their host variables, so that what
+    export reads is current (TF's own checkpoint saver does the same before a save)."""
+    retrieve_from_tpu(self._mid_level)
 
   def build(self, per_replica_input_shapes):
     if self._batch_size is None:
@@ -151,6 +250,7 @@ class TpuV1Backend(Backend):
       self._mid_level.build(per_replica_batch_size=self._batch_size)
 
   def lookup(self, features, weights, trap):
+    _refuse_wide_dense_ids(self.config, features)
     # A name pairs this call's enqueue, dequeue and apply_gradients within one traced step.
     name = str(next(self._call_ids))
     self._mid_level.enqueue(features, weights, training=True, name=name)
@@ -169,6 +269,51 @@ class TpuV1Backend(Backend):
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
 
 
+def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.Path) -> None:
+  missing = [table.name for table in config.tables if table.optimizer is None]
+  if missing:
+    raise ValueError(
+        f"Tables {missing} have no optimizer, but on path {path.name} the TPU trains every "
+        "table with its own mid-level optimizer. optimizer=None is only for serving-only layers "
+        "off TPU: pass optimizer= (or TableConfig.optimizer).")
+
+
+def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) -> None:
+  """Dense [B, L > 1] ids of a non-sequence feature: the CPU reads L samples per row, V1's
+  enqueue refuses them deep inside TF; refused here by feature name."""
+  for feature, ids in config_lib.match_structure(config, features):
+    shape = getattr(ids, "shape", None)
+    if (isinstance(ids, tf.Tensor) and shape.rank is not None and shape.rank >= 2
+        and shape[-1] not in (None, 1) and not feature.config.max_sequence_length):
+      raise ValueError(
+          f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
+          f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
+          "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
+          "FeatureConfig.max_sequence_length for a sequence feature.")
+
+
+def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
+  """Gives each cloned table a copy of its optimizer whose packing status is the proto's enum.
+
+  TF's V1 class writes `optimizer.low_dimensional_packing_status` verbatim into an enum field of
+  `OptimizationParameters`; its default (the bool False) is refused by protobuf >= 5, so every
+  V1 `build()` would fail. The enum value with the same meaning (False -> UNSPECIFIED, the
+  field's default; True -> ENABLED) builds the same proto. Copies keep the user's optimizer
+  untouched; tables that shared one optimizer still share one copy.
+  """
+  copies: dict[int, Any] = {}
+  for table in config.tables:
+    optimizer = table.optimizer
+    if optimizer is None or not isinstance(optimizer.low_dimensional_packing_status, bool):
+      continue
+    if id(optimizer) not in copies:
+      fixed = copy.copy(optimizer)
+      fixed.low_dimensional_packing_status = (
+          _PACKING.ENABLED if optimizer.low_dimensional_packing_status else _PACKING.UNSPECIFIED)
+      copies[id(optimizer)] = fixed
+    table.optimizer = copies[id(optimizer)]
+
+
 class TpuV2Backend(Backend):
   """SparseCore: one call does enqueue+dequeue; gradients go back with the preserved state."""
 
@@ -177,7 +322,10 @@ class TpuV2Backend(Backend):
 
   def __init__(self, config, pipelining: bool = False, sparse_core_embedding_config=None):
     super().__init__(config)
-    self._mid_level = mid_level.TPUEmbeddingV2(config.feature_config, config.optimizer,
+    _require_optimizers(config, self.path)
+    _require_output_shapes(config)
+    _refuse_what_sparse_core_ignores(config)
+    self._mid_level = _embedding.TPUEmbeddingV2(config.feature_config, config.optimizer,
                                                pipelining, sparse_core_embedding_config)
 
   @property
@@ -189,25 +337,17 @@ class TpuV2Backend(Backend):
 
   @property
   def embedding_tables(self) -> dict:
-    """{TableConfig: variable}; TPUEmbeddingV2 itself keys its tables by *stacked* table name.
+    """{TableConfig: tensor}: each table's logical value, whether stacked or alone.
 
-    A table stacked alone maps to its stack's variable. Several tables sharing one stack have no
-    variable of their own, which is refused by name rather than silently left out.
+    TPUEmbeddingV2 keys its variables by stacked table name, and even a table stacked alone is
+    padded, row-dealt and rotated over the SparseCores; these are read-only copies of the
+    tables as configured (write through a checkpoint restore, not through these).
     """
-    stacked = self._mid_level.embedding_tables
-    layouts = self._mid_level.embedding_layouts
-    stack_of = {table: layouts[table.name].stacked_table_name for table in self.config.tables}
-    members: dict[str, list[str]] = {}
-    for table, stack in stack_of.items():
-      members.setdefault(stack, []).append(table.name)
-    shared = {stack: names for stack, names in members.items() if len(names) > 1}
-    if shared:
-      raise ValueError(
-          f"On SparseCore these tables are stacked into shared variables: {shared}; no table has "
-          "a variable of its own. Pass sparse_core_embedding_config=tf.tpu.experimental."
-          "embedding.SparseCoreEmbeddingConfig(disable_table_stacking=True) to keep them apart, "
-          "or read the stacked variables from layer._tpu_embedding.embedding_tables.")
-    return {table: stacked[stack] for table, stack in stack_of.items()}
+    return sparse_core.logical_tables(self._mid_level.embedding_tables,
+                                      self._mid_level.embedding_layouts, self.config.tables)
+
+  def needs_relayout(self, path: str) -> bool:
+    return sparse_core.needs_relayout(path, self._mid_level)
 
   def lookup(self, features, weights, trap):
     @tf.custom_gradient
@@ -225,14 +365,52 @@ class TpuV2Backend(Backend):
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
 
 
+def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
+  missing = [f.name for f in config.features if not f.config.output_shape.is_fully_defined()]
+  if missing:
+    raise ValueError(
+        f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
+        f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
+        "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length]).")
+
+
+def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None:
+  """TF's SparseCore update never applies gradient or weight clipping (it passes neither to its
+  ops) and has no weight decay: refused by table and setting, rather than trained without."""
+  for table in config.tables:
+    optimizer = table.optimizer
+    settings = {
+        "clipvalue": (optimizer.clip_gradient_min, optimizer.clip_gradient_max),
+        "clip_weight_min": (optimizer.clip_weight_min,),
+        "clip_weight_max": (optimizer.clip_weight_max,),
+        "weight_decay_factor": (optimizer.weight_decay_factor,),
+        "multiply_weight_decay_factor_by_learning_rate": (
+            optimizer.multiply_weight_decay_factor_by_learning_rate,),
+    }
+    for setting, values in settings.items():
+      if any(value is not None for value in values):
+        raise ValueError(
+            f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
+            f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
+            "gradient clipping, weight clipping or weight decay. Remove the setting for this "
+            "path (the CPU, V1 and Keras paths apply it).")
+
+
 def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
            batch_size: Optional[int], sparse_core_embedding_config,
-           table_updates: str) -> Backend:
+           table_updates: str, user_optimizer: Any = None,
+           check_finite: bool = False) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
   if path is hardware.Path.CPU:
-    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates)
+    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates,
+                      check_finite=check_finite)
+  if check_finite:
+    raise ValueError(
+        f"check_finite=True is an option of the CPU/GPU engine; on {path.name} the TPU updates "
+        "the tables itself and cannot stop at a non-finite value. Leave it off under a "
+        "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu)).")
   if path is hardware.Path.TPU_V0:
-    return TpuV0Backend(config)
+    return TpuV0Backend(config, user_optimizer)
   if path is hardware.Path.TPU_V1:
     return TpuV1Backend(config, pipelining=pipelining, batch_size=batch_size)
   return TpuV2Backend(config, pipelining=pipelining,

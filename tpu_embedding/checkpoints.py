@@ -1,4 +1,4 @@
-"""All-or-nothing restores for the embedding engine's tables and slots.
+"""All-or-nothing restores for the embedding engine's tables and slots, tf-recommenders' included.
 
 TF restores a checkpoint object by object: a table whose shape changed fails only when its own
 value is assigned (after other variables may have been), and a table missing from the checkpoint
@@ -14,6 +14,11 @@ variable of the engine untouched. The hook receives only the checkpoint path; th
 engine in the checkpoint (needed to tell two engines in one model apart) is the `checkpoint_position`
 of its caller, `restore._maybe_get_adapter`. If a later TF changes that, `validate` says so with
 a warning and the restore proceeds with TF's own per-variable checks.
+
+Checkpoints written by tf-recommenders 0.7.7 name things differently (slots owned by the Keras
+optimizer; `PartialTPUEmbedding`'s replicated tables inside Keras `Embedding` layers). The same
+hook maps them: TF walks an object's children only after the hook returns, so references added
+to the checkpoint's object graph there are restored by TF's own machinery, with its shape checks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from tpu_embedding import config as config_lib
+from tpu_embedding import optimizers
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
 
@@ -49,22 +55,45 @@ def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[
   return shapes
 
 
-def validate(engine: tf.Module, config: Any, with_slots: bool, path: str) -> None:
-  """Raises ValueError unless the checkpoint at `path` holds every variable of `engine`.
+def validate(trackable: Any, config: Any, with_slots: bool, path: str, *,
+             layer: str = "TPUEmbedding", tables_key: Optional[str] = None) -> None:
+  """Raises ValueError unless the checkpoint at `path` holds every table (and slot) of `config`.
 
-  Called from `engine._checkpoint_adapter`, i.e. while TF is restoring and before it binds any
-  of the engine's children. Extra entries in the checkpoint (slots a serving-only layer does not
-  have) are allowed, as in the mid-level API.
+  Called from `trackable._checkpoint_adapter`, i.e. while TF is restoring and before it binds
+  any of the trackable's children. The tables are children of `trackable` itself (the engine),
+  or of its child `tables_key` (`PartialTPUEmbedding`). Extra entries in the checkpoint (slots a
+  serving-only layer does not have) are allowed, as in the mid-level API. Checkpoints written by
+  tf-recommenders are first mapped onto this package's names (`_adopt_tfrs_partial_layout`,
+  `_adopt_keras_slots`); what cannot be mapped is refused below by name.
   """
-  position = _position_of(engine)
+  position = _position_of(trackable)
   if position is None:
-    logging.warning("tpu_embedding: could not find the checkpoint position of the embedding "
-                    "engine in this TensorFlow version; the restore of %s is not pre-validated.",
+    logging.warning("tpu_embedding: could not find the checkpoint position of the %s tables in "
+                    "this TensorFlow version; the restore of %s is not pre-validated.", layer,
                     path)
     return
   coordinator = position.checkpoint
+  proto = position.object_proto
+  if tables_key is not None:
+    proto = _adopt_tfrs_partial_layout(coordinator, proto, tables_key, config)
+  if proto is None:
+    problems = [f"no table of this layer is in the checkpoint (nothing under {tables_key!r})"]
+  else:
+    if with_slots:
+      _adopt_keras_slots(coordinator, proto, config)
+    problems = _problems(coordinator, proto, config, with_slots)
+  if problems:
+    _forget_pending_restores(coordinator)
+    raise ValueError(
+        f"Cannot restore the checkpoint {path!r} into this {layer} layer:\n  - "
+        + "\n  - ".join(problems)
+        + "\nNo embedding table or slot was changed. Restore a checkpoint written by a layer "
+        "with the same tables (names, vocabulary sizes, dims and optimizers).")
+
+
+def _problems(coordinator: Any, proto: Any, config: Any, with_slots: bool) -> list[str]:
   nodes = coordinator.object_graph_proto.nodes
-  in_checkpoint = {child.local_name: child.node_id for child in position.object_proto.children}
+  in_checkpoint = {child.local_name: child.node_id for child in proto.children}
   problems = []
   for name, (table, shape) in expected_shapes(config, with_slots).items():
     what = f"table {table!r}" if name == table else f"slot {name!r} of table {table!r}"
@@ -74,24 +103,106 @@ def validate(engine: tf.Module, config: Any, with_slots: bool, path: str) -> Non
     stored = _stored_shape(coordinator, nodes[in_checkpoint[name]])
     if stored is not None and stored != shape:
       problems.append(f"{what} has shape {shape} in this layer but {stored} in the checkpoint")
-  if problems:
-    _forget_pending_restores(coordinator)
-    raise ValueError(
-        f"Cannot restore the checkpoint {path!r} into this TPUEmbedding layer:\n  - "
-        + "\n  - ".join(problems)
-        + "\nNo embedding table or slot was changed. Restore a checkpoint written by a layer "
-        "with the same tables (names, vocabulary sizes, dims and optimizers).")
+  return problems
 
 
-def _position_of(engine: tf.Module) -> Optional[Any]:
-  """The `CheckpointPosition` TF is expanding for `engine`, from the restore's call stack."""
+# ---------------------------------------------------------------------------------------------
+# Checkpoints written by tf-recommenders 0.7.7
+
+
+def _adopt_keras_slots(coordinator: Any, proto: Any, config: Any) -> None:
+  """Makes the Keras optimizer's slots of each table also the engine's `<table>/<slot>`.
+
+  tf-recommenders creates table slots through the Keras optimizer (on CPU and on TPU), so its
+  checkpoints record them as that optimizer's slots of the table (`<table>/.OPTIMIZER_SLOT/
+  <optimizer>/accumulator`). Each one whose mid-level twin the engine expects becomes a child of
+  the engine's node under the engine's name; the Keras optimizer is told not to restore it into
+  a slot of its own, since the engine, not the Keras optimizer, trains these tables.
+  """
+  nodes = coordinator.object_graph_proto.nodes
+  in_checkpoint = {child.local_name: child.node_id for child in proto.children}
+  keras_slots: dict[int, dict[str, int]] = {}
+  for node in nodes:
+    for reference in node.slot_variables:
+      keras_slots.setdefault(reference.original_variable_node_id, {})[reference.slot_name] = (
+          reference.slot_variable_node_id)
+  for table in config.tables:
+    table_node = in_checkpoint.get(table.name)
+    if table_node is None or table.optimizer is None:
+      continue
+    for name, _ in config_lib.slot_shapes(table):
+      key = f"{table.name}/{name}"
+      slot_node = keras_slots.get(table_node, {}).get(
+          optimizers.keras_slot_name(table.optimizer, name))
+      if key in in_checkpoint or slot_node is None:
+        continue
+      proto.children.add(node_id=slot_node, local_name=key)
+      pending = coordinator.slot_restorations.get(table_node, [])
+      pending[:] = [r for r in pending if r.slot_variable_id != slot_node]
+
+
+def _adopt_tfrs_partial_layout(coordinator: Any, proto: Any, tables_key: str,
+                               config: Any) -> Optional[Any]:
+  """The node holding the tables under `tables_key`, built from tf-recommenders' layout if need be.
+
+  tf-recommenders' `PartialTPUEmbedding` saves a replicated table as the Keras `Embedding` of
+  each of its features (`_keras_embedding_layers/<feature>/embeddings`) and a sharded one inside
+  its own `TPUEmbedding` layer (`_tpu_embedding/_tpu_embedding/<table>`). If the checkpoint has
+  that layout, a node with this package's names (`<table>`) pointing at those variables is added
+  to the checkpoint's object graph and put under `tables_key`. None if there is no such node.
+  """
+  nodes = coordinator.object_graph_proto.nodes
+
+  def child(node: Any, name: str) -> Optional[int]:
+    for reference in node.children:
+      if reference.local_name == name:
+        return reference.node_id
+    return None
+
+  def follow(*names: str) -> Optional[int]:
+    node_id, node = None, proto
+    for name in names:
+      node_id = child(node, name)
+      if node_id is None:
+        return None
+      node = nodes[node_id]
+    return node_id
+
+  tables_node = child(proto, tables_key)
+  if tables_node is not None and any(
+      child(nodes[tables_node], table.name) is not None for table in config.tables):
+    return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
+  if (child(proto, "_keras_embedding_layers") is None and
+      follow(tables_key, "_tpu_embedding") is None):
+    return None if tables_node is None else nodes[tables_node]
+  adopted = nodes.add()
+  for table in config.tables:
+    candidates = [(tables_key, "_tpu_embedding", table.name)] + [
+        ("_keras_embedding_layers", feature.path, "embeddings")
+        for feature in config.features_of(table)]
+    for names in candidates:
+      node_id = follow(*names)
+      if node_id is not None:
+        adopted.children.add(node_id=node_id, local_name=table.name)
+        break
+  adopted_id = len(nodes) - 1
+  for reference in proto.children:
+    if reference.local_name == tables_key:
+      reference.node_id = adopted_id
+      return adopted
+  proto.children.add(node_id=adopted_id, local_name=tables_key)
+  return adopted
+
+
+def _position_of(trackable: Any) -> Optional[Any]:
+  """The `CheckpointPosition` TF is expanding for `trackable`, from the restore's call stack."""
   frame = sys._getframe(1)  # pylint: disable=protected-access
   for _ in range(6):  # validate <- _checkpoint_adapter <- restore._maybe_get_adapter
     if frame is None:
       return None
     position = frame.f_locals.get("checkpoint_position")
     try:
-      if position is not None and position.trackable is engine:
+      if position is not None and position.trackable is trackable:
         return position
     except (AttributeError, KeyError):
       pass

@@ -119,6 +119,10 @@ def _clone_table(table: TableConfig, index: int,
   if not isinstance(combiner, str) or combiner not in COMBINERS:
     raise ValueError(f"Table {clone.name!r} has combiner {table.combiner!r}; expected one of "
                      f"{', '.join(COMBINERS)}.")
+  if isinstance(table.initializer, type):
+    raise TypeError(f"Table {clone.name!r}: initializer is the class "
+                    f"{table.initializer.__name__}; pass an instance, e.g. "
+                    f"{table.initializer.__name__}().")
   own = optimizers.normalize_optimizer(table.optimizer,
                                        where=f"TableConfig {clone.name!r}.optimizer")
   clone.optimizer = own if own is not None else global_optimizer
@@ -174,6 +178,11 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
       raise ValueError(f"serving_config feature {path or '<root>'!r} uses table "
                        f"{leaf.table.name!r}, which this layer does not have; its tables are "
                        f"{sorted(by_name)}.")
+    served = (leaf.table.vocabulary_size, leaf.table.dim)
+    if served != (table.vocabulary_size, table.dim):
+      raise ValueError(f"serving_config feature {path or '<root>'!r} uses table {table.name!r} "
+                       f"with (vocabulary_size, dim) = {served}, but this layer's table has "
+                       f"{(table.vocabulary_size, table.dim)}.")
     clone = copy.copy(leaf)
     clone.table = table
     features.append(Feature(path=path, config=clone, table=table))

@@ -1,7 +1,7 @@
 """Which execution path the layer takes, decided once from the strategy and the hardware.
 
-`detect_embedding_feature` is the only function that asks the runtime; tests replace it to put
-the layer on a given TPU path without a TPU (they then check wiring, never TPU execution).
+`detect_embedding_feature` is the only function that asks the runtime (the strategy's
+`extended.tpu_hardware_feature`).
 """
 
 from __future__ import annotations
@@ -30,17 +30,25 @@ _PATH_OF_FEATURE = {
 }
 
 
-_TPU_STRATEGY_TYPES = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy,
-                       tf.compat.v1.distribute.experimental.TPUStrategy)
+# The TPU strategies TF's mid-level classes accept (their own `isinstance` checks), with any
+# subclass: a user's subclass must not fall to the CPU path.
+_TPU_STRATEGY_TYPES = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
+_TPU_STRATEGY_V1 = tf.compat.v1.distribute.experimental.TPUStrategy
 
 
 def is_tpu_strategy(strategy: tf.distribute.Strategy) -> bool:
-  """TF's TPU strategies and any subclass of them (a user's subclass must not fall to the CPU).
+  """Whether `strategy` is a TPU strategy the mid-level TPU embedding classes accept.
 
-  A class named like a TPU strategy anywhere in the MRO also counts, so stand-ins work in tests.
+  Raises:
+    TypeError: for the TF1 `tf.compat.v1.distribute.experimental.TPUStrategy`, which TF's
+      embedding classes refuse (or, on V1, silently treat as no TPU).
   """
-  return isinstance(strategy, _TPU_STRATEGY_TYPES) or any(
-      cls.__name__.startswith("TPUStrategy") for cls in type(strategy).__mro__)
+  if isinstance(strategy, _TPU_STRATEGY_V1):
+    raise TypeError(
+        f"{strategy_name(strategy)} (tf.compat.v1.distribute.experimental.TPUStrategy) is not "
+        "supported: TensorFlow's TPU embedding API works only under tf.distribute.TPUStrategy. "
+        "Create the model under tf.distribute.TPUStrategy(resolver) instead.")
+  return isinstance(strategy, _TPU_STRATEGY_TYPES)
 
 
 def detect_embedding_feature(strategy: tf.distribute.Strategy) -> Optional[EmbeddingFeature]:
@@ -61,10 +69,15 @@ def choose_path(strategy: tf.distribute.Strategy,
   detected = detect_embedding_feature(strategy)
   if detected is None:
     return Path.CPU
-  if override is None or override == detected:
-    return _PATH_OF_FEATURE.get(detected, Path.TPU_V0)
   if override == EmbeddingFeature.UNSUPPORTED:
     return Path.TPU_V0
+  if detected not in _PATH_OF_FEATURE:
+    raise ValueError(
+        f"This TPU reports the embedding feature {detected!r}, which this package does not know "
+        f"(it knows {sorted(str(f) for f in _PATH_OF_FEATURE)}). Pass embedding_feature="
+        f"{EmbeddingFeature.UNSUPPORTED} to replicate the tables, or upgrade tpu_embedding.")
+  if override is None or override == detected:
+    return _PATH_OF_FEATURE[detected]
   raise ValueError(
       f"embedding_feature={override} was requested, but this TPU's embedding feature is "
       f"{detected}. Pass embedding_feature=None (use {detected}) or "

@@ -8,12 +8,23 @@ everything the layer does in `tpu_embedding.layer_core`, shared with the Keras 3
 
 from __future__ import annotations
 
+from typing import Any
+
 import tf_keras
 
 from tpu_embedding import hardware
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
+_RELOAD_REFUSAL = (
+    "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
+    "rebuilt model would no longer train its embedding tables (their feature configuration and "
+    "optimizers are not part of a Keras config). Instead, build the model in code as before and "
+    "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
+    "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
+    "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load.")
 
+
+@tf_keras.saving.register_keras_serializable(package="tpu_embedding")
 class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
   """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
 
@@ -23,7 +34,9 @@ class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
     feature_config: any nest of `tf.tpu.experimental.embedding.FeatureConfig`.
     optimizer: for every table without its own `TableConfig.optimizer`: a string, a Keras
       optimizer of any family, or a `tf.tpu.experimental.embedding` optimizer. None is for
-      serving-only layers (no slot variables).
+      serving-only layers (no slot variables), refused on the TPU embedding engines (V1, V2).
+      On a TPU without embedding hardware (V0) the Keras optimizer the model applies trains the
+      tables, so mid-level optimizers are refused there (README: "TPU paths").
     pipeline_execution_with_tensor_core: overlap embedding and dense work on TPU; on CPU the
       same one-step-stale lookups are emulated so its effect can be measured before paying.
     batch_size: per-replica batch size for building the TPU V1 engine (deprecated by TF).
@@ -32,7 +45,21 @@ class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
     table_updates: off TPU, "engine" (default) trains tables with each table's mid-level
       optimizer exactly as the TPU does; "keras" makes the tables trainable variables updated by
       the Keras optimizer the user applies (the tf-recommenders behaviour).
+    check_finite: off TPU, raise an error naming the feature or table at the first NaN/Inf
+      gradient, weight or learning rate on its way to a table, before anything is written.
+      Off by default, as on TPU, where such values silently poison the rows they touch.
   """
+
+  # Makes load_model rebuild the layer through `from_config`, which refuses with the way to
+  # save and restore instead, rather than revive a shell whose tables nothing trains.
+  _must_restore_from_config = True
+
+  def get_config(self) -> dict[str, Any]:
+    return {"name": self.name, "trainable": self.trainable}
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> "TPUEmbedding":
+    raise ValueError(_RELOAD_REFUSAL)
 
   @property
   def path(self) -> hardware.Path:

@@ -44,16 +44,23 @@ import numbers
 import sys
 import warnings
 from types import ModuleType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
+from absl import logging
+
+from tpu_embedding.engine import updates
 
 __all__ = [
     "ADAGRAD_EPSILON_RTOL",
     "KerasLearningRate",
     "MidLevelOptimizer",
+    "NotAnOptimizerError",
+    "follows_keras_optimizer",
+    "keras_slot_name",
     "learning_rate_tensor",
     "normalize_optimizer",
+    "warn_if_bias_correction_dropped",
     "translate_keras_optimizer",
 ]
 
@@ -150,6 +157,9 @@ class _Translation:
     carried: Tuple[str, ...]  # same name on both sides
     refused: Dict[str, _Refused]
     fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
+    # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
+    keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
@@ -179,6 +189,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 ),
             ),
         },
+        keras_slots={"accumulators": "accumulator"},
     ),
     "Adam": _Translation(
         _embedding.Adam,
@@ -190,6 +201,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
             ),
         },
         fixed={"sum_inside_sqrt": False},
+        keras_slots={"momenta": "m", "velocities": "v"},
     ),
     "Ftrl": _Translation(
         _embedding.FTRL,
@@ -206,6 +218,7 @@ _TRANSLATIONS: Dict[str, _Translation] = {
                 "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
             ),
         },
+        keras_slots={"accumulators": "accumulator", "linears": "linear"},
     ),
 }
 
@@ -237,6 +250,14 @@ def _keras_family(optimizer: Any) -> Optional[Tuple[str, ModuleType]]:
 def _schedule_types() -> Tuple[type, ...]:
     kerases = [_imported_keras("tf_keras"), _imported_keras("keras")]
     return tuple(k.optimizers.schedules.LearningRateSchedule for k in kerases if k is not None)
+
+
+class NotAnOptimizerError(TypeError, ValueError):
+    """Something that is not an optimizer was given as one.
+
+    A TypeError by nature; also a ValueError because tf-recommenders raised that here and code
+    written for it catches ValueError.
+    """
 
 
 class KerasLearningRate:
@@ -284,7 +305,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     """
     family = _keras_family(optimizer)
     if family is None:
-        raise TypeError(
+        raise NotAnOptimizerError(
             f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
         )
     label, module = family
@@ -335,6 +356,49 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
         raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
 
 
+def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
+    """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
+
+    tf-recommenders creates the slots of its tables through the Keras optimizer, so its
+    checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
+    """
+    for translation in _TRANSLATIONS.values():
+        if type(optimizer) is translation.mid_level:
+            return translation.keras_slots.get(slot)
+    return None
+
+
+def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
+    """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
+    return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
+
+
+def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
+    """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+
+    Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
+    engine or this package's CPU engine), not by the Keras optimizer itself.
+    """
+    names = [
+        table.name
+        for table in tables
+        if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
+    ]
+    if names:
+        logging.log_first_n(
+            logging.WARNING,
+            "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+            "from a Keras Adam; it has no bias correction. Keras scales each step by "
+            "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+            "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+            "which at a large learning rate changes early training. For Keras's steps, pass "
+            "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+            "learning_rate is a callable including that factor.",
+            1,
+            names,
+        )
+
+
 def normalize_optimizer(
     optimizer: Any, *, where: str = "optimizer"
 ) -> Optional[MidLevelOptimizer]:
@@ -357,11 +421,41 @@ def normalize_optimizer(
                 "or a zero-argument callable (the TPU would freeze anything else at its current "
                 "value); wrap a variable as `lambda: var`"
             )
-        return optimizer
-    return translate_keras_optimizer(optimizer, where=where)
+    else:
+        optimizer = translate_keras_optimizer(optimizer, where=where)
+    _check_limits(optimizer, where)
+    return optimizer
 
 
-def learning_rate_tensor(optimizer: MidLevelOptimizer) -> tf.Tensor:
-    """The rate of the current step as a float32 scalar, calling a dynamic rate every time."""
+def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:
+    """Refuses clipping limits whose minimum exceeds their maximum (they would clip to max)."""
+    for what, hint, (low, high) in (
+        ("clipvalue", " (a single clipvalue c means (-c, c), so c must be >= 0)",
+         updates.gradient_limits(optimizer)),
+        ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
+    ):
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
+            )
+
+
+def learning_rate_tensor(optimizer: MidLevelOptimizer, where: str = "optimizer") -> tf.Tensor:
+    """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
+
+    Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
+    TF ops, which would broadcast a vector) accept exactly the same rates.
+    """
     rate = optimizer.learning_rate
-    return tf.cast(rate() if callable(rate) else rate, tf.float32)
+    value = rate() if callable(rate) else rate
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        tensor = None
+    if (tensor is None or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
+            or tensor.shape.rank not in (0, None)):
+        source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
+        raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
+    if tensor.shape.rank is None:
+        tensor = tf.reshape(tensor, [])  # checked when the step runs
+    return tf.cast(tensor, tf.float32)

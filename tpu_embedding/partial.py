@@ -29,6 +29,10 @@ class PartialTPUEmbedding(PartialTPUEmbeddingCore, tf_keras.layers.Layer):
     batch_size: passed to the sharded side (per-replica batch size to build the TPU engine).
     size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
       replicated. 0 shards every table; None replicates every table.
+    table_updates: "engine" (default) trains the replicated tables with their mid-level
+      optimizers, as the sharded side; "keras" makes them trainable variables of this layer,
+      updated by the Keras optimizer the user applies (tf-recommenders' behaviour), and is
+      passed to the sharded side (where it applies off TPU).
     **kwargs: Keras layer arguments (`name`, ...).
   """
 

@@ -10,8 +10,10 @@ decided once at construction from its size. All features of a table go to the sa
   with the table's own mid-level optimizer, exactly as the sharded side trains its tables.
 
 Both sides therefore give the same activations and the same updates for the same configs; the
-threshold only moves memory. Where each table goes, and what it costs per device, is reported by
-`PartialTPUEmbedding.placement()`.
+threshold only moves memory. With `table_updates="keras"` the replicated tables are instead
+trainable variables trained by the user's Keras optimizer on every hardware, as tf-recommenders
+trains them (and so are the sharded ones off TPU). Where each table goes, and what it costs per
+device, is reported by `PartialTPUEmbedding.placement()`.
 
 Checkpoints do not depend on the side: every table and slot is saved under the same dependency
 names as a `TPUEmbedding` layer's (`_tpu_embedding/<table>` and `_tpu_embedding/<table>/<slot>`),
@@ -28,8 +30,12 @@ import tensorflow as tf
 from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
+from tpu_embedding import backends
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer_core import TPUEmbeddingCore
@@ -157,8 +163,13 @@ class PartialTPUEmbeddingCore:
   def __init__(self, feature_config: Any, optimizer: Any = None,
                pipeline_execution_with_tensor_core: bool = False,
                batch_size: Optional[int] = None,
-               size_threshold: Optional[int] = 10_000, **kwargs):
+               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
+               **kwargs):
     super().__init__(**kwargs)
+    if table_updates not in backends.TABLE_UPDATES:
+      raise ValueError(f"table_updates={table_updates!r}; expected one of "
+                       f"{backends.TABLE_UPDATES}.")
+    self._keras_managed = table_updates == "keras"
     if size_threshold is not None and (isinstance(size_threshold, bool) or
                                        not isinstance(size_threshold, int) or size_threshold < 0):
       raise ValueError(f"size_threshold={size_threshold!r}; expected an int >= 0 (0 shards "
@@ -179,10 +190,11 @@ class PartialTPUEmbeddingCore:
 
     self._tpu_embedding = None
     if per_side[SHARDED]:
+      _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
       self._tpu_embedding = self.sharded_layer_class(
           per_side[SHARDED], self._config.optimizer,
           pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-          batch_size=batch_size, name="sharded_embedding")
+          batch_size=batch_size, table_updates=table_updates, name="sharded_embedding")
       if self._tpu_embedding.execution_path is hardware.Path.CPU:
         self._tpu_embedding.build(None)  # needs no shapes off TPU: tables exist from the start
 
@@ -191,10 +203,17 @@ class PartialTPUEmbeddingCore:
     self._replicated = None
     if per_side[REPLICATED]:
       self._replicated = EmbeddingEngine(
-          config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False)
+          config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False,
+          keras_managed=self._keras_managed)
       self._replicated.build()
+      if not self._keras_managed:
+        optimizers.warn_if_bias_correction_dropped(
+            [table for table in self._config.tables if side_of[table.name] == REPLICATED])
 
     self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
+    # tf-recommenders' names for the same variables (see `_track_tables`).
+    self._tfrs_sharded_view = self._no_dependency(autotrackable.AutoTrackable())
+    self._tfrs_keras_layers_view = self._no_dependency(autotrackable.AutoTrackable())
     self._track_tables()
 
   # -------------------------------------------------------------------------------------------
@@ -261,11 +280,21 @@ class PartialTPUEmbeddingCore:
     return Placement(self._size_threshold, num_replicas, tuple(entries))
 
   @property
-  def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
-    """Every table variable, either side, keyed by the user's own TableConfig objects."""
-    variables = self._variables_by_table()
-    return {self._config.user_tables[t]: variables[t.name]["parameters"]
-            for t in self._config.tables if t.name in variables}
+  def embedding_tables(self) -> dict[TableConfig, Any]:
+    """Every table, either side, keyed by the user's own TableConfig objects.
+
+    Sharded tables are what the sharded layer's `embedding_tables` gives on its path (on TPU,
+    copied back from TPU memory first; on SparseCore, each table's logical value).
+    """
+    by_name = {}
+    if self._replicated is not None:
+      by_name.update({name: variables["parameters"]
+                      for name, variables in self._replicated.variables_by_table.items()})
+    if self._tpu_embedding is not None and self._tpu_embedding.built:
+      by_name.update({table.name: value
+                      for table, value in self._tpu_embedding.embedding_tables.items()})
+    return {self._config.user_tables[t]: by_name[t.name]
+            for t in self._config.tables if t.name in by_name}
 
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
@@ -278,7 +307,10 @@ class PartialTPUEmbeddingCore:
   def build(self, input_shape: Any) -> None:
     if self._tpu_embedding is not None and not self._tpu_embedding.built:
       self._tpu_embedding.build(self._sharded_shapes(input_shape))
-    if self._replicated is not None:
+    if self._replicated is not None and self._keras_managed:
+      # Keras-trained tables must be trainable variables of the model (one per table).
+      self._keras_trained_tables = list(self._replicated.embedding_tables.values())
+    elif self._replicated is not None:
       setattr(self, _TRAP_NAME, self.add_weight(
           name=_TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32))
     self._track_tables()
@@ -304,7 +336,7 @@ class PartialTPUEmbeddingCore:
       outputs.update(self._tpu_embedding(inputs[SHARDED], weights=side_weights(SHARDED)))
     if inputs[REPLICATED]:
       outputs.update(self._replicated.lookup(inputs[REPLICATED], side_weights(REPLICATED),
-                                             getattr(self, _TRAP_NAME)))
+                                             getattr(self, _TRAP_NAME, None)))
     return tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
 
   # -------------------------------------------------------------------------------------------
@@ -324,11 +356,61 @@ class PartialTPUEmbeddingCore:
 
     Tracking (rather than only listing them at save time) lets a restore issued before the
     tables exist wait for them: the value is applied when the name is tracked here.
+
+    Each table is also tracked under the names tf-recommenders' `PartialTPUEmbedding` restores,
+    whatever its threshold (`_keras_embedding_layers/<feature>/embeddings` and
+    `_tpu_embedding/_tpu_embedding/<table>`), so its tables load into that class too. A checkpoint
+    stores a variable once, however many names lead to it.
     """
-    for table_name, variables in self._variables_by_table().items():
+    variables_by_table = self._variables_by_table()
+    for table_name, variables in variables_by_table.items():
       for key, variable in variables.items():
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
+      self._tfrs_sharded_view._track_trackable(  # pylint: disable=protected-access
+          variables["parameters"], name=table_name, overwrite=True)
+    self._tables_view._track_trackable(  # pylint: disable=protected-access
+        self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True)
+    for feature in self._config.features:
+      if feature.table.name not in variables_by_table:
+        continue
+      keras_layer = autotrackable.AutoTrackable()
+      keras_layer._track_trackable(  # pylint: disable=protected-access
+          variables_by_table[feature.table.name]["parameters"], name="embeddings")
+      self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
+          keras_layer, name=feature.path, overwrite=True)
+
+
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
+
+    Off SparseCore it maps a checkpoint written by tf-recommenders onto this layer's names and
+    refuses the whole restore if any table or slot is missing or has another shape (nothing is
+    changed then). On SparseCore the sharded tables are TF's stacked variables, which a
+    per-table checkpoint (as the other paths write) cannot reach, built or not; off SparseCore,
+    per-table variables cannot receive a SparseCore checkpoint's stacks: both refused rather
+    than left unrestored.
+    """
+    sharded = self._tpu_embedding
+    on_sparse_core = sharded is not None and sharded.execution_path is hardware.Path.TPU_V2
+    if not on_sparse_core:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the PartialTPUEmbedding layer {self.name!r}", f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}")
+    if on_sparse_core and sharded.checkpoint_needs_relayout(path):
+      names = sorted(name for name, side in self._sides if side == SHARDED)
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
+          f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
+          f"{sharded.execution_path.name}), stacked by TensorFlow, and the checkpoint holds them "
+          "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
+          "SparseCore stacking), which this layer cannot convert. Restore such a checkpoint into a "
+          "TPUEmbedding layer before it is built, or restore a checkpoint this layer wrote on "
+          "SparseCore. Nothing was changed.")
+    if not on_sparse_core:
+      checkpoints.validate(self, self._config, not self._keras_managed, path,
+                           layer="PartialTPUEmbedding", tables_key=_TABLES_KEY)
+    return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
@@ -337,11 +419,13 @@ class PartialTPUEmbeddingCore:
     if tf.executing_eagerly():
       self.flush()  # a checkpoint holds the tables with every update applied
     children.pop(_TRAP_NAME, None)
+    children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)
     sharded = children.pop("_tpu_embedding", None)
     if sharded is not None and self._tpu_embedding.execution_path is not hardware.Path.CPU:
       children[_SHARDED_LAYER_KEY] = sharded
     children[_TABLES_KEY] = self._tables_view
+    children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
     return children
 
   # -------------------------------------------------------------------------------------------
@@ -367,3 +451,14 @@ def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variab
   """The sharded layer's {table name: {"parameters"/slot: variable}}, on every path."""
   return {name: dict(variables) for name, variables in layer.variables_by_table.items()
           if isinstance(name, str)}
+
+
+def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
+  """On a TPU without embedding hardware TF replicates every table and trains it with the Keras
+  optimizer (path V0), so the sharded side could not train as the replicated side does."""
+  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.Path.TPU_V0:
+    raise ValueError(
+        f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
+        "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
+        "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
+        "TPUEmbedding.")

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 
+from tpu_embedding import hardware
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -48,7 +49,8 @@ def export_for_serving(model: tf.Module, export_dir: str,
       `TableConfig`s (the objects given to the layer) or table names: exactly these; a signature
       reading a table not listed is refused, which guards against shipping a table by mistake.
       Every exported table is reachable as `loaded.embedding_tables[<table name>]`.
-    overwrite: replace an existing export at `export_dir`. The replacement is atomic where the
+    overwrite: replace an existing export at `export_dir`: a directory holding a SavedModel and
+      nothing else; any other file or directory there is refused and left as it is. The replacement is atomic where the
       OS can exchange two directories (Linux); elsewhere the old export is moved aside, the new
       one moved in, then the old one deleted.
 
@@ -56,15 +58,19 @@ def export_for_serving(model: tf.Module, export_dir: str,
     The absolute path of the export.
 
   Raises:
-    FileExistsError: `export_dir` exists and `overwrite` is False.
+    FileExistsError: `export_dir` exists and `overwrite` is False, or it is not a SavedModel
+      directory (overwrite replaces only an earlier export, never another directory or file).
     ValueError: a signature has no input_signature, reads a table not in `tables`, or its graph
       holds an op without a CPU kernel (e.g. a TPU op).
   """
-  target = os.path.abspath(os.fspath(export_dir))
-  if os.path.lexists(target) and not overwrite:
-    raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that export "
-                          "or choose another directory.")
+  target = _target_path(export_dir)
+  if os.path.lexists(target):
+    if not overwrite:
+      raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that "
+                            "export or choose another directory.")
+    _check_replaceable(target)
   layers = _embedding_layers(model)
+  _refuse_sparse_core(layers)
   for layer in layers:
     layer.flush()  # apply updates still held back by pipelining before reading the tables
   functions = _concrete_signatures(signatures)
@@ -79,13 +85,14 @@ def export_for_serving(model: tf.Module, export_dir: str,
   kept = _kept_tables(tables, layers, owners, needed)
 
   root = tf.Module()
-  root.embedding_tables = {name: ref.deref() for ref, (name, slot) in _sorted(owners)
+  grouped = sorted(_grouped(owners).items(), key=lambda item: (item[0][0], item[0][1] or ""))
+  root.embedding_tables = {name: value for (name, slot), value in grouped
                            if slot is None and name in kept}
   if include_optimizer_slots:
-    slots: dict[str, dict[str, tf.Variable]] = {}
-    for ref, (name, slot) in _sorted(owners):
+    slots: dict[str, dict[str, Any]] = {}
+    for (name, slot), value in grouped:
       if slot is not None and name in kept:
-        slots.setdefault(name, {})[slot] = ref.deref()
+        slots.setdefault(name, {})[slot] = value
     root.optimizer_slots = slots
   root.model_variables = [v for r, v in read.items() if r not in owners]
 
@@ -104,6 +111,41 @@ def export_for_serving(model: tf.Module, export_dir: str,
 
 
 # ---------------------------------------------------------------------------------------------
+# Where to export
+
+# What a SavedModel directory may hold (tf.saved_model.save and tf_keras write these).
+_SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
+                                  "fingerprint.pb", "keras_metadata.pb"})
+
+
+def _target_path(export_dir: Any) -> str:
+  """The absolute export path; an empty path (which would mean the current directory) is refused."""
+  try:
+    path = os.fspath(export_dir)
+  except TypeError:
+    raise TypeError(f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
+                    "the directory to write the SavedModel to.") from None
+  if not str(path).strip():
+    raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
+  return os.path.abspath(path)
+
+
+def _check_replaceable(target: str) -> None:
+  """Refuses to overwrite anything but a directory holding a SavedModel and nothing else."""
+  if os.path.islink(target) or not os.path.isdir(target):
+    raise FileExistsError(f"{target} exists and is not a SavedModel directory; overwrite=True "
+                          "replaces only an earlier export. Choose another export_dir.")
+  entries = set(os.listdir(target))
+  foreign = sorted(entries - _SAVED_MODEL_ENTRIES)
+  if not {"saved_model.pb", "saved_model.pbtxt"} & entries or foreign:
+    what = (f"it holds files a SavedModel does not: {foreign[:5]}" if foreign
+            else "it holds no saved_model.pb")
+    raise FileExistsError(f"{target} is not a SavedModel directory ({what}); overwrite=True "
+                          "replaces only an earlier export, so nothing was changed. Choose "
+                          "another export_dir or remove that directory yourself.")
+
+
+# ---------------------------------------------------------------------------------------------
 # What to export
 
 
@@ -116,6 +158,20 @@ def _embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
   found = [model] if isinstance(model, TPUEmbeddingCore) else []
   found += [m for m in submodules if isinstance(m, TPUEmbeddingCore)]
   return list({id(layer): layer for layer in found}.values())
+
+
+def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
+  """A SparseCore layer's variables are TF's stacked, padded, row-dealt stacks: an export of
+  them could not hold its tables by name (`embedding_tables`, `tables=`)."""
+  for layer in layers:
+    if layer.execution_path is hardware.Path.TPU_V2:
+      raise ValueError(
+          f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
+          f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "
+          "cannot export by table name. Write a checkpoint of the model, restore it into the "
+          "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
+          "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "
+          "export that model. Nothing was written.")
 
 
 def _concrete_signatures(signatures: Any) -> dict[str, Any]:
@@ -134,23 +190,36 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
 
 
 def _embedding_variables(layers: list[TPUEmbeddingCore]) -> dict[Any, tuple[str, Optional[str]]]:
-  """{variable ref: (table name, slot name or None)} over every layer's tables and slots."""
+  """{variable ref: (table name, slot name or None)} over every layer's tables and slots.
+
+  A V1 table is a sharded variable (one row block per TPU host); its blocks are the variables a
+  signature reads, so each is owned. One block is exported as the table, several as a list.
+  """
   owners: dict[Any, tuple[str, Optional[str]]] = {}
   for layer in layers:
-    engine = layer._tpu_embedding  # pylint: disable=protected-access
-    by_table = getattr(engine, "variables_by_table", None) or engine.variables
-    for table, entries in by_table.items():
+    for table, entries in layer.variables_by_table.items():
       for slot, variable in entries.items():
         key = (table, None if slot == "parameters" else slot)
-        if key in owners.values() and owners.get(variable.ref()) != key:
+        parts = _row_blocks(variable)
+        if key in owners.values() and owners.get(parts[0].ref()) != key:
           raise ValueError(f"Two TPUEmbedding layers of this model have a table named {table!r}; "
                            "give the tables unique names to export them.")
-        owners[variable.ref()] = key
+        for part in parts:
+          owners[part.ref()] = key
   return owners
 
 
-def _sorted(owners: Mapping[Any, tuple[str, Optional[str]]]):
-  return sorted(owners.items(), key=lambda item: (item[1][0], item[1][1] or ""))
+def _row_blocks(variable: Any) -> list[tf.Variable]:
+  return list(getattr(variable, "variables", None) or [variable])
+
+
+def _grouped(owners: Mapping[Any, tuple[str, Optional[str]]]
+             ) -> dict[tuple[str, Optional[str]], Any]:
+  """{(table, slot): the variable, or the list of its row blocks in row order}."""
+  grouped: dict[tuple[str, Optional[str]], list] = {}
+  for ref, key in owners.items():
+    grouped.setdefault(key, []).append(ref.deref())
+  return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
 
 
 def _kept_tables(tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[Any, Any],
@@ -158,7 +227,7 @@ def _kept_tables(tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[An
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
     return needed
-  if isinstance(tables, str):
+  if isinstance(tables, str) or not isinstance(tables, Iterable):
     if tables != "all":
       raise ValueError(f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or "
                        "table names.")

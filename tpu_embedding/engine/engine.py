@@ -14,19 +14,31 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
+from tpu_embedding.engine import sharded
+from tpu_embedding.engine import static_path
 from tpu_embedding.engine.updates import apply_sparse_update
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+SECOND_GRADIENT_WARNING = (
+    "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
+    "a persistent GradientTape asked twice); each gradient that reaches the activations "
+    "updates the tables, so this step updated them again. Take one tape.gradient per step "
+    "with respect to all trainable variables (see the README: the gradient trap's contract).")
 
 
 class EmbeddingEngine(tf.Module):
@@ -38,6 +50,8 @@ class EmbeddingEngine(tf.Module):
       tables without the previous step's update, as on TPU.
     keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
       tf-recommenders behaviour); no slots are created and no trap is used.
+    check_finite: raise at the first non-finite gradient, weight or learning rate on its way
+      to a table (`finite`), instead of letting it poison the rows as the TPU does.
   """
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
@@ -45,13 +59,18 @@ class EmbeddingEngine(tf.Module):
       tf.Module._TF_MODULE_IGNORED_PROPERTIES)
 
   def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
-               keras_managed: bool = False):
+               keras_managed: bool = False, check_finite: bool = False):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
     self._keras_managed = keras_managed
+    self._check_finite = check_finite
+    self._follows_keras_optimizer = any(
+        optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables)
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    # Tables row-sharded over parameter servers: the locks their updates hold.
+    self._shard_locks: dict[str, sharded.ShardLocks] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
     # `_register_training_lookup`).
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
@@ -90,6 +109,10 @@ class EmbeddingEngine(tf.Module):
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
       variables.update(self._create_slots(table, parameters))
+      if sharded.is_sharded(parameters):
+        if self._pipelining:
+          sharded.refuse_pipelining(table)
+        self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
       self._pending[table.name] = _pending_buffers(table)
@@ -101,10 +124,15 @@ class EmbeddingEngine(tf.Module):
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
-    slots = {}
-    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      slots[name] = _new_variable(initializer, shape, f"{table.name}/{name}", False)
-      self._track_trackable(slots[name], name=f"{table.name}/{name}")
+    if sharded.is_sharded(parameters):
+      slots = sharded.create_slots(table, parameters, names, initializers)
+    else:
+      with sharded.colocated_with(parameters):
+        slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
+                 for (name, shape), initializer in zip(config_lib.slot_shapes(table),
+                                                       initializers)}
+    for name, slot in slots.items():
+      self._track_trackable(slot, name=f"{table.name}/{name}")
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -119,6 +147,13 @@ class EmbeddingEngine(tf.Module):
     self.build()
     return self._variables
 
+  def replace_table(self, table: TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table for lookups, updates and checkpoints alike."""
+    self.build()
+    self.flush()  # updates held back belong to the variable being replaced
+    self._variables[table.name]["parameters"] = variable
+    self._track_trackable(variable, name=table.name, overwrite=True)
+
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
     self.build()
@@ -132,25 +167,44 @@ class EmbeddingEngine(tf.Module):
 
     With `trap`, the activations carry a gradient function that updates the tables; without it
     they are plain (serving, evaluation, or Keras-managed tables, which are differentiable).
+    Functions traced for a SavedModel get no trap when a table's learning rate is read from a
+    Keras optimizer: `tf.saved_model.save` would save the trap's gradient, which reads that
+    optimizer's variables, and the SavedModel does not hold the optimizer. Their tables are then
+    plain differentiable variables in the SavedModel, as in tf-recommenders.
     """
     self.build()
-    step = lookup.Step.prepare(self._config, features, weights)
-    if trap is None:
-      flat = step.activations(self.parameters)
+    static = static_path.compiling()  # XLA compiles this step: decided once for both passes
+    step = lookup.Step.prepare(self._config, features, weights, check_ranges=not static)
+    if self._check_finite:
+      finite.check_weights(step)
+    if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
+      flat = (static_path.activations(step, self.parameters) if static
+              else step.activations(self.parameters))
     else:
       reusable = self._register_training_lookup(step)
+      if static:
+        self._refuse_pipelining_under_xla()
+
+      gradients_taken = [0]
 
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
+          gradients_taken[0] += 1
+          if gradients_taken[0] == 2:
+            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(step.upstream_by_table(upstream), reusable())
+          self._apply_gradients(step.upstream_by_table(upstream), reusable(), static)
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
+        if static:
+          return static_path.activations(step, self.parameters), grad
         return step.activations(self.parameters, deduplicate=True), grad
 
       flat = gradient_trap(trap)
+    if self._check_finite:
+      flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
 
   def _register_training_lookup(self, step: lookup.Step) -> Callable[[], frozenset]:
@@ -177,6 +231,13 @@ class EmbeddingEngine(tf.Module):
 
     return reusable
 
+  def _refuse_pipelining_under_xla(self) -> None:
+    if self._pipelining:
+      raise ValueError(
+          "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
+          "update in variable-length buffers, which XLA cannot compile: train this layer "
+          "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's).")
+
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
       return self._variables[table.name]["parameters"]
@@ -188,13 +249,16 @@ class EmbeddingEngine(tf.Module):
   # Backward: one update per table and step, summed over every replica
 
   def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
-                       reusable: frozenset = frozenset()):
+                       reusable: frozenset = frozenset(), static: bool = False):
     trainable = []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
         _refuse_training(table)
       else:
         trainable.append((table, batch, upstream))
+    if static:  # fixed shapes, and an all-reduce where several replicas train
+      static_path.apply_gradients(trainable, self._state)
+      return
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
       for table, batch, upstream in trainable:
         rows = batch.looked_up_rows if table.name in reusable else None
@@ -252,8 +316,15 @@ class EmbeddingEngine(tf.Module):
 
   def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor,
               table_rows: Optional[tf.Tensor] = None) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    learning_rate = optimizers.learning_rate_tensor(table.optimizer,
+                                                    where=f"Table {table.name!r}")
+    if self._check_finite:
+      learning_rate = finite.check_learning_rate(learning_rate, table.name)
     names, state = self._state(table)
+    if table.name in self._shard_locks:
+      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads,
+                                          learning_rate)
+      return
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
     apply = _row_applier(table.optimizer, names, atomic)
@@ -295,6 +366,9 @@ class EmbeddingEngine(tf.Module):
     return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
 
 
+_COPY_IS_CHEAP_BYTES = 16 << 20
+
+
 def _new_variable(initializer: Callable, shape: list[int], name: str,
                   trainable: bool) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
@@ -303,10 +377,12 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
   Off any strategy the value is instead computed and assigned inside one function, where it is
   an intermediate that TF writes straight into the variable's buffer. Strategies create their
-  own (e.g. mirrored) variables, so there the plain constructor is used.
+  own (e.g. mirrored) variables, so there the plain constructor is used, as it is for tables
+  below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
+  step, once per table and slot) than the copy costs memory.
   """
-  value = functools.partial(initializer, shape=shape, dtype=tf.float32)
-  if tf.distribute.has_strategy():
+  value = functools.partial(_initial_value, initializer, shape, name)
+  if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
       shape=shape, dtype=tf.float32, trainable=trainable, name=name)
@@ -315,6 +391,19 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   # function meant to run once per variable is "retracing".
   tf.function(functools.partial(_assign, variable, value), autograph=False)()
   return variable
+
+
+def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Tensor:
+  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape."""
+  try:
+    value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"Embedding variable {name!r}: its initializer failed for shape {shape}, "
+                     f"float32: {e}") from e
+  if value.dtype != tf.float32 or value.shape != shape:
+    raise ValueError(f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
+                     f"tensor of shape {value.shape.as_list()}; expected float32 {shape}.")
+  return value
 
 
 def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:

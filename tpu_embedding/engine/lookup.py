@@ -20,12 +20,14 @@ import functools
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record  # whether a gradient tape may be recording
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.config import Feature
 from tpu_embedding.engine import native
+from tpu_embedding.engine import sharded
 
 Tensor = tf.Tensor
 
@@ -70,6 +72,20 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None) -> Bags:
           "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
           "RaggedTensor to weight them, or pass None for this feature's weights.")
     bags = _dense_bags(feature, _as_id_tensor(name, ids))
+  return _with_checked_output_shape(bags)
+
+
+def _with_checked_output_shape(bags: Bags) -> Bags:
+  """Refuses an input whose sample count differs from the configured output_shape's."""
+  configured = _static_output_shape(bags.feature)
+  if configured is None:
+    return bags
+  expected = configured.num_elements()
+  bags.ids, = _require(bags.feature, [
+      (tf.equal(bags.num_samples, expected),
+       f"FeatureConfig.output_shape {configured.as_list()} holds {expected} samples, which the "
+       "input must have too (its batch, or batch x sequence length).", [bags.num_samples])],
+      [bags.ids])
   return bags
 
 
@@ -115,14 +131,17 @@ def check_id_ranges(bags: Sequence[Bags]) -> None:
   sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
 
   def fail():
-    asserts = []
-    for bag in bags:
-      in_range = _in_range(bag)
-      offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))
-      asserts.append(tf.debugging.Assert(
-          tf.reduce_all(in_range), [_range_message(bag), "Offending ids:", offending],
-          summarize=5))
-    with tf.control_dependencies(asserts):
+    # Traced in every step but run only on bad ids: one Assert over all features' ids at once
+    # (naming the first feature at fault), so tracing time does not grow with the features.
+    ids = tf.concat([tf.reshape(bag.ids, [-1]) for bag in bags], 0)
+    owner = tf.repeat(tf.range(len(bags)),
+                      tf.stack([tf.size(bag.ids) for bag in bags]))
+    too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
+    at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
+    offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
+    message = tf.gather(tf.constant([_range_message(bag) for bag in bags]), at_fault)
+    with tf.control_dependencies([tf.debugging.Assert(
+        False, [message, "Offending ids:", offending], summarize=5)]):
       return tf.constant(False)
 
   checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
@@ -170,7 +189,14 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
   ids = tf.cast(ids, tf.int64)
   shape = tf.shape(ids, out_type=tf.int64)
   seq_len = _sequence_length(feature)
-  if seq_len and ids.shape.rank == 2 and ids.shape[-1] != 1:
+  last = ids.shape[-1] if ids.shape.rank else 1
+  if seq_len and ids.shape.rank == 2 and last is None:
+    raise ValueError(
+        f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
+        "this trace does not know the last dimension of its dense ids, which decides the output: "
+        "[B, 1] ids give [B, D] and [B, n] ids give [B, L, D]. Give the input a known last "
+        "dimension, e.g. tf.TensorSpec([None, 1]) or tf.TensorSpec([None, n]).")
+  if seq_len and ids.shape.rank == 2 and last != 1:
     # A dense [B, n] sequence: truncate to L positions, missing positions stay zero.
     kept = ids[:, :seq_len]
     batch = shape[0]
@@ -180,8 +206,13 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
                 tf.stack([batch, tf.constant(seq_len, tf.int64)]),
                 tf.TensorShape([ids.shape[0], seq_len]))
   static = ids.shape
-  if ids.shape.rank >= 2 and ids.shape[-1] == 1:
+  if ids.shape.rank >= 2 and last == 1:
     shape, static = shape[:-1], static[:-1]  # the TPU gives [B, D] for [B, 1] ids
+  elif ids.shape.rank >= 2 and last is None:
+    # Decided when the step runs, so a trace that does not know the last dimension gives the
+    # same answer as one that does; the output's rank is then unknown to the trace.
+    shape = tf.cond(tf.equal(shape[-1], 1), lambda: shape[:-1], lambda: shape)
+    static = tf.TensorShape(None)
   return Bags(feature, tf.reshape(ids, [-1]), None, None, tf.reduce_prod(shape),
               *_with_output_shape(feature, shape, static))
 
@@ -189,17 +220,29 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
 def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
   _check_id_dtype(feature.name, sp.values.dtype)
   rank = sp.shape.rank
-  ids = tf.cast(sp.values, tf.int64)
-  indices = sp.indices
-  dense_shape = sp.dense_shape
-  if rank == 1:
-    # [B] with at most one id per position (e.g. a Keras Input(shape=(), sparse=True)).
-    samples, batch = indices[:, 0], dense_shape[0]
-    values = None if weights is None else weights.values
-    return Bags(feature, ids, samples, _gains(feature, values, samples, batch), batch,
-                *_with_output_shape(feature, dense_shape, sp.shape))
+  if rank == 0:
+    raise ValueError(f"Feature {feature.name!r}: a SparseTensor input needs rank >= 1, got a "
+                     "scalar dense_shape.")
   seq_len = _sequence_length(feature)
-  if seq_len and rank == 2:
+  if seq_len and rank is None:
+    raise ValueError(
+        f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
+        "this trace does not know its SparseTensor's rank, which decides whether the output is "
+        "[B, L, D] (rank 2) or combined (other ranks). Give the input a known rank, e.g. "
+        "tf.SparseTensorSpec([None, None], tf.int64).")
+  # The sample is every index column but the last (the only one at rank 1); combine over the
+  # last. Rank 1 is [B] with at most one id per position (e.g. Input(shape=(), sparse=True)).
+  if rank is not None:
+    bag_rank = max(rank - 1, 1)
+  else:
+    bag_rank = tf.maximum(tf.size(sp.dense_shape, out_type=tf.int64) - 1, 1)
+  sequence = bool(seq_len) and rank == 2
+  _check_static_samples(feature, sp.shape, bag_rank if rank is not None else 0,
+                        seq_len if sequence else 1)
+  indices, ids, dense_shape = _checked_sparse(feature, sp, bag_rank, seq_len if sequence else 1)
+  weight_values = _sparse_weight_values(feature, sp, weights, indices, dense_shape)
+  ids = tf.cast(ids, tf.int64)
+  if sequence:
     _refuse_sequence_weights(feature, weights)
     keep = indices[:, 1] < seq_len
     kept = tf.boolean_mask(indices, keep)
@@ -208,15 +251,121 @@ def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.Spa
     return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
                 tf.stack([batch, tf.constant(seq_len, tf.int64)]),
                 tf.TensorShape([sp.shape[0], seq_len]))
-  # The sample is every index column but the last; combine over the last one.
-  bag_shape = dense_shape[:-1]
+  bag_shape = dense_shape[:bag_rank]
   strides = tf.math.cumprod(bag_shape, exclusive=True, reverse=True)
-  samples = tf.reduce_sum(indices[:, :-1] * strides[None, :], axis=1)
+  samples = tf.reduce_sum(indices[:, :bag_rank] * strides[None, :], axis=1)
   num = tf.reduce_prod(bag_shape)
-  values = None if weights is None else weights.values
-  static = sp.shape[:-1] if rank is not None else tf.TensorShape(None)
-  return Bags(feature, ids, samples, _gains(feature, values, samples, num), num,
+  static = sp.shape[:bag_rank] if rank is not None else tf.TensorShape(None)
+  return Bags(feature, ids, samples, _gains(feature, weight_values, samples, num), num,
               *_with_output_shape(feature, bag_shape, static))
+
+
+# Samples and unique rows are int32 coordinates in the engine's sparse matrices and kernels.
+_MAX_SAMPLES = 2**31 - 1
+
+
+def _check_static_samples(feature: Feature, shape: tf.TensorShape, bag_rank: int,
+                          positions: int) -> None:
+  """Refuses, while tracing, a shape already known to hold too many samples for the engine."""
+  known = [d for d in shape[:bag_rank] if d is not None] if shape.rank is not None else []
+  if any(d < 0 for d in known) or float(np.prod(known, dtype=np.float64)) * positions > _MAX_SAMPLES:
+    raise ValueError(f"Feature {feature.name!r}: its SparseTensor's dense_shape {shape} must be "
+                     f"non-negative and hold at most {_MAX_SAMPLES} samples (every dimension "
+                     "but the last).")
+
+
+def _checked_sparse(feature: Feature, sp: tf.SparseTensor, bag_rank: Any,
+                    positions: int) -> tuple[Tensor, Tensor, Tensor]:
+  """(indices, values, dense_shape) of `sp`, let through only if they describe a valid input.
+
+  A hostile dense_shape (e.g. [2**61, 3]) would otherwise reach kernels that abort the process.
+  """
+  indices, values, dense_shape = sp.indices, sp.values, sp.dense_shape
+  entries = tf.shape(indices, out_type=tf.int64)
+  rank = tf.size(dense_shape, out_type=tf.int64)
+  samples = tf.reduce_prod(tf.cast(dense_shape[:bag_rank], tf.float64)) * positions
+  well_formed = tf.logical_and(
+      tf.equal(entries[0], tf.size(values, out_type=tf.int64)), tf.equal(entries[1], rank))
+  # Only compared once the layout is consistent, so that the comparison itself cannot fail.
+  inside = tf.cond(
+      well_formed,
+      lambda: tf.reduce_all(tf.logical_and(indices >= 0, indices < dense_shape[None, :])),
+      lambda: tf.constant(False))
+  return _require(feature, [
+      (well_formed, "its SparseTensor's indices must be [N, rank] with one row per value "
+                    "(N values) and rank = len(dense_shape).", [entries, tf.size(values)]),
+      (tf.logical_and(tf.reduce_all(dense_shape >= 0), samples <= _MAX_SAMPLES),
+       f"its SparseTensor's dense_shape must be non-negative and hold at most {_MAX_SAMPLES} "
+       "samples (every dimension but the last).", [dense_shape]),
+      (inside, "every index of its SparseTensor must lie inside dense_shape.",
+       [dense_shape, lambda: _first_outside(indices, dense_shape, well_formed)]),
+  ], [indices, values, dense_shape])
+
+
+def _first_outside(indices: Tensor, dense_shape: Tensor, well_formed: Tensor) -> Tensor:
+  """The first index row outside dense_shape (for the error message), or an empty one."""
+  def first():
+    outside = tf.reduce_any(tf.logical_or(indices < 0, indices >= dense_shape[None, :]), axis=1)
+    return tf.boolean_mask(indices, outside)[:1]
+  return tf.cond(well_formed, first, lambda: tf.zeros([0, 0], tf.int64))
+
+
+def _sparse_weight_values(feature: Feature, sp: tf.SparseTensor,
+                          weights: Optional[tf.SparseTensor], indices: Tensor,
+                          dense_shape: Tensor) -> Optional[Tensor]:
+  """The weights' values, once they pair with the ids (one per id; same indices if validated)."""
+  if weights is None:
+    return None
+  count = tf.size(weights.values, out_type=tf.int64)
+  ids = tf.size(sp.values, out_type=tf.int64)
+  checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
+  if feature.config.validate_weights_and_indices:
+    same = tf.logical_and(_same_tensor(weights.dense_shape, dense_shape),
+                          _same_tensor(weights.indices, indices))
+    checks.append((same, "its weights must have the same indices and dense_shape as its ids "
+                         "(FeatureConfig.validate_weights_and_indices is True).",
+                   [weights.dense_shape, dense_shape]))
+  return _require(feature, checks, [weights.values])[0]
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> Tensor:
+  """Whether two int64 tensors have the same shape and values (never an error)."""
+  same_shape = tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b))) if a.shape.rank == b.shape.rank \
+      else tf.constant(False)
+  return tf.cond(same_shape, lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
+                 lambda: tf.constant(False))
+
+
+Data = Sequence[Any]  # tensors for the message, or callables building them only on failure
+
+
+def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Data]],
+             guarded: Sequence[Tensor]) -> list[Tensor]:
+  """`guarded`, let through only once every check (ok, message, data) holds.
+
+  Eagerly the first failing check raises a ValueError naming the feature. In a graph the
+  returned tensors depend on one test of all checks; only when it fails are the asserts that
+  name the failing check (and the data they show) run, so no later op sees an input that failed.
+  """
+  prefix = f"Feature {feature.name!r}: "
+  shown = lambda data: [d() if callable(d) else d for d in data]
+  if tf.executing_eagerly():
+    for ok, message, data in checks:
+      if not bool(ok):
+        got = ", ".join(str(d.numpy().tolist()) for d in shown(data))
+        raise ValueError(f"{prefix}{message} Got: {got}.")
+    return list(guarded)
+
+  def fail():
+    asserts = [tf.debugging.Assert(ok, [prefix + message, "Got:", *shown(data)], summarize=8)
+               for ok, message, data in checks]
+    with tf.control_dependencies(asserts):
+      return tf.constant(False)
+
+  passed = tf.cond(tf.reduce_all(tf.stack([ok for ok, _, _ in checks])),
+                   lambda: tf.constant(True), fail)
+  with tf.control_dependencies([passed]):
+    return [tf.identity(t) for t in guarded]
 
 
 def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]) -> Bags:
@@ -224,6 +373,7 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
   if rt.ragged_rank != 1 or rt.shape.rank != 2:
     raise ValueError(f"Feature {feature.name!r}: a RaggedTensor input must have rank 2 "
                      f"(batch, ids), got shape {rt.shape}.")
+  weight_values = _ragged_weight_values(feature, rt, weights)
   ids = tf.cast(rt.values, tf.int64)
   rows = rt.value_rowids()
   batch = rt.nrows()
@@ -246,9 +396,28 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
     natural = tf.stack([batch, tf.constant(seq_len, tf.int64)])
     return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
                 *_with_output_shape(feature, natural, tf.TensorShape([rt.shape[0], seq_len])))
-  values = None if weights is None else weights.values
-  return Bags(feature, ids, rows, _gains(feature, values, rows, batch), batch,
+  return Bags(feature, ids, rows, _gains(feature, weight_values, rows, batch), batch,
               *_with_output_shape(feature, batch[None], rt.shape[:1]))
+
+
+def _ragged_weight_values(feature: Feature, rt: tf.RaggedTensor,
+                          weights: Optional[tf.RaggedTensor]) -> Optional[Tensor]:
+  """The weights' values, once they pair with the ids (one per id; same rows if validated)."""
+  if weights is None:
+    return None
+  if weights.ragged_rank != rt.ragged_rank:
+    raise ValueError(f"Feature {feature.name!r}: its weights must be a RaggedTensor of the same "
+                     f"ragged rank as its ids ({rt.ragged_rank}), got {weights.ragged_rank}.")
+  count = tf.size(weights.values, out_type=tf.int64)
+  ids = tf.size(rt.values, out_type=tf.int64)
+  checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
+  if feature.config.validate_weights_and_indices:
+    lengths, id_lengths = weights.row_lengths(), rt.row_lengths()
+    checks.append((_same_tensor(lengths, id_lengths),
+                   "its weights must have the same row lengths as its ids "
+                   "(FeatureConfig.validate_weights_and_indices is True).",
+                   [lengths, id_lengths]))
+  return _require(feature, checks, [weights.values])[0]
 
 
 def _refuse_sequence_weights(feature: Feature, weights: Any) -> None:
@@ -349,16 +518,16 @@ class TableBatch:
     exported and loaded with TensorFlow alone.
     """
     if not deduplicate:
-      return [_combine(bag, quantize(tf.gather(table, bag.ids), self._table))
+      return [_combine(bag, quantize(sharded.gather(table, bag.ids), self._table))
               for bag in self.bags]
     if (self._table.quantization_config is None and record.could_possibly_record() and
-        native.runs_on([table])):
+        not sharded.is_sharded(table) and native.runs_on([table])):
       rows, gains, total = self._occurrences
       flat, unique_ids, index = native.dedup_lookup(
           table, _concat([b.ids for b in self.bags]), rows, gains, total)
       self._deduplicated, self._native = (unique_ids, index), True
     else:
-      self.looked_up_rows = tf.gather(table, self.unique_ids)
+      self.looked_up_rows = sharded.gather(table, self.unique_ids)
       unique_rows = quantize(self.looked_up_rows, self._table)
       one_id_per_sample = all(b.samples is None and b.gains is None for b in self.bags)
       if one_id_per_sample and _needs_blocks(unique_rows):
@@ -367,7 +536,7 @@ class TableBatch:
       else:
         flat = self._sample_matrix.matmul(unique_rows)
     parts = self._split(flat, [b.num_samples for b in self.bags])
-    return [_shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
+    return [shape_activations(bag, part) for bag, part in zip(self.bags, parts)]
 
   def _split(self, flat: Tensor, sizes: list[Tensor]) -> list[Tensor]:
     if len(self.bags) == 1:
@@ -482,14 +651,14 @@ def sum_by_index(values: Tensor, index: Tensor, count: Tensor) -> Tensor:
 def _combine(bag: Bags, rows: Tensor) -> Tensor:
   """Reduces each occurrence's row [N, D] into the bag's activations, shaped for the model."""
   if bag.samples is None and bag.gains is None:
-    return _shape_activations(bag, rows)
+    return shape_activations(bag, rows)
   occurrences = tf.range(tf.size(bag.ids, out_type=tf.int64))
   matrix = SampleMatrix.build(_sample_rows(bag), occurrences, _gains_or_ones(bag),
                               bag.num_samples, tf.size(bag.ids, out_type=tf.int64))
-  return _shape_activations(bag, matrix.matmul(rows))
+  return shape_activations(bag, matrix.matmul(rows))
 
 
-def _shape_activations(bag: Bags, flat: Tensor) -> Tensor:
+def shape_activations(bag: Bags, flat: Tensor) -> Tensor:
   dim = tf.shape(flat, out_type=tf.int64)[1:]
   out = tf.reshape(flat, tf.concat([bag.output_shape, dim], axis=0))
   return _set_static_shape(out, bag, flat.shape[-1])
@@ -522,12 +691,17 @@ class Step:
 
   @classmethod
   def prepare(cls, config: config_lib.EmbeddingConfig, features: Any, weights: Any = None,
-              subset: bool = False) -> "Step":
-    """Validates `features`/`weights` against `config` (a subset of its features if `subset`)."""
+              subset: bool = False, check_ranges: bool = True) -> "Step":
+    """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
+
+    `check_ranges=False` leaves out the id-range check, for steps XLA compiles: they cannot
+    raise at run time (the static path clamps such ids instead).
+    """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [to_bags(feature, ids, w)
             for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))]
-    check_id_ranges(bags)
+    if check_ranges:
+      check_id_ranges(bags)
     grouped: dict = {}
     for bag in bags:
       grouped.setdefault(bag.feature.table, []).append(bag)

@@ -46,6 +46,8 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
     batch_size: per-replica batch size for building the TPU V1 engine (deprecated by TF).
     embedding_feature: force a TPU embedding feature (`UNSUPPORTED` is always allowed).
     sparse_core_embedding_config: passed to `TPUEmbeddingV2` on SparseCore.
+    check_finite: off TPU, raise an error naming the feature or table at the first NaN/Inf
+      gradient, weight or learning rate on its way to a table, before anything is written.
     **kwargs: Keras layer arguments (`name`, ...).
 
   Tables are always trained by each table's own optimizer through the gradient trap, never by
@@ -56,14 +58,16 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
                pipeline_execution_with_tensor_core: bool = False,
                batch_size: Optional[int] = None,
                embedding_feature: Optional[hardware.EmbeddingFeature] = None,
-               sparse_core_embedding_config: Any = None, **kwargs):
+               sparse_core_embedding_config: Any = None, check_finite: bool = False,
+               **kwargs):
     super().__init__(
         feature_config_for_keras3(feature_config), optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size, embedding_feature=embedding_feature,
-        sparse_core_embedding_config=sparse_core_embedding_config, **kwargs)
+        sparse_core_embedding_config=sparse_core_embedding_config, check_finite=check_finite,
+        **kwargs)
     self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-                           batch_size=batch_size)
+                           batch_size=batch_size, check_finite=check_finite)
     if not self._backend.needs_trap:
       raise ValueError(
           f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "

@@ -30,6 +30,9 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
     size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
       replicated. 0 shards every table; None replicates every table.
     **kwargs: Keras layer arguments (`name`, ...).
+
+  Every table is trained by its own optimizer (`table_updates="engine"`, the only value taken:
+  "keras" is refused, since a Keras 3 optimizer only updates Keras variables).
   """
 
   sharded_layer_class = TPUEmbedding
@@ -37,11 +40,18 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
   def __init__(self, feature_config: Any, optimizer: Any = None,
                pipeline_execution_with_tensor_core: bool = False,
                batch_size: Optional[int] = None,
-               size_threshold: Optional[int] = 10_000, **kwargs):
+               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
+               **kwargs):
+    if table_updates == "keras":
+      raise ValueError(
+          "PartialTPUEmbedding for Keras 3: table_updates='keras' would leave the tables to the "
+          "model's optimizer, which in Keras 3 only updates Keras variables. Leave table_updates "
+          "at 'engine', or use the tf-keras layer tpu_embedding.PartialTPUEmbedding.")
     super().__init__(
         feature_config_for_keras3(feature_config), optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-        batch_size=batch_size, size_threshold=size_threshold, **kwargs)
+        batch_size=batch_size, size_threshold=size_threshold,
+        table_updates=table_updates, **kwargs)
     self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
                            batch_size=batch_size, size_threshold=size_threshold)
 

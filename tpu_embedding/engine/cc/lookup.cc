@@ -7,6 +7,7 @@
 // gradient into its unique row. Unique ids keep tf.unique's order (first occurrence) and sums
 // run in occurrence order, as TF's kernels do.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "tpu_embedding/engine/cc/kernels.h"
@@ -88,6 +89,30 @@ absl::Status ReadOccurrences(const Tensor& samples, const Tensor& gains, int64_t
   return absl::OkStatus();
 }
 
+// The count given as the scalar input `index`: a number of rows to allocate, which the engine
+// keeps below 2**31 (samples and rows are int32 coordinates in its sparse matrices).
+absl::Status ReadCount(OpKernelContext* ctx, int index, const char* name, int64_t* out) {
+  const Tensor& input = ctx->input(index);
+  if (!::tensorflow::TensorShapeUtils::IsScalar(input.shape())) {
+    return InvalidArgument(name, " must be a scalar, got shape ", input.shape().DebugString());
+  }
+  *out = input.scalar<int64_t>()();
+  if (*out < 0 || *out > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument(name, " must be in [0, 2**31), got ", *out);
+  }
+  return absl::OkStatus();
+}
+
+// The [count, dim] output shape, or an error where it cannot be a tensor's shape.
+absl::Status RowsShape(const char* name, int64_t count, int64_t dim, TensorShape* out) {
+  absl::Status status = TensorShape::BuildTensorShape({count, dim}, out);
+  if (!status.ok()) {
+    return InvalidArgument(name, " (", count, ") rows of ", dim,
+                           " values cannot be allocated: ", status.message());
+  }
+  return absl::OkStatus();
+}
+
 // Open addressing with linear probing over a power-of-two table at most half full; each slot
 // keeps its id and that id's position side by side, so a probe touches one cache line.
 class IdDeduplicator {
@@ -150,7 +175,10 @@ class DedupLookupOp : public OpKernel {
     const Tensor& ids = ctx->input(1);
     const int64_t n = ids.NumElements();
     const int64_t rows = table.dim_size(0), dim = table.dim_size(1);
-    const int64_t num_samples = ctx->input(4).scalar<int64_t>()();
+    int64_t num_samples = 0;
+    OP_REQUIRES_OK(ctx, ReadCount(ctx, 4, "num_samples", &num_samples));
+    TensorShape activations_shape;
+    OP_REQUIRES_OK(ctx, RowsShape("num_samples", num_samples, dim, &activations_shape));
     Occurrences occurrences;
     OP_REQUIRES_OK(ctx, ReadOccurrences(ctx->input(2), ctx->input(3), n, num_samples,
                                         &occurrences));
@@ -163,7 +191,7 @@ class DedupLookupOp : public OpKernel {
                   InvalidArgument("id ", id[k], " is not in [0, ", rows, ")"));
     }
     Tensor* activations = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_samples, dim}), &activations));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, activations_shape, &activations));
     float* out = activations->flat<float>().data();
     const float* values = table.flat<float>().data();
     // One pass: while the next rows are fetched from memory, hash this id and combine its row.
@@ -199,7 +227,8 @@ class RowGradientsOp : public OpKernel {
     const Tensor& index = ctx->input(0);
     const Tensor& upstream = ctx->input(3);
     const int64_t n = index.NumElements();
-    const int64_t num_unique = ctx->input(4).scalar<int64_t>()();
+    int64_t num_unique = 0;
+    OP_REQUIRES_OK(ctx, ReadCount(ctx, 4, "num_unique", &num_unique));
     OP_REQUIRES(ctx, upstream.dims() == 2,
                 InvalidArgument("upstream must be a matrix, got ",
                                 upstream.shape().DebugString()));
@@ -207,8 +236,10 @@ class RowGradientsOp : public OpKernel {
     Occurrences occurrences;
     OP_REQUIRES_OK(ctx, ReadOccurrences(ctx->input(1), ctx->input(2), n, num_samples,
                                         &occurrences));
+    TensorShape result_shape;
+    OP_REQUIRES_OK(ctx, RowsShape("num_unique", num_unique, dim, &result_shape));
     Tensor* result = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique, dim}), &result));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, result_shape, &result));
     float* out = result->flat<float>().data();
     std::fill(out, out + num_unique * dim, 0.0f);
     const int64_t* position = index.flat<int64_t>().data();

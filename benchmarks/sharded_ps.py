@@ -1,0 +1,165 @@
+"""Tables sharded over parameter servers: examples/s and bytes on the wire per step.
+
+Every configuration runs a fresh local cluster (`LocalCluster`: ps and 2 worker processes on
+127.0.0.1) with this process as coordinator, and times `--steps` steps of the DLRM-shaped
+model's embedding part (`--tables` tables of `--rows` x 16, batch `--batch`, one id per table
+and example, Adagrad, loss = sum of the activations) scheduled on the workers:
+
+  sharded N ps   the engine, tables row-sharded over N ps tasks (FixedShardsPartitioner(N))
+  unsharded      the engine, no partitioner: each table whole on one ps task
+  keras          a Keras-initialised table as a ShardedVariable over 2 ps tasks, looked up by
+                 TF's own path (`tf.nn.embedding_lookup` dispatches to the shards), SGD
+                 applied shard by shard with `scatter_sub`
+
+Bytes per step are what crossed the loopback interface during the timed steps (the kernel's
+`lo` counters in /proc/net/dev, all processes together, gRPC framing included) divided by the
+steps. Beside them: the loopback's own bandwidth, one TCP stream moving 256 MiB.
+
+Usage: python -m benchmarks.sharded_ps [--quick] [--rows 100000] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tpu_embedding  # noqa: E402
+from tpu_embedding.examples.local_cluster import LocalCluster  # noqa: E402
+
+E = tf.tpu.experimental.embedding
+DIM = 16
+
+
+def loopback_bytes() -> int:
+  """Bytes received so far on the loopback interface (Linux)."""
+  with open("/proc/net/dev") as f:
+    for line in f:
+      name, _, counters = line.partition(":")
+      if name.strip() == "lo":
+        return int(counters.split()[0])
+  raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def loopback_bandwidth(total: int = 256 << 20) -> float:
+  """GB/s of one TCP stream over 127.0.0.1."""
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(1)
+  chunk = bytes(1 << 20)
+
+  def send():
+    with socket.create_connection(server.getsockname()) as s:
+      for _ in range(total // len(chunk)):
+        s.sendall(chunk)
+
+  sender = threading.Thread(target=send)
+  start = time.perf_counter()
+  sender.start()
+  connection, _ = server.accept()
+  received = 0
+  while received < total:
+    received += len(connection.recv(1 << 20))
+  sender.join()
+  elapsed = time.perf_counter() - start
+  connection.close()
+  server.close()
+  return total / elapsed / 1e9
+
+
+def _engine_step(strategy, args):
+  features = {f"f{i}": E.FeatureConfig(table=E.TableConfig(
+      vocabulary_size=args.rows, dim=DIM, combiner="sum", name=f"t{i}"))
+              for i in range(args.tables)}
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
+    layer.variables_by_table  # pylint: disable=pointless-statement
+
+  def step(ids):
+    with tf.GradientTape() as tape:
+      out = layer({f"f{i}": ids[i] for i in range(args.tables)})
+      loss = tf.add_n([tf.reduce_sum(v) for v in out.values()])
+    tape.gradient(loss, layer.trainable_variables)
+
+  return step
+
+
+def _keras_step(strategy, args):
+  # tf_keras's Embedding layer itself fails on a ShardedVariable in TF 2.21 ("'ShardedVariable'
+  # object has no attribute 'handle'"), so its table is used through `tf.nn.embedding_lookup`,
+  # which TF dispatches to its ShardedVariable path; SGD applied shard by shard.
+  with strategy.scope():
+    tables = [tf.Variable(tf_keras.initializers.RandomUniform()([args.rows, DIM]))
+              for _ in range(args.tables)]
+
+  def step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(table, ids[i]))
+                       for i, table in enumerate(tables)])
+    shards = [shard for table in tables for shard in table.variables]
+    for shard, grad in zip(shards, tape.gradient(loss, shards)):
+      shard.scatter_sub(tf.IndexedSlices(0.05 * grad.values, grad.indices))
+
+  return step
+
+
+def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
+  """(examples/s, loopback bytes per step) of one configuration, in a fresh cluster."""
+  with LocalCluster(num_ps=num_ps, num_workers=2) as cluster:
+    partitioner = (None if kind == "unsharded" else
+                   tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps))
+    strategy = tf.distribute.ParameterServerStrategy(cluster.resolver(),
+                                                     variable_partitioner=partitioner)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    replica_step = (_keras_step if kind == "keras" else _engine_step)(strategy, args)
+
+    @tf.function
+    def worker_step(seed):
+      ids = tf.random.stateless_uniform([args.tables, args.batch], tf.stack([seed, seed]),
+                                        maxval=args.rows, dtype=tf.int64)
+      strategy.run(replica_step, args=(ids,))
+
+    for warmup in range(4):
+      coordinator.schedule(worker_step, args=(tf.constant(warmup, tf.int64),))
+    coordinator.join()
+    before, start = loopback_bytes(), time.perf_counter()
+    for step in range(args.steps):
+      coordinator.schedule(worker_step, args=(tf.constant(100 + step, tf.int64),))
+    coordinator.join()
+    elapsed, sent = time.perf_counter() - start, loopback_bytes() - before
+  return args.steps * args.batch / elapsed, sent / args.steps
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="fewer steps, ps counts 1 and 2")
+  parser.add_argument("--rows", type=int, default=100_000)
+  parser.add_argument("--tables", type=int, default=3)
+  parser.add_argument("--batch", type=int, default=1024)
+  parser.add_argument("--steps", type=int, default=30)
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.steps = min(args.steps, 10)
+  table_bytes = args.rows * DIM * 4
+  print(f"{args.tables} tables of {args.rows} x {DIM} ({table_bytes / 1e6:.1f} MB each), "
+        f"batch {args.batch}, 2 workers, {args.steps} timed steps\n")
+  print("| configuration | examples/s | bytes per step on loopback | x one table |")
+  print("|---|---:|---:|---:|")
+  configs = [("keras", 2), ("unsharded", 2)]
+  configs += [("sharded", n) for n in ((1, 2) if args.quick else (1, 2, 4))]
+  for kind, num_ps in configs:
+    rate, sent = measure(kind, num_ps, args)
+    print(f"| {kind} {num_ps} ps | {rate:,.0f} | {sent / 1e3:,.0f} kB | "
+          f"{sent / table_bytes:.3f} |", flush=True)
+  print(f"\nloopback, one TCP stream: {loopback_bandwidth():.2f} GB/s")
+
+
+if __name__ == "__main__":
+  main()

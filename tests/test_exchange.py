@@ -1,0 +1,83 @@
+"""Cross-replica sums of the static-shape path, under MirroredStrategy with 2 logical CPUs.
+
+TensorFlow compiles no collective for CPU devices under XLA ("Collectives are not yet implemented
+for CPU devices when compiling with XLA"), so the replica steps here are plain `tf.function`s
+calling the static path directly; on TPU and on GPUs the same all-reduce is compiled by XLA.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference
+from tpu_embedding import config as config_lib
+from tpu_embedding.engine import exchange
+from tpu_embedding.engine import lookup
+from tpu_embedding.engine import static_path
+from tpu_embedding.engine.engine import EmbeddingEngine
+
+E = tf.tpu.experimental.embedding
+
+
+@pytest.fixture(name="strategy")
+def _strategy():
+  # Reduction through one device: CPU collectives keep per-process keys that a second strategy
+  # of the same devices would reuse with other shapes.
+  return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def test_every_replica_receives_the_sum_and_one_replica_its_own_value(strategy):
+  def per_replica():
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return exchange.cross_replica_sum(tf.cast(replica + 1, tf.float32) * tf.ones([2]))
+
+  summed = tf.function(lambda: strategy.run(per_replica))()
+  for value in strategy.experimental_local_results(summed):
+    np.testing.assert_array_equal(value.numpy(), [3.0, 3.0])
+  np.testing.assert_array_equal(exchange.cross_replica_sum(tf.ones([2])).numpy(), [1.0, 1.0])
+  assert exchange.replicas_to_sum() == 1
+
+
+# Each replica's bags of one feature and their activation gradients; the global batch is both.
+BAGS = [[[0, 3, 3], [5]], [[3], [1, 1, 0]]]
+UPSTREAM = [np.array([[1.0, -2.0], [0.5, 0.25]], np.float32),
+            np.array([[-1.0, 3.0], [2.0, -0.5]], np.float32)]
+
+
+@pytest.mark.parametrize("optimizer", [E.Adagrad(0.3), E.Adam(0.3, lazy_adam=True),
+                                       E.Adam(0.3, lazy_adam=False)],
+                         ids=["adagrad", "lazy_adam", "adam"])
+def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(strategy, optimizer):
+  values = np.linspace(-1, 1, 8 * 2, dtype=np.float32).reshape(8, 2)
+  table = E.TableConfig(8, 2, name="t", combiner="sum",
+                        initializer=tf.constant_initializer(values))
+  config = config_lib.prepare({"f": E.FeatureConfig(table)}, optimizer)
+  with strategy.scope():
+    engine = EmbeddingEngine(config)
+    engine.build()
+  variables = engine.variables_by_table["t"]
+  names = [n for n in variables if n != "parameters"]
+
+  def state_of(_):
+    return names, [variables["parameters"]] + [variables[n] for n in names]
+
+  def replica_step(ids, upstream):
+    step = lookup.Step.prepare(config, {"f": ids})
+    static_path.activations(step, engine.parameters)
+    static_path.apply_gradients(step.upstream_by_table([upstream]), state_of)
+
+  per_replica = strategy.experimental_distribute_values_from_function(
+      lambda context: (tf.ragged.constant(BAGS[context.replica_id_in_sync_group], tf.int64),
+                       tf.constant(UPSTREAM[context.replica_id_in_sync_group])))
+  train = tf.function(lambda inputs: strategy.run(replica_step, args=inputs))
+  params = reference.params_from_optimizer(optimizer)
+  w, slots = values.astype(np.float64), reference.initial_slots(params, values.shape)
+  global_bags = [(b, None) for bags in BAGS for b in bags]
+  for _ in range(3):
+    train(per_replica)
+    row_ids, grads = reference.assemble_gradients(global_bags, np.concatenate(UPSTREAM), "sum")
+    w, slots = reference.apply_step(w, slots, row_ids, grads, 0.3, params)
+  for name, expected in [("parameters", w), *slots.items()]:
+    for copy in variables[name].values:  # every replica's copy, not only the first
+      np.testing.assert_allclose(copy.numpy(), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,144 @@
+"""SparseCore (TPUEmbeddingV2) tables: from TF's stacked, padded, sharded layout to the logical
+table a user configured.
+
+TF stacks tables that share an optimizer and quantization into one variable, pads each table's
+width (to a multiple of 8) and rows (per SparseCore), deals the rows out round-robin over every
+SparseCore and rotates each table's shards. `embedding_layouts` records where each table went;
+TF's own `tpu_embedding_v3_utils` functions undo it, the same ones its checkpoint adapter and
+`TPUEmbeddingForServing` use, so this module reads tables exactly as TF restores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+# TF internals, each used in this module only: TF's own unshuffling, its SparseCore checkpoint
+# adapter, and its checkpoint key escape.
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
+from tensorflow.python.tpu import tpu_embedding_v3_utils
+from tensorflow.python.trackable import trackable_utils
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+
+def stacked_value(variable: Any) -> tf.Tensor:
+  """The whole stacked variable: its per-device shards in device order, one after another."""
+  shards = list(getattr(variable, "values", None) or [variable])
+  return tf.concat([tf.convert_to_tensor(shard) for shard in shards], axis=0)
+
+
+def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
+  """The [vocabulary_size, dim] table that `layout` (a SparseCoreTableLayout) places in
+  `stacked`: rows un-dealt and un-rotated, padding dropped."""
+  padded = tpu_embedding_v3_utils.unshuffle_from_sc_to_cpu(
+      stacked,
+      num_sparse_cores=layout.num_sparse_cores,
+      offset_in_shard=layout.sparse_core_shard_row_offset,
+      size_in_shard=layout.unsharded_padded_shape[0] // layout.num_sparse_cores,
+      shard_rotation=layout.sparse_core_shard_rotation)
+  return tpu_embedding_v3_utils.remove_padding_from_sc(padded, tuple(layout.unsharded_shape))
+
+
+def logical_tables(stacked_variables: dict[str, Any], layouts: dict[str, Any],
+                   tables: tuple[TableConfig, ...]) -> dict[TableConfig, tf.Tensor]:
+  """{table: its logical value} for `tables`, read from the stacked variables (keyed by stacked
+  table name) through each table's layout (keyed by table name)."""
+  stacks: dict[str, tf.Tensor] = {}
+  result = {}
+  for table in tables:
+    layout = layouts[table.name]
+    name = layout.stacked_table_name
+    if name not in stacks:
+      stacks[name] = stacked_value(stacked_variables[name])
+    result[table] = logical_table(stacks[name], layout)
+  return result
+
+
+def needs_relayout(path: str, mid_level: tf.Module) -> bool:
+  """Whether the checkpoint at `path` holds `mid_level`'s tables in another layout (per table, or
+  other SparseCore layouts), which TF's checkpoint adapter converts only while `mid_level`
+  creates its variables: a restore into built variables would then silently change nothing."""
+  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
+
+
+def stacked_tables_in(path: str) -> set[str]:
+  """The names of the tables that the checkpoint at `path` holds stacked by SparseCore."""
+  reader = tf.train.load_checkpoint(path)
+  found = set()
+  for key in reader.get_variable_to_shape_map():
+    if key.endswith(_key("", _LAYOUTS)):
+      layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+      layouts.ParseFromString(reader.get_tensor(key))
+      found.update(layout.table_name for layout in layouts.tables)
+  return found
+
+
+def refuse_stacked_tables(path: str, table_names: set[str], receiver: str,
+                          mid_level_path: str) -> None:
+  """Raises if the checkpoint at `path` holds any of `table_names` stacked by SparseCore.
+
+  Called off SparseCore, from TF's restore hook of `receiver` (before anything is assigned):
+  its per-table variables would otherwise silently keep their values, since the checkpoint
+  names the stacks, not the tables. `mid_level_path` is where, below the receiver's own
+  checkpoint path, the saving layer kept its SparseCore object (for the message).
+  """
+  stacked = sorted(stacked_tables_in(path) & table_names)
+  if stacked:
+    raise ValueError(
+        f"Cannot restore the checkpoint {path!r} into {receiver}: it holds the tables {stacked} "
+        "stacked by SparseCore, which a layer off SparseCore cannot read by table name. Restore "
+        "it into the layer built under a SparseCore TPUStrategy, or read those tables with "
+        f"tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to the layer>/"
+        f"{mid_level_path}', <per-table variables>). Nothing was changed.")
+
+
+def restore_from_checkpoint(path: str, layer_path: str,
+                            variables_by_table: dict[str, dict[str, tf.Variable]]) -> None:
+  """Loads the tables and slots a SparseCore layer saved at `path` into unstacked variables.
+
+  A SparseCore checkpoint holds stacked, padded, sharded values under stacked names plus the
+  layouts; other paths key each table by its own name, so `tf.train.Checkpoint.restore` cannot
+  match them. This reads each table's values through its layout. Everything is read and checked
+  first, then assigned: a refused checkpoint changes no variable.
+
+  Args:
+    path: the checkpoint (a prefix as `tf.train.Checkpoint.write` returns, or a directory).
+    layer_path: where the saved layer's mid-level object sits in the checkpoint, e.g.
+      "model/embedding/_tpu_embedding".
+    variables_by_table: the receiving layer's `variables_by_table`.
+  """
+  reader = tf.train.load_checkpoint(path)
+  layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+  layouts.ParseFromString(reader.get_tensor(_key(layer_path, _LAYOUTS)))
+  by_table = {layout.table_name: layout for layout in layouts.tables}
+  missing = sorted(set(variables_by_table) - set(by_table))
+  if missing:
+    raise ValueError(f"The SparseCore checkpoint {path} at {layer_path!r} has no table "
+                     f"{missing}; it holds {sorted(by_table)}.")
+  values = []
+  for table, variables in variables_by_table.items():
+    layout = by_table[table]
+    for slot, variable in variables.items():
+      stack = layout.stacked_table_name + ("" if slot == "parameters" else f"/{slot}")
+      key = _key(layer_path, stack)
+      if not reader.has_tensor(key):
+        raise ValueError(f"The SparseCore checkpoint {path} has no {slot!r} for table "
+                         f"{table!r} (looked for {key!r}).")
+      value = logical_table(tf.constant(reader.get_tensor(key)), layout)
+      if value.shape != variable.shape:
+        raise ValueError(f"Table {table!r} {slot!r}: the checkpoint holds shape {value.shape}, "
+                         f"the layer {variable.shape}.")
+      values.append((variable, value))
+  for variable, value in values:
+    variable.assign(value)
+
+
+_LAYOUTS = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+
+
+def _key(layer_path: str, name: str) -> str:
+  """The checkpoint key of the variable tracked as `name` (TF escapes '/' and '.' in names)."""
+  return f"{layer_path}/{trackable_utils.escape_local_name(name)}/.ATTRIBUTES/VARIABLE_VALUE"
