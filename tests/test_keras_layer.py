@@ -184,6 +184,24 @@ def test_table_updates_by_the_model_optimizer_are_refused():
     TPUEmbedding({"f": E.FeatureConfig(table=make_table())}, "sgd", table_updates="keras")
 
 
+def test_check_finite_refuses_a_nan_gradient_and_survives_the_config_round_trip():
+  """check_finite reaches the engine from the Keras 3 layer, and from its rebuilt copy."""
+  original = TPUEmbedding({"f": E.FeatureConfig(table=make_table())}, E.SGD(0.5),
+                          check_finite=True)
+  assert original.get_config()["check_finite"] is True
+  layer = TPUEmbedding.from_config(original.get_config())
+  model = SumModel(layer)
+  model({"f": IDS})  # builds the tables
+  (table,) = layer.embedding_tables.values()
+  before = table.numpy()
+  with pytest.raises(tf.errors.InvalidArgumentError, match="table 't'.*non-finite"):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(model({"f": IDS}) * float("nan"))
+    keras.optimizers.SGD(0.1).apply_gradients(
+        zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+  np.testing.assert_array_equal(table.numpy(), before)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: the same keys as the tf-keras layer, restored both ways from real files
 

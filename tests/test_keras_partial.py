@@ -33,6 +33,16 @@ def expected_sgd(lr):
   return small, large
 
 
+@pytest.mark.parametrize("size_threshold", [5, None])
+def test_table_updates_by_the_model_optimizer_are_refused(size_threshold):
+  """Keras 3 optimizers only update Keras variables: "keras" would leave the tables untrained,
+  even when every table is replicated (no sharded layer there to refuse it)."""
+  small, large = tables()
+  with pytest.raises(ValueError, match="table_updates='keras'"):
+    PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+                        "sgd", size_threshold=size_threshold, table_updates="keras")
+
+
 @pytest.mark.parametrize("size_threshold", [5, None, 0])
 def test_fit_trains_both_sides_like_numpy(size_threshold):
   small, large = tables()
