@@ -205,3 +205,112 @@ def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
   assert sorted(loaded.embedding_tables) == ["video_table"]
   np.testing.assert_array_equal(loaded.embedding_tables["video_table"].numpy(),
                                 np.arange(8.0).reshape(2, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# The Keras 3 layer drives the same backends
+
+
+def _keras3_layer(config, **kwargs):
+  import keras  # pylint: disable=g-import-not-at-top
+  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding  # pylint: disable=g-import-not-at-top
+  return Keras3TPUEmbedding(config, optimizer=keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_the_keras3_layer_builds_v1_as_the_tf_keras_layer_and_traces_one_engine_step(tpu):
+  """A Keras 3 layer (given Keras 3's tuple shapes) writes the tf-keras layer's V1 config proto,
+  and its training step enqueues, receives and sends once under one name, the gradients sent
+  being one [batch, dim] tensor per feature (traced by TF's real class, never run)."""
+  strategy, recorded = tpu(Path.TPU_V1)
+  with strategy.scope():
+    tf_keras_layer, _ = make_layer(Path.TPU_V1)
+    tf_keras_layer.build({k: tf.TensorShape([BATCH]) for k in feature_config()})
+    layer = _keras3_layer(feature_config())
+    layer.build({k: (BATCH,) for k in feature_config()})
+  assert layer.execution_path is Path.TPU_V1
+  assert type(layer._tpu_embedding) is emb.TPUEmbedding
+  reference, proto = recorded.config_protos
+  assert proto == reference
+  assert [(f.name, list(f.input_shape)) for f in proto.feature_descriptor] == [
+      ("favorited", [BATCH]), ("friends", [BATCH]), ("watched", [BATCH])]
+
+  @tf.function
+  def step(ids):
+    with tf.GradientTape() as tape:
+      activations = layer(ids)
+      loss = tf.add_n([tf.reduce_sum(a) for a in activations.values()])
+    return tape.gradient(loss, [v.value for v in layer.trainable_variables])
+
+  ids = {k: tf.constant([0, 1, 1, 0]) for k in feature_config()}
+  with strategy.scope():
+    graph = step.get_concrete_function(_specs(ids)).graph
+  ops = lambda kind: [op for op in graph.get_operations() if op.type == kind]
+  (enqueue,) = ops("EnqueueTPUEmbeddingArbitraryTensorBatch")
+  (receive,) = ops("RecvTPUEmbeddingActivations")
+  (send,) = ops("SendTPUEmbeddingGradients")
+  assert len({op.get_attr("_tpu_embedding_layer") for op in (enqueue, receive, send)}) == 1
+  # Flatten order: favorited (video, dim 4), friends (user, dim 2), watched (video, dim 4).
+  assert [o.shape.as_list() for o in receive.outputs] == [[BATCH, 4], [BATCH, 2], [BATCH, 4]]
+  assert [t.shape.as_list() for t in send.inputs[:3]] == [[BATCH, 4], [BATCH, 2], [BATCH, 4]]
+  assert len(layer.trainable_variables) == 1  # only the gradient trap
+
+
+def _specs(inputs):
+  return tf.nest.map_structure(tf.type_spec_from_value, inputs)
+
+
+def _sparse_core_config():
+  """Tables whose every entry is known (SparseCore asks initializers for padded shapes)."""
+  video = emb.TableConfig(16, 4, name="video_table", initializer=tpu_harness.pattern(0.0))
+  user = emb.TableConfig(32, 2, name="user_table", initializer=tpu_harness.pattern(10000.0))
+  return {"watched": emb.FeatureConfig(video, name="watched", output_shape=[BATCH]),
+          "favorited": emb.FeatureConfig(video, name="favorited", output_shape=[BATCH]),
+          "friends": emb.FeatureConfig(user, name="friends", output_shape=[BATCH])}
+
+
+def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_lookup(tpu):
+  """On SparseCore (TF's real TPUEmbeddingV2, stacking and padding on CPU) the Keras 3 layer
+  holds the same logical tables as the tf-keras layer, and its lookup traces TF's SparseCore
+  matmul once per stack with one [batch, dim] activation per feature."""
+  strategy, _ = tpu(Path.TPU_V2)
+  shapes = {k: tf.TensorShape([BATCH]) for k in feature_config()}
+  with strategy.scope():
+    tf_keras_layer = TPUEmbedding(_sparse_core_config(), optimizer="sgd")
+    tf_keras_layer.build(shapes)
+    layer = _keras3_layer(_sparse_core_config())
+    layer.build({k: (BATCH,) for k in feature_config()})
+  assert layer.execution_path is Path.TPU_V2
+  assert type(layer._tpu_embedding) is emb.TPUEmbeddingV2
+  tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
+  reference = {t.name: np.asarray(v) for t, v in tf_keras_layer.embedding_tables.items()}
+  layouts = layer._tpu_embedding.embedding_layouts
+  stacked = layer._tpu_embedding.embedding_tables
+  assert sorted(tables) == sorted(reference) == ["user_table", "video_table"]
+  for name, (dim, offset) in {"video_table": (4, 0.0), "user_table": (2, 10000.0)}.items():
+    by_hand = tpu_harness.logical_by_hand(
+        tpu_harness.stacked_by_hand(stacked[layouts[name].stacked_table_name]), layouts[name])
+    np.testing.assert_array_equal(tables[name], by_hand, err_msg=name)
+    np.testing.assert_array_equal(tables[name], reference[name], err_msg=name)
+    # Only this table's columns: TF's initializer wrote offset + 100 * row + column.
+    np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (len(by_hand), 1)))
+    assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
+
+  @tf.function
+  def step(ids):
+    return strategy.run(layer, args=(ids,))
+
+  specs = {k: tf.TensorSpec([BATCH], tf.int32) for k in feature_config()}
+  with strategy.scope():
+    concrete = step.get_concrete_function(specs)
+  kinds = [op.type for op in concrete.graph.get_operations()]
+  assert kinds.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1  # one stack: dims 4, 2
+  assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
+      "watched": [BATCH, 4], "favorited": [BATCH, 4], "friends": [BATCH, 2]}
+
+
+def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
+  """On V0 the model's optimizer would have to train the tables, which Keras 3 cannot."""
+  strategy, _ = tpu(Path.TPU_V0)
+  with strategy.scope():
+    with pytest.raises(ValueError, match="TPU_V0: these tables would be trained by the model's"):
+      _keras3_layer(feature_config())

@@ -47,7 +47,6 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
-import tf_keras
 from absl import logging
 
 from tpu_embedding.engine import updates
@@ -224,20 +223,22 @@ _TRANSLATIONS: Dict[str, _Translation] = {
 }
 
 
-def _keras3() -> Optional[ModuleType]:
-    """Keras 3 if it has been imported: otherwise no Keras 3 object can exist, and we never
-    import this optional dependency ourselves."""
-    keras = sys.modules.get("keras")
+def _imported_keras(name: str) -> Optional[ModuleType]:
+    """The Keras package `name` ("tf_keras" or "keras") if it has been imported: otherwise no
+    object of it can exist, and we never import it ourselves (each layer flavour must load only
+    its own Keras)."""
+    keras = sys.modules.get(name)
     return keras if hasattr(keras, "optimizers") else None
 
 
 def _keras_family(optimizer: Any) -> Optional[Tuple[str, ModuleType]]:
     """(label, module) of the Keras optimizer family `optimizer` belongs to."""
-    families = [
-        ("tf_keras.optimizers.legacy", tf_keras.optimizers.legacy),
-        ("tf_keras.optimizers", tf_keras.optimizers),
-    ]
-    keras = _keras3()
+    families = []
+    tf_keras = _imported_keras("tf_keras")
+    if tf_keras is not None:
+        families.append(("tf_keras.optimizers.legacy", tf_keras.optimizers.legacy))
+        families.append(("tf_keras.optimizers", tf_keras.optimizers))
+    keras = _imported_keras("keras")
     if keras is not None:
         families.append(("keras.optimizers", keras.optimizers))
     for label, module in families:
@@ -247,9 +248,8 @@ def _keras_family(optimizer: Any) -> Optional[Tuple[str, ModuleType]]:
 
 
 def _schedule_types() -> Tuple[type, ...]:
-    keras = _keras3()
-    keras_schedule = () if keras is None else (keras.optimizers.schedules.LearningRateSchedule,)
-    return (tf_keras.optimizers.schedules.LearningRateSchedule, *keras_schedule)
+    kerases = [_imported_keras("tf_keras"), _imported_keras("keras")]
+    return tuple(k.optimizers.schedules.LearningRateSchedule for k in kerases if k is not None)
 
 
 class NotAnOptimizerError(TypeError, ValueError):

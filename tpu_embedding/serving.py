@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels
 
 from tpu_embedding import hardware
-from tpu_embedding.layer import TPUEmbedding
+from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -149,20 +149,25 @@ def _check_replaceable(target: str) -> None:
 # What to export
 
 
-def _embedding_layers(model: tf.Module) -> list[TPUEmbedding]:
-  found = [model] if isinstance(model, TPUEmbedding) else []
-  found += [m for m in model.submodules if isinstance(m, TPUEmbedding)]
+def _embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
+  """The `TPUEmbedding` layers of either Keras flavour in `model`."""
+  # tf.Module and tf-keras list their submodules; a Keras 3 model is walked as a trackable.
+  submodules = getattr(model, "submodules", None)
+  if submodules is None:
+    submodules = tf.train.TrackableView(model).descendants()
+  found = [model] if isinstance(model, TPUEmbeddingCore) else []
+  found += [m for m in submodules if isinstance(m, TPUEmbeddingCore)]
   return list({id(layer): layer for layer in found}.values())
 
 
-def _refuse_sparse_core(layers: list[TPUEmbedding]) -> None:
+def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
   """A SparseCore layer's variables are TF's stacked, padded, row-dealt stacks: an export of
   them could not hold its tables by name (`embedding_tables`, `tables=`)."""
   for layer in layers:
-    if layer.path is hardware.Path.TPU_V2:
+    if layer.execution_path is hardware.Path.TPU_V2:
       raise ValueError(
-          f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path {layer.path.name}): "
-          "its variables are TensorFlow's stacked, padded tables, which export_for_serving "
+          f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
+          f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "
           "cannot export by table name. Write a checkpoint of the model, restore it into the "
           "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
           "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "
@@ -184,7 +189,7 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
   return functions
 
 
-def _embedding_variables(layers: list[TPUEmbedding]) -> dict[Any, tuple[str, Optional[str]]]:
+def _embedding_variables(layers: list[TPUEmbeddingCore]) -> dict[Any, tuple[str, Optional[str]]]:
   """{variable ref: (table name, slot name or None)} over every layer's tables and slots.
 
   A V1 table is a sharded variable (one row block per TPU host); its blocks are the variables a
@@ -217,7 +222,7 @@ def _grouped(owners: Mapping[Any, tuple[str, Optional[str]]]
   return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
 
 
-def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, Any],
+def _kept_tables(tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[Any, Any],
                  needed: set[str]) -> set[str]:
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
@@ -242,7 +247,7 @@ def _kept_tables(tables: Any, layers: list[TPUEmbedding], owners: Mapping[Any, A
   return kept
 
 
-def _name_of(table: Any, layers: list[TPUEmbedding]) -> str:
+def _name_of(table: Any, layers: list[TPUEmbeddingCore]) -> str:
   for layer in layers:
     config = layer._config  # pylint: disable=protected-access
     for clone, user in config.user_tables.items():

@@ -1,0 +1,60 @@
+"""`PartialTPUEmbedding` for Keras 3 (TensorFlow backend): the tf-keras layer's logic, Keras 3 base.
+
+Everything the layer does is `tpu_embedding.partial_core.PartialTPUEmbeddingCore`; its sharded
+tables are served by the Keras 3 `TPUEmbedding`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from tpu_embedding.keras import saving
+from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
+from tpu_embedding.partial_core import PartialTPUEmbeddingCore
+
+
+@keras.saving.register_keras_serializable(package="tpu_embedding")
+class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.layers.Layer):
+  """Replicates small tables and shards large ones (see `tpu_embedding.PartialTPUEmbedding`).
+
+  Args:
+    feature_config: any nest of `tf.tpu.experimental.embedding.FeatureConfig` or
+      `keras_rs.layers.FeatureConfig`; the output has the same structure.
+    optimizer: for tables without their own optimizer, on both sides: a string, a Keras
+      optimizer or a `tf.tpu.experimental.embedding` optimizer.
+    pipeline_execution_with_tensor_core: passed to the sharded side.
+    batch_size: passed to the sharded side (per-replica batch size to build the TPU engine).
+    size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
+      replicated. 0 shards every table; None replicates every table.
+    **kwargs: Keras layer arguments (`name`, ...).
+
+  Every table is trained by its own optimizer (`table_updates="engine"`, the only value taken:
+  "keras" is refused, since a Keras 3 optimizer only updates Keras variables).
+  """
+
+  sharded_layer_class = TPUEmbedding
+
+  def __init__(self, feature_config: Any, optimizer: Any = None,
+               pipeline_execution_with_tensor_core: bool = False,
+               batch_size: Optional[int] = None,
+               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
+               **kwargs):
+    if table_updates == "keras":
+      raise ValueError(
+          "PartialTPUEmbedding for Keras 3: table_updates='keras' would leave the tables to the "
+          "model's optimizer, which in Keras 3 only updates Keras variables. Leave table_updates "
+          "at 'engine', or use the tf-keras layer tpu_embedding.PartialTPUEmbedding.")
+    super().__init__(
+        feature_config_for_keras3(feature_config), optimizer,
+        pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+        batch_size=batch_size, size_threshold=size_threshold,
+        table_updates=table_updates, **kwargs)
+    self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+                           batch_size=batch_size, size_threshold=size_threshold)
+
+  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
+    # The sharded side is a Keras sublayer, which Keras saves on its own.
+    return {} if self._replicated is None else self._replicated.variables_by_table

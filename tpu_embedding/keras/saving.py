@@ -1,0 +1,188 @@
+"""`.keras` files for the Keras 3 layers: their config as JSON and their tables by name.
+
+Keras 3 saves a layer as `get_config()` plus the arrays `save_own_variables` puts in a store.
+The layers' tables and slots live in the engine, not in Keras variables, so they are stored
+here under `table:<table>` and `table:<table>:<slot>`, checked before anything is assigned.
+
+The configuration is saved as the layer uses it: every table with its resolved mid-level
+optimizer. Saved as values: a learning rate that is a callable or follows a Keras optimizer is
+saved at its current value. A table's initializer is kept when it is a Keras initializer;
+any other gives the default one to a layer rebuilt from config alone (`load_model` then
+assigns the saved values anyway). The hardware arguments (`embedding_feature`,
+`sparse_core_embedding_config`) are not saved: the machine that loads the file decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import optimizers
+
+E = tf.tpu.experimental.embedding
+OPTIMIZER_CLASSES = ("SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL")
+_FEATURE_KEY = "tpu_embedding_feature"
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers' side
+
+
+class KerasFileMixin:
+  """`get_config`/`from_config` and the tables' store for a Keras 3 embedding layer.
+
+  The layer sets `_arguments` (its constructor arguments other than the feature config and
+  the Keras ones) and says which tables it saves itself in `_own_tables`.
+  """
+
+  _arguments: dict
+
+  def _own_tables(self) -> Mapping[str, Mapping[str, tf.Variable]]:
+    raise NotImplementedError
+
+  def get_config(self) -> dict:
+    config = super().get_config()
+    config.update(feature_config=serialize_feature_config(self._config), **self._arguments)
+    return config
+
+  @classmethod
+  def from_config(cls, config: dict) -> Any:
+    config = dict(config)
+    return cls(deserialize_feature_config(config.pop("feature_config")), **config)
+
+  def save_own_variables(self, store: Any) -> None:
+    # The gradient trap is not saved: it only carries gradients and is always zero.
+    self.flush()
+    save_tables(store, self._own_tables())
+
+  def load_own_variables(self, store: Any) -> None:
+    load_tables(store, self._own_tables(), self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+def serialize_feature_config(config: config_lib.EmbeddingConfig) -> dict:
+  """The prepared configuration as JSON-able values: tables by name, the nest of features."""
+  tables = [_serialize_table(t) for t in config.tables]
+  features = tf.nest.map_structure(_serialize_feature, config.feature_config)
+  return {"tables": tables, "features": features}
+
+
+def deserialize_feature_config(serialized: Mapping[str, Any]) -> Any:
+  """The nest of mid-level `FeatureConfig`s `serialize_feature_config` describes."""
+  tables = {t["name"]: _deserialize_table(t) for t in serialized["tables"]}
+
+  def feature(leaf):
+    return E.FeatureConfig(table=tables[leaf["table"]], max_sequence_length=leaf[
+        "max_sequence_length"], output_shape=leaf["output_shape"], name=leaf["name"])
+
+  def rebuild(node):  # JSON holds dicts and lists only: tuples come back as lists
+    if isinstance(node, Mapping) and _FEATURE_KEY in node:
+      return feature(node)
+    if isinstance(node, Mapping):
+      return {key: rebuild(value) for key, value in node.items()}
+    return [rebuild(value) for value in node]
+
+  return rebuild(serialized["features"])
+
+
+def _serialize_feature(feature: E.FeatureConfig) -> dict:
+  shape = feature.output_shape
+  return {_FEATURE_KEY: True, "table": feature.table.name, "name": feature.name,
+          "max_sequence_length": feature.max_sequence_length,
+          "output_shape": None if shape.rank is None else shape.as_list()}
+
+
+def _serialize_table(table: E.TableConfig) -> dict:
+  initializer = table.initializer
+  keep = isinstance(initializer, keras.initializers.Initializer)
+  return {"name": table.name, "vocabulary_size": table.vocabulary_size, "dim": table.dim,
+          "combiner": table.combiner,
+          "initializer": keras.initializers.serialize(initializer) if keep else None,
+          "optimizer": serialize_optimizer(table.optimizer, table.name)}
+
+
+def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
+  initializer = table["initializer"]
+  return E.TableConfig(
+      vocabulary_size=table["vocabulary_size"], dim=table["dim"], combiner=table["combiner"],
+      name=table["name"], optimizer=deserialize_optimizer(table["optimizer"]),
+      initializer=None if initializer is None else keras.initializers.deserialize(initializer))
+
+
+def serialize_optimizer(optimizer: Optional[Any], table: str) -> Optional[dict]:
+  """A mid-level optimizer as {"class", "config"}: its constructor arguments' current values."""
+  if optimizer is None:
+    return None
+  name = type(optimizer).__name__
+  if name not in OPTIMIZER_CLASSES or getattr(E, name) is not type(optimizer):
+    raise ValueError(f"Table {table!r}: its optimizer {type(optimizer).__name__} cannot be "
+                     f"saved in a .keras file; use one of {', '.join(OPTIMIZER_CLASSES)}.")
+  if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
+    raise ValueError(f"Table {table!r}: an optimizer with a slot_variable_creation_fn cannot be "
+                     "saved in a .keras file (the function is code, not configuration).")
+  config = {}
+  for argument in inspect.signature(type(optimizer).__init__).parameters:
+    if argument in ("self", "slot_variable_creation_fn", "low_dimensional_packing_status"):
+      continue
+    if argument == "clipvalue":
+      limits = (optimizer.clip_gradient_min, optimizer.clip_gradient_max)
+      config["clipvalue"] = None if limits == (None, None) else list(limits)
+    elif argument == "learning_rate":
+      config["learning_rate"] = float(optimizers.learning_rate_tensor(optimizer))
+    else:
+      config[argument] = getattr(optimizer, argument)
+  return {"class": name, "config": config}
+
+
+def deserialize_optimizer(serialized: Optional[Mapping[str, Any]]) -> Optional[Any]:
+  if serialized is None:
+    return None
+  if serialized["class"] not in OPTIMIZER_CLASSES:
+    raise ValueError(f"Unknown embedding optimizer {serialized['class']!r} in a .keras file; "
+                     f"expected one of {', '.join(OPTIMIZER_CLASSES)}.")
+  config = dict(serialized["config"])
+  if config.get("clipvalue") is not None:
+    config["clipvalue"] = tuple(config["clipvalue"])
+  return getattr(E, serialized["class"])(**config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables and slots
+
+
+def _key(table: str, slot: str) -> str:
+  return f"table:{table}" if slot == "parameters" else f"table:{table}:{slot}"
+
+
+def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
+  for table, variables in variables_by_table.items():
+    for slot, variable in variables.items():
+      store[_key(table, slot)] = variable.numpy()
+
+
+def load_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]],
+                layer: str) -> None:
+  """Assigns every table and slot from `store`, after checking that all are there and fit."""
+  values = {}
+  for table, variables in variables_by_table.items():
+    for slot, variable in variables.items():
+      key = _key(table, slot)
+      if key not in store.keys():
+        raise ValueError(f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
+                         f"{table!r} (looked for {key!r}; it holds {sorted(store.keys())}).")
+      value = np.asarray(store[key])
+      if list(value.shape) != variable.shape.as_list():
+        raise ValueError(f"Layer {layer!r}: table {table!r} {slot!r} has shape "
+                         f"{list(value.shape)} in the .keras file; the layer expects "
+                         f"{variable.shape.as_list()}.")
+      values[key] = (variable, value)
+  for variable, value in values.values():
+    variable.assign(value)

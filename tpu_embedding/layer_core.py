@@ -1,0 +1,181 @@
+"""What both Keras flavours of `TPUEmbedding` share: everything but the Keras base class.
+
+`tpu_embedding.layer.TPUEmbedding` (tf-keras) and `tpu_embedding.keras.TPUEmbedding` (Keras 3)
+are this mixin over their own `Layer`, so configuration, hardware dispatch, the backend, the
+gradient trap and the checkpoint keys are the same objects and code for both. This module
+imports no Keras, so neither flavour pulls in the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import tensorflow as tf
+
+from tpu_embedding import backends
+from tpu_embedding import config as config_lib
+from tpu_embedding import hardware
+from tpu_embedding import optimizers
+from tpu_embedding import sparse_core
+from tpu_embedding.engine import lookup
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+
+TRAP_NAME = "tpu_embedding_helper_dummy"
+
+
+class TPUEmbeddingCore:
+  """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
+
+  def __init__(self, feature_config: Any, optimizer: Any = None,
+               pipeline_execution_with_tensor_core: bool = False,
+               batch_size: Optional[int] = None,
+               embedding_feature: Optional[hardware.EmbeddingFeature] = None,
+               sparse_core_embedding_config: Any = None,
+               table_updates: str = "engine", check_finite: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self._config = config_lib.prepare(feature_config, optimizer)
+    self._strategy = tf.distribute.get_strategy()
+    self._backend = backends.create(
+        hardware.choose_path(self._strategy, embedding_feature), self._config,
+        pipelining=pipeline_execution_with_tensor_core, batch_size=batch_size,
+        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates,
+        user_optimizer=optimizer, check_finite=check_finite)
+    self._tpu_embedding = self._backend.mid_level  # the checkpoint key tf-recommenders uses
+    self.batch_size = batch_size
+    if self._backend.needs_trap:  # tables trained by their mid-level optimizers
+      optimizers.warn_if_bias_correction_dropped(self._config.tables)
+
+  @property
+  def execution_path(self) -> hardware.Path:
+    """The execution path chosen at construction."""
+    return self._backend.path
+
+  def build(self, input_shape: Any) -> None:
+    self._check_strategy()  # refuse before creating anything under the wrong strategy
+    self._backend.build(input_shape)
+    if self._backend.needs_trap:
+      setattr(self, TRAP_NAME, self.add_weight(
+          name=TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32))
+    else:
+      # Replicated or Keras-managed tables must be trainable variables of the model.
+      self._keras_trained_tables = self._backend.trainable_tables
+    super().build(input_shape)
+
+  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+    return self._lookup(features, weights, serving_config)
+
+  # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
+  @tf.autograph.experimental.do_not_convert
+  def _lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
+    if serving_config is not None:
+      return self._serving_lookup(features, weights, serving_config)
+    self._check_strategy()
+    trap = getattr(self, TRAP_NAME, None)
+    return self._backend.lookup(features, weights, trap)
+
+  def _serving_lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
+    """A CPU lookup through `serving_config`, reading this layer's current tables."""
+    config = config_lib.for_serving(serving_config, self._config)
+    tables = self._backend.embedding_tables
+    step = lookup.Step.prepare(config, features, weights, subset=True)
+    return tf.nest.pack_sequence_as(features, step.activations(lambda table: tables[table]))
+
+  def _check_strategy(self) -> None:
+    current = tf.distribute.get_strategy()
+    if current is self._strategy:
+      return
+    on_tpu = self.execution_path is not hardware.Path.CPU
+    if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
+      created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
+      if created == called:
+        called = (f"another {called} object (two strategy objects are two different "
+                  "strategies, even of one kind)")
+      raise RuntimeError(
+          f"This TPUEmbedding layer was created under {created} but is called under {called}. "
+          "Create the layer (the model) under the strategy you call it with, e.g. inside "
+          "strategy.scope(), and call it in strategy.run.")
+
+  def flush(self) -> None:
+    """Applies updates held back by pipelining (also done before every checkpoint save)."""
+    self._backend.flush()
+
+  def update_embedding_table(self, table: Union[TableConfig, str],
+                             embedding_table: tf.Variable) -> None:
+    """Replaces the variable behind `table` (a TableConfig or its name), e.g. with one restored
+    elsewhere.
+
+    From then on lookups, training and checkpoints all use `embedding_table`.
+    """
+    clone = self._clone_of(table)
+    current = self.variables_by_table[clone.name]["parameters"]
+    if (not isinstance(embedding_table, tf.Variable) or
+        embedding_table.shape != current.shape or embedding_table.dtype != current.dtype):
+      raise ValueError(
+          f"Table {clone.name!r}: update_embedding_table needs a tf.Variable of shape "
+          f"{current.shape.as_list()} and dtype {current.dtype.name} (the table's), got "
+          f"{type(embedding_table).__name__} {getattr(embedding_table, 'shape', '')} "
+          f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}.")
+    self._backend.replace_table(clone, embedding_table)
+    if not self._backend.needs_trap and self.built:
+      self._keras_trained_tables = self._backend.trainable_tables
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}} on every path."""
+    return self._backend.variables_by_table
+
+  @property
+  def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
+    """The table variables, keyed by the user's own TableConfig objects."""
+    tables = self._backend.embedding_tables
+    return {self._config.user_tables[clone]: tables[clone] for clone in self._config.tables
+            if clone in tables}
+
+  def _clone_of(self, table: Union[TableConfig, str]) -> TableConfig:
+    if not isinstance(table, (TableConfig, str)):
+      raise TypeError(f"Expected one of this layer's TableConfigs (or its name), got "
+                      f"{type(table).__name__}: {table!r}.")
+    for clone, user in self._config.user_tables.items():
+      if user is table or clone is table:
+        return clone
+    name = table if isinstance(table, str) else table.name
+    for clone in self._config.tables:
+      if clone.name == name:
+        return clone
+    raise ValueError(f"Table {name!r} is not one of this layer's tables "
+                     f"({[t.name for t in self._config.tables]}).")
+
+  def checkpoint_needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds this layer's tables in another layout (a per-table
+    checkpoint on SparseCore), which TF converts only while it creates the tables."""
+    return self._backend.needs_relayout(path)
+
+  def _checkpoint_adapter(self, path: str) -> Any:
+    """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
+    refuses a checkpoint that would silently leave the tables unchanged (a SparseCore one off
+    SparseCore; one in another layout on SparseCore once the tables exist)."""
+    if self.execution_path is not hardware.Path.TPU_V2:
+      sparse_core.refuse_stacked_tables(
+          path, {t.name for t in self._config.tables},
+          f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
+          "_tpu_embedding")
+    elif self.built and self.checkpoint_needs_relayout(path):
+      raise ValueError(
+          f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
+          f"(path {self.execution_path.name}) after it is built: the checkpoint holds its tables "
+          "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
+          "SparseCore stacking), and TensorFlow converts them only while it creates the "
+          "SparseCore variables. Restore before the layer is built, i.e. before its first call or "
+          "build() (create the model under the strategy, restore, then train). Nothing was "
+          "changed.")
+    return super()._checkpoint_adapter(path)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    if save_type == "checkpoint" and tf.executing_eagerly():
+      self.flush()  # a checkpoint holds the tables with every update applied
+    children = super()._trackable_children(save_type, **kwargs)
+    if save_type == "checkpoint":
+      children.pop(TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
+    children.pop("_keras_trained_tables", None)
+    return children
