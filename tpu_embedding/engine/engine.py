@@ -109,9 +109,11 @@ class EmbeddingEngine(tf.Module):
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
       variables.update(self._create_slots(table, parameters))
-      if sharded.is_sharded(parameters):
-        if self._pipelining:
-          sharded.refuse_pipelining(table)
+      if sharded.is_sharded(parameters) and self._pipelining:
+        sharded.refuse_pipelining(table)
+      on_parameter_servers = isinstance(tf.distribute.get_strategy(),
+                                        tf.distribute.ParameterServerStrategy)
+      if on_parameter_servers and not self._pipelining:
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:

@@ -42,9 +42,9 @@ def is_sharded(variable: Any) -> bool:
   return isinstance(variable, ShardedVariable)
 
 
-def shards(variable: ShardedVariable) -> list[tf.Variable]:
-  """The row blocks of a sharded variable, in row order."""
-  return list(variable.variables)
+def shards(variable: Any) -> list[tf.Variable]:
+  """The row blocks of a sharded variable, in row order; a whole table is its only block."""
+  return list(variable.variables) if is_sharded(variable) else [variable]
 
 
 def row_starts(variable: ShardedVariable) -> list[int]:
@@ -134,9 +134,14 @@ def create_slots(table: TableConfig, parameters: ShardedVariable, names: Sequenc
 
 
 class ShardLocks:
-  """One critical section per shard of a table, on the shard's ps (see the module docstring)."""
+  """One critical section per shard of a table, on the shard's ps (see the module docstring).
 
-  def __init__(self, parameters: ShardedVariable):
+  A whole table on a ps is locked the same way, as its one shard: TF's locked kernels cover
+  only SGD and Adagrad, and the other rules' gather-compute-scatter would otherwise interleave
+  between workers and lose updates.
+  """
+
+  def __init__(self, parameters: Any):
     self._locks = []
     with tf.init_scope():
       for shard in shards(parameters):
@@ -166,6 +171,6 @@ def _update_shard(optimizer, copy: Sequence[tf.Variable], slot_names: Sequence[s
   rows of each variable (ordered after the writes to it) makes that wait for every write.
   """
   apply_sparse_update(optimizer, copy[0], dict(zip(slot_names, copy[1:])), ids, grads,
-                      learning_rate)
+                      learning_rate, atomic=True)
   return [v.sparse_read(ids[:0]) for v in copy]
 
