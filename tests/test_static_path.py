@@ -73,13 +73,19 @@ def _inputs():
           "ragged": tf.ragged.constant(RAGGED, tf.int64), "sparse": sparse}
 
 
+def _choose(monkeypatch, formulation: str) -> None:
+  """Forces the whole-table formulation (what summed replicas take) on one replica; lazy rules
+  take unique rows by themselves."""
+  if formulation == "whole_table":
+    chosen = static_path.update_for
+    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+
+
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypatch, name,
                                                                        formulation):
-  if formulation == "whole_table":  # what summed replicas take, on one replica
-    chosen = static_path.update_for
-    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+  _choose(monkeypatch, formulation)
   rng = np.random.default_rng(0)
   values = rng.uniform(-0.5, 0.5, size=(7, 2)).astype(np.float32)  # row 6 is never looked up
   optimizer = OPTIMIZERS[name]()
@@ -121,9 +127,7 @@ def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypat
 def test_under_xla_an_out_of_range_id_changes_no_row(monkeypatch, formulation):
   """XLA cannot raise: the ids 7 and 9 of a 4-row table must drop their gradient, neither write
   a clamped row nor take the slot of the row they clamp to (7 comes before row 3's id)."""
-  if formulation == "whole_table":
-    chosen = static_path.update_for
-    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+  _choose(monkeypatch, formulation)
   values = np.arange(8, dtype=np.float32).reshape(4, 2)
   table = E.TableConfig(4, 2, name="t", initializer=tf.constant_initializer(values))
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table), E.SGD(0.5))
