@@ -73,11 +73,19 @@ def _inputs():
           "ragged": tf.ragged.constant(RAGGED, tf.int64), "sparse": sparse}
 
 
+def _choose(monkeypatch, formulation: str) -> None:
+  """Forces the whole-table formulation (what summed replicas take) on one replica; lazy rules
+  take unique rows by themselves."""
+  if formulation == "whole_table":
+    chosen = static_path.update_for
+    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+
+
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypatch, name,
                                                                        formulation):
-  monkeypatch.setattr(static_path, "WHOLE_TABLE_ROWS", 2**62 if formulation == "whole_table" else 0)
+  _choose(monkeypatch, formulation)
   rng = np.random.default_rng(0)
   values = rng.uniform(-0.5, 0.5, size=(7, 2)).astype(np.float32)  # row 6 is never looked up
   optimizer = OPTIMIZERS[name]()
@@ -113,6 +121,29 @@ def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypat
     np.testing.assert_allclose(variables[slot].numpy(), value, rtol=1e-5, atol=1e-6)
   if params["kind"] != "adam" or params["lazy_adam"]:  # lazy rules leave row 6 bit-identical
     np.testing.assert_array_equal(variables["parameters"].numpy()[6], values[6])
+
+
+@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
+def test_under_xla_an_out_of_range_id_changes_no_row(monkeypatch, formulation):
+  """XLA cannot raise: the ids 7 and 9 of a 4-row table must drop their gradient, neither write
+  a clamped row nor take the slot of the row they clamp to (7 comes before row 3's id)."""
+  _choose(monkeypatch, formulation)
+  values = np.arange(8, dtype=np.float32).reshape(4, 2)
+  table = E.TableConfig(4, 2, name="t", initializer=tf.constant_initializer(values))
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table), E.SGD(0.5))
+  upstream = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0], [9.0, 10.0]])
+
+  @tf.function(jit_compile=True)
+  def step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(ids) * upstream)
+    tape.gradient(loss, layer.trainable_variables)
+
+  step(tf.constant([[7], [3], [1], [9], [1]], tf.int64))
+  expected = values.copy()
+  expected[3] -= 0.5 * np.array([3.0, 4.0])
+  expected[1] -= 0.5 * np.array([5.0 + 9.0, 6.0 + 10.0])
+  np.testing.assert_array_equal(layer.variables_by_table["t"]["parameters"].numpy(), expected)
 
 
 def test_pipelining_under_jit_compile_is_refused_with_the_reason():
