@@ -20,6 +20,8 @@ demo: $(STAMP)
 	$(PY) -m tpu_embedding.examples.movielens_ranking --output_dir $(DEMO_DIR)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -18,16 +18,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument("cases", nargs="+", choices=("all",) + cases_lib.CASES)
-  parser.add_argument("--quick", action="store_true",
-                      help="fewer repetitions, steps, sizes and batches (< 5 minutes)")
-  parser.add_argument("--rounds", type=int, default=None,
-                      help="fresh processes per implementation (default 1)")
+  parser.add_argument(
+    "--quick", action="store_true", help="fewer repetitions, steps, sizes and batches (< 5 minutes)"
+  )
+  parser.add_argument(
+    "--rounds", type=int, default=None, help="fresh processes per implementation (default 1)"
+  )
   parser.add_argument("--out", default=None)
-  parser.add_argument("--report-only", metavar="RESULTS_JSON", default=None,
-                      help="rebuild RESULTS.md and the plots from a results.json; run nothing")
+  parser.add_argument(
+    "--report-only",
+    metavar="RESULTS_JSON",
+    default=None,
+    help="rebuild RESULTS.md and the plots from a results.json; run nothing",
+  )
   args = parser.parse_args(argv)
   selected = set(cases_lib.CASES) if "all" in args.cases else set(args.cases)
   settings = cases_lib.Settings.make(args.quick)
@@ -36,11 +45,13 @@ def main(argv=None) -> None:
   if args.out:
     out_dir = args.out
   elif "all" in args.cases:
-    out_dir = os.path.join(HERE, "results", "quick") if args.quick else os.path.join(
-        HERE, "results")
+    out_dir = (
+      os.path.join(HERE, "results", "quick") if args.quick else os.path.join(HERE, "results")
+    )
   else:
-    out_dir = os.path.join(HERE, "results", "-".join(sorted(selected)) +
-                           ("-quick" if args.quick else ""))
+    out_dir = os.path.join(
+      HERE, "results", "-".join(sorted(selected)) + ("-quick" if args.quick else "")
+    )
   os.makedirs(out_dir, exist_ok=True)
   command = "python -m benchmarks " + " ".join(args.cases) + (" --quick" if args.quick else "")
   if args.rounds:

@@ -20,6 +20,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclasses.dataclass(frozen=True)
 class Stats:
   """Median and spread of repeated measurements."""
+
   n: int
   median: float
   lo: float  # min
@@ -56,8 +57,9 @@ def alternate(impls: Sequence[str], rounds: int) -> list[tuple[int, str]]:
   return [(r, impl) for r in range(rounds) for impl in impls]
 
 
-def schedule(variants: Sequence[Any], impls: Sequence[str], rounds: int
-             ) -> list[tuple[int, Any, str]]:
+def schedule(
+  variants: Sequence[Any], impls: Sequence[str], rounds: int
+) -> list[tuple[int, Any, str]]:
   """[(round, variant, impl)]: per round and variant, implementations alternate A B A B."""
   return [(r, v, impl) for r in range(rounds) for v in variants for impl in impls]
 
@@ -69,7 +71,7 @@ def fmt_num(x: Optional[float], digits: int = 3) -> str:
   if x == 0:
     return "0"
   ax = abs(x)
-  if ax >= 10 ** digits:
+  if ax >= 10**digits:
     return f"{x:,.0f}"
   decimals = max(0, digits - 1 - int(_floor_log10(ax)))
   return f"{x:,.{decimals}f}"
@@ -127,7 +129,7 @@ def parse_result(stdout: str) -> Optional[dict]:
   """The JSON of the last `RESULT {...}` line of a worker's stdout."""
   for line in reversed(stdout.splitlines()):
     if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
+      return json.loads(line[len("RESULT ") :])
   return None
 
 
@@ -145,18 +147,29 @@ def run_worker(spec: dict, timeout: float, log: Any = None) -> dict:
   """Runs `python -m benchmarks.worker spec` in a fresh process; {'error': ...} on failure."""
   t0 = time.perf_counter()
   try:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
-                          cwd=REPO_ROOT, env=worker_env(spec.get("impl", "")),
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
+      cwd=REPO_ROOT,
+      env=worker_env(spec.get("impl", "")),
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      check=False,
+    )
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout:.0f}s", "wall_s": time.perf_counter() - t0}
   result = parse_result(proc.stdout)
   if result is None:
     tail = (proc.stderr or "").strip().splitlines()[-5:]
-    return {"error": f"exit {proc.returncode}: " + " / ".join(tail),
-            "wall_s": time.perf_counter() - t0}
+    return {
+      "error": f"exit {proc.returncode}: " + " / ".join(tail),
+      "wall_s": time.perf_counter() - t0,
+    }
   result["process_wall_s"] = time.perf_counter() - t0
   if log is not None:
-    print(f"    {spec.get('impl')} {spec.get('opt', '')}: {result['process_wall_s']:.0f}s",
-          file=log, flush=True)
+    print(
+      f"    {spec.get('impl')} {spec.get('opt', '')}: {result['process_wall_s']:.0f}s",
+      file=log,
+      flush=True,
+    )
   return result

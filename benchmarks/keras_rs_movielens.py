@@ -47,7 +47,6 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
 
   import keras  # pylint: disable=g-import-not-at-top
   import keras_rs  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   from tpu_embedding.data import movielens  # pylint: disable=g-import-not-at-top
   from tpu_embedding.keras import TPUEmbedding  # pylint: disable=g-import-not-at-top
@@ -55,39 +54,51 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
   keras.utils.set_random_seed(SEED)
   data = movielens.load_movielens(args.source, args.data_dir, seed=SEED)
   train, test = movielens.train_test_split(data, 0.2, seed=SEED)
-  train_batches = movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=SEED,
-                                       drop_remainder=True).cache()
+  train_batches = movielens.to_dataset(
+    train, BATCH_SIZE, shuffle_seed=SEED, drop_remainder=True
+  ).cache()
   test_batches = movielens.to_dataset(test, BATCH_SIZE, drop_remainder=True).cache()
 
   def table(name: str, rows: int) -> keras_rs.layers.TableConfig:
-    return keras_rs.layers.TableConfig(name=name, vocabulary_size=rows + 1,
-                                       embedding_dim=EMBEDDING_DIM, optimizer="adam")
+    return keras_rs.layers.TableConfig(
+      name=name, vocabulary_size=rows + 1, embedding_dim=EMBEDDING_DIM, optimizer="adam"
+    )
 
-  user_table, movie_table = table("user_table", data.num_users), table("movie_table",
-                                                                     data.num_movies)
+  user_table, movie_table = (
+    table("user_table", data.num_users),
+    table("movie_table", data.num_movies),
+  )
   feature_configs = {
-      name: keras_rs.layers.FeatureConfig(name=name, table=t, input_shape=(BATCH_SIZE,),
-                                          output_shape=(BATCH_SIZE, EMBEDDING_DIM))
-      for name, t in [("movie_id", movie_table), ("user_id", user_table)]}
-  embedding = (TPUEmbedding(feature_configs) if implementation == "tpu_embedding"
-               else keras_rs.layers.DistributedEmbedding(feature_configs))
+    name: keras_rs.layers.FeatureConfig(
+      name=name, table=t, input_shape=(BATCH_SIZE,), output_shape=(BATCH_SIZE, EMBEDDING_DIM)
+    )
+    for name, t in [("movie_id", movie_table), ("user_id", user_table)]
+  }
+  embedding = (
+    TPUEmbedding(feature_configs)
+    if implementation == "tpu_embedding"
+    else keras_rs.layers.DistributedEmbedding(feature_configs)
+  )
 
   class EmbeddingModel(keras.Model):
-
     def __init__(self):
       super().__init__()
       self.embedding_layer = embedding
-      self.ratings = keras.Sequential([keras.layers.Dense(256, activation="relu"),
-                                       keras.layers.Dense(64, activation="relu"),
-                                       keras.layers.Dense(1)])
+      self.ratings = keras.Sequential(
+        [
+          keras.layers.Dense(256, activation="relu"),
+          keras.layers.Dense(64, activation="relu"),
+          keras.layers.Dense(1),
+        ]
+      )
 
     def call(self, features):
       activations = self.embedding_layer(features)
-      return self.ratings(keras.ops.concatenate(
-          [activations["user_id"], activations["movie_id"]], axis=1))
+      return self.ratings(
+        keras.ops.concatenate([activations["user_id"], activations["movie_id"]], axis=1)
+      )
 
   class EpochTimer(keras.callbacks.Callback):
-
     def __init__(self):
       super().__init__()
       self.seconds: list[float] = []
@@ -99,16 +110,19 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
       self.seconds.append(time.perf_counter() - self._start)
 
   model = EmbeddingModel()
-  model.compile(loss=keras.losses.MeanSquaredError(),
-                metrics=[keras.metrics.RootMeanSquaredError()], optimizer="adagrad",
-                jit_compile=False)
+  model.compile(
+    loss=keras.losses.MeanSquaredError(),
+    metrics=[keras.metrics.RootMeanSquaredError()],
+    optimizer="adagrad",
+    jit_compile=False,
+  )
   timer = EpochTimer()
   history = model.fit(train_batches, epochs=args.epochs, callbacks=[timer], verbose=0)
   steps = len(train) // BATCH_SIZE
-  test_rmse = model.evaluate(test_batches, return_dict=True, verbose=0)[
-      "root_mean_squared_error"]
+  test_rmse = model.evaluate(test_batches, return_dict=True, verbose=0)["root_mean_squared_error"]
   with open(result_file, "w") as f:
-    json.dump({
+    json.dump(
+      {
         "implementation": implementation,
         "source": data.source,
         "train_rmse_by_epoch": history.history["root_mean_squared_error"],
@@ -116,14 +130,31 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
         "mean_predictor_rmse": movielens.mean_rating_rmse(train, test),
         "steps_per_epoch": steps,
         "step_ms_by_epoch": [1000 * s / steps for s in timer.seconds],
-    }, f)
+      },
+      f,
+    )
 
 
 def _run_fresh(implementation: str, argv: list[str], result_file: str) -> dict:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-             KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-  subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", implementation,
-                  "--result_file", result_file, *argv], env=env, check=True)
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+    KERAS_BACKEND="tensorflow",
+    TF_CPP_MIN_LOG_LEVEL="3",
+  )
+  subprocess.run(
+    [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--worker",
+      implementation,
+      "--result_file",
+      result_file,
+      *argv,
+    ],
+    env=env,
+    check=True,
+  )
   with open(result_file) as f:
     return json.load(f)
 
@@ -141,33 +172,40 @@ def _median(values: list[float]) -> float:
 def summarize(runs: list[dict]) -> dict:
   """One implementation over its rounds: median test RMSE, median step time of epochs 2..N."""
   first = runs[0]
-  return {**first, "rounds": len(runs),
-          "test_rmse": _median([r["test_rmse"] for r in runs]),
-          "step_ms_median": _median([ms for r in runs for ms in r["step_ms_by_epoch"][1:]]
-                                    or first["step_ms_by_epoch"])}
+  return {
+    **first,
+    "rounds": len(runs),
+    "test_rmse": _median([r["test_rmse"] for r in runs]),
+    "step_ms_median": _median(
+      [ms for r in runs for ms in r["step_ms_by_epoch"][1:]] or first["step_ms_by_epoch"]
+    ),
+  }
 
 
 def markdown(results: list[dict]) -> str:
-  by_name = {name: summarize([r for r in results if r["implementation"] == name])
-             for name in IMPLEMENTATIONS}
+  by_name = {
+    name: summarize([r for r in results if r["implementation"] == name]) for name in IMPLEMENTATIONS
+  }
   ours, theirs = by_name["tpu_embedding"], by_name["keras_rs"]
   lines = [
-      "| layer (CPU, Keras 3) | tables trained by | test RMSE | mean-predictor RMSE | "
-      "ms/step (median) |",
-      "|---|---|---|---|---|",
-      f"| `tpu_embedding.keras.TPUEmbedding` | each table's own Adam (as on TPU) | "
-      f"{ours['test_rmse']:.4f} | {ours['mean_predictor_rmse']:.4f} | "
-      f"{ours['step_ms_median']:.2f} |",
-      f"| `keras_rs.layers.DistributedEmbedding` | the model's Adagrad (tables' Adam ignored) | "
-      f"{theirs['test_rmse']:.4f} | {theirs['mean_predictor_rmse']:.4f} | "
-      f"{theirs['step_ms_median']:.2f} |",
+    "| layer (CPU, Keras 3) | tables trained by | test RMSE | mean-predictor RMSE | "
+    "ms/step (median) |",
+    "|---|---|---|---|---|",
+    f"| `tpu_embedding.keras.TPUEmbedding` | each table's own Adam (as on TPU) | "
+    f"{ours['test_rmse']:.4f} | {ours['mean_predictor_rmse']:.4f} | "
+    f"{ours['step_ms_median']:.2f} |",
+    f"| `keras_rs.layers.DistributedEmbedding` | the model's Adagrad (tables' Adam ignored) | "
+    f"{theirs['test_rmse']:.4f} | {theirs['mean_predictor_rmse']:.4f} | "
+    f"{theirs['step_ms_median']:.2f} |",
   ]
   speedup = theirs["step_ms_median"] / ours["step_ms_median"]
   lines.append("")
-  lines.append(f"MovieLens 100K ({ours['source']}), batch {BATCH_SIZE}, "
-               f"{ours['steps_per_epoch']} steps/epoch, {len(ours['train_rmse_by_epoch'])} "
-               f"epochs, {ours['rounds']} round(s); medians over rounds; tpu_embedding is "
-               f"{speedup:.2f}x keras-rs's speed per step.")
+  lines.append(
+    f"MovieLens 100K ({ours['source']}), batch {BATCH_SIZE}, "
+    f"{ours['steps_per_epoch']} steps/epoch, {len(ours['train_rmse_by_epoch'])} "
+    f"epochs, {ours['rounds']} round(s); medians over rounds; tpu_embedding is "
+    f"{speedup:.2f}x keras-rs's speed per step."
+  )
   return "\n".join(lines)
 
 
@@ -188,8 +226,11 @@ def main() -> None:
   argv += ["--source", args.source] if args.source else []
   argv += ["--data_dir", args.data_dir] if args.data_dir else []
   with tempfile.TemporaryDirectory() as scratch:
-    results = [_run_fresh(name, argv, os.path.join(scratch, f"{name}-{round_}.json"))
-               for round_ in range(args.rounds) for name in IMPLEMENTATIONS]
+    results = [
+      _run_fresh(name, argv, os.path.join(scratch, f"{name}-{round_}.json"))
+      for round_ in range(args.rounds)
+      for name in IMPLEMENTATIONS
+    ]
   table = markdown(results)
   print(table)
   os.makedirs(args.out, exist_ok=True)

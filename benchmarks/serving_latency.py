@@ -43,31 +43,35 @@ def _export(implementation: str, directory: str) -> None:
 
   def initializer(seed):
     def init(shape, dtype=tf.float32):
-      return tf.random.stateless_uniform(shape, seed=[seed, 0], minval=-0.05, maxval=0.05,
-                                         dtype=dtype)
+      return tf.random.stateless_uniform(
+        shape, seed=[seed, 0], minval=-0.05, maxval=0.05, dtype=dtype
+      )
+
     return init
 
   config = {
-      "user": E.FeatureConfig(E.TableConfig(USERS, DIM, name="user", initializer=initializer(1))),
-      "movie": E.FeatureConfig(E.TableConfig(MOVIES, DIM, name="movie",
-                                             initializer=initializer(2))),
+    "user": E.FeatureConfig(E.TableConfig(USERS, DIM, name="user", initializer=initializer(1))),
+    "movie": E.FeatureConfig(E.TableConfig(MOVIES, DIM, name="movie", initializer=initializer(2))),
   }
   if implementation == "tfrs":
     import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+
     embedding = tfrs.layers.embedding.TPUEmbedding(config, E.Adagrad(0.1))
   else:
     import tpu_embedding  # pylint: disable=g-import-not-at-top
+
     embedding = tpu_embedding.TPUEmbedding(config, E.Adagrad(0.1))
 
   class Ranker(tf_keras.Model):
-
     def __init__(self):
       super().__init__()
       self.embedding = embedding
       self.hidden = tf_keras.layers.Dense(
-          64, activation="relu", kernel_initializer=tf_keras.initializers.GlorotUniform(seed=3))
+        64, activation="relu", kernel_initializer=tf_keras.initializers.GlorotUniform(seed=3)
+      )
       self.out = tf_keras.layers.Dense(
-          1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=4))
+        1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=4)
+      )
 
     def call(self, features):
       activations = self.embedding(features)
@@ -76,8 +80,13 @@ def _export(implementation: str, directory: str) -> None:
   model = Ranker()
   model({"user": tf.constant([0], tf.int64), "movie": tf.constant([0], tf.int64)})
 
-  @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.int64, name="user_id"),
-                                                 tf.TensorSpec([None], tf.int64, name="movie_id")])
+  @tf.function(
+    autograph=False,
+    input_signature=[
+      tf.TensorSpec([None], tf.int64, name="user_id"),
+      tf.TensorSpec([None], tf.int64, name="movie_id"),
+    ],
+  )
   def serve(user_id, movie_id):
     return {"score": model({"user": user_id, "movie": movie_id})}
 
@@ -85,6 +94,7 @@ def _export(implementation: str, directory: str) -> None:
     tf.saved_model.save(model, directory, signatures={"serving_default": serve})
   else:
     from tpu_embedding.serving import export_for_serving  # pylint: disable=g-import-not-at-top
+
     export_for_serving(model, directory, serve)
 
 
@@ -101,8 +111,13 @@ def _measure(directory: str, out: str, quick: bool) -> None:
   rng = np.random.default_rng(0)
   results = {"rows": []}
   for batch in BATCH_SIZES:
-    requests = [(tf.constant(rng.integers(0, USERS, batch), tf.int64),
-                 tf.constant(rng.integers(0, MOVIES, batch), tf.int64)) for _ in range(16)]
+    requests = [
+      (
+        tf.constant(rng.integers(0, USERS, batch), tf.int64),
+        tf.constant(rng.integers(0, MOVIES, batch), tf.int64),
+      )
+      for _ in range(16)
+    ]
     for user_id, movie_id in requests[:4] * 5:  # warm up
       serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
     budget = 0.5 if quick else 3.0
@@ -114,17 +129,25 @@ def _measure(directory: str, out: str, quick: bool) -> None:
       serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
       times.append(time.perf_counter() - t0)
     times = np.array(times)
-    results["rows"].append({
-        "batch": batch, "calls": len(times), "p50_ms": float(np.percentile(times, 50) * 1e3),
+    results["rows"].append(
+      {
+        "batch": batch,
+        "calls": len(times),
+        "p50_ms": float(np.percentile(times, 50) * 1e3),
         "p99_ms": float(np.percentile(times, 99) * 1e3),
-        "examples_per_s": float(batch / times.mean())})
-  probe = serve(user_id=tf.constant([0, 5, 99_999], tf.int64),
-                movie_id=tf.constant([0, 7, 19_999], tf.int64))["score"].numpy()
+        "examples_per_s": float(batch / times.mean()),
+      }
+    )
+  probe = serve(
+    user_id=tf.constant([0, 5, 99_999], tf.int64), movie_id=tf.constant([0, 7, 19_999], tf.int64)
+  )["score"].numpy()
   results["probe"] = probe.ravel().tolist()
-  results["tensorflow_only"] = not [m for m in sys.modules
-                                    if m.startswith(("tpu_embedding", "tensorflow_recommenders"))]
-  results["export_mb"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
-                             os.walk(directory) for f in fs) / 1e6
+  results["tensorflow_only"] = not [
+    m for m in sys.modules if m.startswith(("tpu_embedding", "tensorflow_recommenders"))
+  ]
+  results["export_mb"] = (
+    sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
+  )
   with open(out, "w") as f:
     json.dump(results, f)
 
@@ -134,8 +157,11 @@ def _measure(directory: str, out: str, quick: bool) -> None:
 
 
 def _run(args: list[str], tfrs: bool = False) -> None:
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL="3",
+    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+  )
   env.pop("TF_USE_LEGACY_KERAS", None)
   if tfrs:
     env["TF_USE_LEGACY_KERAS"] = "1"
@@ -143,17 +169,22 @@ def _run(args: list[str], tfrs: bool = False) -> None:
 
 
 def _table(results: dict) -> str:
-  lines = ["| implementation | batch | p50 ms | p99 ms | examples/s | export MB |",
-           "|---|---:|---:|---:|---:|---:|"]
+  lines = [
+    "| implementation | batch | p50 ms | p99 ms | examples/s | export MB |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
   for name in IMPLEMENTATIONS:
     for row in results[name]["rows"]:
-      lines.append(f"| {name} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
-                   f"{row['examples_per_s']:,.0f} | {results[name]['export_mb']:.1f} |")
+      lines.append(
+        f"| {name} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
+        f"{row['examples_per_s']:,.0f} | {results[name]['export_mb']:.1f} |"
+      )
   return "\n".join(lines)
 
 
 def _plot(results: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -162,11 +193,14 @@ def _plot(results: dict, path: str) -> None:
     rows = results[name]["rows"]
     batches = [r["batch"] for r in rows]
     latency.plot(batches, [r["p50_ms"] for r in rows], marker=marker, label=f"{name} p50")
-    latency.plot(batches, [r["p99_ms"] for r in rows], marker=marker, linestyle="--",
-                 label=f"{name} p99")
+    latency.plot(
+      batches, [r["p99_ms"] for r in rows], marker=marker, linestyle="--", label=f"{name} p99"
+    )
     throughput.plot(batches, [r["examples_per_s"] for r in rows], marker=marker, label=name)
-  for axis, title, unit in ((latency, "Latency per call", "ms"),
-                            (throughput, "Throughput", "examples / s")):
+  for axis, title, unit in (
+    (latency, "Latency per call", "ms"),
+    (throughput, "Throughput", "examples / s"),
+  ):
     axis.set_xscale("log")
     axis.set_yscale("log")
     axis.set_xlabel("batch size")
@@ -195,12 +229,16 @@ def main() -> None:
       with open(out) as f:
         results[name] = json.load(f)
   import numpy as np  # pylint: disable=g-import-not-at-top
-  difference = float(np.max(np.abs(np.subtract(results["tpu_embedding"]["probe"],
-                                               results["tfrs"]["probe"]))))
+
+  difference = float(
+    np.max(np.abs(np.subtract(results["tpu_embedding"]["probe"], results["tfrs"]["probe"])))
+  )
   table = _table(results)
-  note = (f"\nSame predictions from both exports: max |difference| = {difference:.2e}; "
-          f"loaded with TensorFlow only: "
-          f"{all(results[n]['tensorflow_only'] for n in IMPLEMENTATIONS)}.")
+  note = (
+    f"\nSame predictions from both exports: max |difference| = {difference:.2e}; "
+    f"loaded with TensorFlow only: "
+    f"{all(results[n]['tensorflow_only'] for n in IMPLEMENTATIONS)}."
+  )
   print(table + note)
   with open(os.path.join(args.out, "serving_latency.md"), "w") as f:
     f.write(table + "\n" + note + "\n")

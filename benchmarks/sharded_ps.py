@@ -75,9 +75,12 @@ def loopback_bandwidth(total: int = 256 << 20) -> float:
 
 
 def _engine_step(strategy, args):
-  features = {f"f{i}": E.FeatureConfig(table=E.TableConfig(
-      vocabulary_size=args.rows, dim=DIM, combiner="sum", name=f"t{i}"))
-              for i in range(args.tables)}
+  features = {
+    f"f{i}": E.FeatureConfig(
+      table=E.TableConfig(vocabulary_size=args.rows, dim=DIM, combiner="sum", name=f"t{i}")
+    )
+    for i in range(args.tables)
+  }
   with strategy.scope():
     layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
     layer.variables_by_table  # pylint: disable=pointless-statement
@@ -96,13 +99,16 @@ def _keras_step(strategy, args):
   # object has no attribute 'handle'"), so its table is used through `tf.nn.embedding_lookup`,
   # which TF dispatches to its ShardedVariable path; SGD applied shard by shard.
   with strategy.scope():
-    tables = [tf.Variable(tf_keras.initializers.RandomUniform()([args.rows, DIM]))
-              for _ in range(args.tables)]
+    tables = [
+      tf.Variable(tf_keras.initializers.RandomUniform()([args.rows, DIM]))
+      for _ in range(args.tables)
+    ]
 
   def step(ids):
     with tf.GradientTape() as tape:
-      loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(table, ids[i]))
-                       for i, table in enumerate(tables)])
+      loss = tf.add_n(
+        [tf.reduce_sum(tf.nn.embedding_lookup(table, ids[i])) for i, table in enumerate(tables)]
+      )
     shards = [shard for table in tables for shard in table.variables]
     for shard, grad in zip(shards, tape.gradient(loss, shards)):
       shard.scatter_sub(tf.IndexedSlices(0.05 * grad.values, grad.indices))
@@ -113,17 +119,22 @@ def _keras_step(strategy, args):
 def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
   """(examples/s, loopback bytes per step) of one configuration, in a fresh cluster."""
   with LocalCluster(num_ps=num_ps, num_workers=2) as cluster:
-    partitioner = (None if kind == "unsharded" else
-                   tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps))
-    strategy = tf.distribute.ParameterServerStrategy(cluster.resolver(),
-                                                     variable_partitioner=partitioner)
+    partitioner = (
+      None
+      if kind == "unsharded"
+      else tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+    )
+    strategy = tf.distribute.ParameterServerStrategy(
+      cluster.resolver(), variable_partitioner=partitioner
+    )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     replica_step = (_keras_step if kind == "keras" else _engine_step)(strategy, args)
 
     @tf.function
     def worker_step(seed):
-      ids = tf.random.stateless_uniform([args.tables, args.batch], tf.stack([seed, seed]),
-                                        maxval=args.rows, dtype=tf.int64)
+      ids = tf.random.stateless_uniform(
+        [args.tables, args.batch], tf.stack([seed, seed]), maxval=args.rows, dtype=tf.int64
+      )
       strategy.run(replica_step, args=(ids,))
 
     for warmup in range(4):
@@ -148,16 +159,20 @@ def main(argv=None) -> None:
   if args.quick:
     args.steps = min(args.steps, 10)
   table_bytes = args.rows * DIM * 4
-  print(f"{args.tables} tables of {args.rows} x {DIM} ({table_bytes / 1e6:.1f} MB each), "
-        f"batch {args.batch}, 2 workers, {args.steps} timed steps\n")
+  print(
+    f"{args.tables} tables of {args.rows} x {DIM} ({table_bytes / 1e6:.1f} MB each), "
+    f"batch {args.batch}, 2 workers, {args.steps} timed steps\n"
+  )
   print("| configuration | examples/s | bytes per step on loopback | x one table |")
   print("|---|---:|---:|---:|")
   configs = [("keras", 2), ("unsharded", 2)]
   configs += [("sharded", n) for n in ((1, 2) if args.quick else (1, 2, 4))]
   for kind, num_ps in configs:
     rate, sent = measure(kind, num_ps, args)
-    print(f"| {kind} {num_ps} ps | {rate:,.0f} | {sent / 1e3:,.0f} kB | "
-          f"{sent / table_bytes:.3f} |", flush=True)
+    print(
+      f"| {kind} {num_ps} ps | {rate:,.0f} | {sent / 1e3:,.0f} kB | {sent / table_bytes:.3f} |",
+      flush=True,
+    )
   print(f"\nloopback, one TCP stream: {loopback_bandwidth():.2f} GB/s")
 
 

@@ -41,13 +41,14 @@ NUM_BATCHES = 8  # distinct id batches cycled through, so rows are not all cache
 
 def _optimizers() -> Dict[str, object]:
   return {
-      "sgd": E.SGD(learning_rate=0.1),
-      "adagrad": E.Adagrad(learning_rate=0.1),
-      "adagrad_momentum": E.AdagradMomentum(learning_rate=0.1, momentum=0.9),
-      "adam": E.Adam(learning_rate=0.1),
-      "ftrl": E.FTRL(learning_rate=0.1, l1_regularization_strength=0.01,
-                     l2_regularization_strength=0.1, beta=0.5),
-      "adam_nonlazy": E.Adam(learning_rate=0.1, lazy_adam=False),
+    "sgd": E.SGD(learning_rate=0.1),
+    "adagrad": E.Adagrad(learning_rate=0.1),
+    "adagrad_momentum": E.AdagradMomentum(learning_rate=0.1, momentum=0.9),
+    "adam": E.Adam(learning_rate=0.1),
+    "ftrl": E.FTRL(
+      learning_rate=0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.5
+    ),
+    "adam_nonlazy": E.Adam(learning_rate=0.1, lazy_adam=False),
   }
 
 
@@ -111,35 +112,55 @@ def _candidates(optimizer, table, slots) -> Dict[str, Callable]:
   kind = type(optimizer).__name__
   if kind == "SGD":
     out["fused"] = lambda ids, g, lr: tf.raw_ops.ResourceSparseApplyProximalGradientDescent(
-        var=table.handle, alpha=lr, l1=0.0, l2=0.0, grad=g, indices=ids)
+      var=table.handle, alpha=lr, l1=0.0, l2=0.0, grad=g, indices=ids
+    )
     out["scatter_sub"] = lambda ids, g, lr: tf.raw_ops.ResourceScatterSub(
-        resource=table.handle, indices=ids, updates=lr * g)
+      resource=table.handle, indices=ids, updates=lr * g
+    )
   elif kind == "Adagrad":
     # AdagradV2 with epsilon 0 is the TPU rule (new accumulator, no epsilon).
     out["fused"] = lambda ids, g, lr: tf.raw_ops.ResourceSparseApplyAdagradV2(
-        var=table.handle, accum=slot_vars[0].handle, lr=lr, epsilon=0.0, grad=g,
-        indices=ids)
+      var=table.handle, accum=slot_vars[0].handle, lr=lr, epsilon=0.0, grad=g, indices=ids
+    )
   elif kind == "FTRL":
+
     def ftrl_fused(ids, g, lr):
       o = optimizer
       tf.raw_ops.ResourceSparseApplyFtrl(
-          var=table.handle, accum=slot_vars[0].handle, linear=slot_vars[1].handle,
-          grad=g, indices=ids, lr=lr, l1=o.l1_regularization_strength,
-          l2=o.l2_regularization_strength + o.beta / (2 * lr),
-          lr_power=o.learning_rate_power,
-          multiply_linear_by_lr=o.multiply_linear_by_learning_rate)
+        var=table.handle,
+        accum=slot_vars[0].handle,
+        linear=slot_vars[1].handle,
+        grad=g,
+        indices=ids,
+        lr=lr,
+        l1=o.l1_regularization_strength,
+        l2=o.l2_regularization_strength + o.beta / (2 * lr),
+        lr_power=o.learning_rate_power,
+        multiply_linear_by_lr=o.multiply_linear_by_learning_rate,
+      )
+
     out["fused"] = ftrl_fused
   form = rule.native_form()
   if form is not None and native.runs_on((table,) + slot_vars):
     out["kernel"] = lambda ids, g, lr: native.apply_rows(
-        *form, table, slot_vars, ids, g, lr, clip_gradient=(None, None), weight_decay=0.0,
-        weight_decay_by_learning_rate=False, clip_weight=(None, None))
+      *form,
+      table,
+      slot_vars,
+      ids,
+      g,
+      lr,
+      clip_gradient=(None, None),
+      weight_decay=0.0,
+      weight_decay_by_learning_rate=False,
+      clip_weight=(None, None),
+    )
   out["chosen"] = chosen
   return out
 
 
-def _unrolled(update: Callable, batches: Sequence[tf.Tensor],
-              grads: Sequence[tf.Tensor], lr: tf.Tensor) -> Callable[[], None]:
+def _unrolled(
+  update: Callable, batches: Sequence[tf.Tensor], grads: Sequence[tf.Tensor], lr: tf.Tensor
+) -> Callable[[], None]:
   """One tf.function applying one update per batch, so call overhead is amortised."""
 
   @tf.function
@@ -158,8 +179,9 @@ def gather_bandwidth(table: tf.Variable, vocab: int, rng: np.random.Generator) -
   return 65536 * DIM * 4 / ms / 1e6
 
 
-def _measure(optimizer, vocab: int, batches, grads, lr, iters: int, gather_gbs: float,
-             name: str) -> None:
+def _measure(
+  optimizer, vocab: int, batches, grads, lr, iters: int, gather_gbs: float, name: str
+) -> None:
   """Prints one line per candidate; everything holding the tables dies with this frame."""
   table, slots = _variables(optimizer, vocab)
   moved = 2 * (1 + len(slots)) * UNIQUE_IDS * DIM * 4  # read + write per row
@@ -168,8 +190,10 @@ def _measure(optimizer, vocab: int, batches, grads, lr, iters: int, gather_gbs: 
     n = 1 if updates.rule_for(optimizer).updates_every_row else iters
     ms = _time_ms(lambda _: step(), n) / NUM_BATCHES
     gbs = moved / ms / 1e6
-    print(f"{name:17s} {cand_name:12s} {vocab:9.0e} {ms:10.3f} {gbs:7.2f} "
-          f"{gbs / gather_gbs:8.2f}", flush=True)
+    print(
+      f"{name:17s} {cand_name:12s} {vocab:9.0e} {ms:10.3f} {gbs:7.2f} {gbs / gather_gbs:8.2f}",
+      flush=True,
+    )
 
 
 def adam_scaling(small: int, large: int, rng: np.random.Generator, rounds: int = 8) -> float:
@@ -189,18 +213,24 @@ def adam_scaling(small: int, large: int, rng: np.random.Generator, rounds: int =
   for _ in range(rounds):
     for vocab, step in steps.items():
       best[vocab] = min(best[vocab], _time_ms(lambda _: step(), 10, repeats=1) / NUM_BATCHES)
-  print(f"\nAdam (chosen path), interleaved: {best[small]:.3f} ms at {small:.0e} rows, "
-        f"{best[large]:.3f} ms at {large:.0e} rows")
+  print(
+    f"\nAdam (chosen path), interleaved: {best[small]:.3f} ms at {small:.0e} rows, "
+    f"{best[large]:.3f} ms at {large:.0e} rows"
+  )
   return best[large] / best[small]
 
 
 def run(row_counts: Sequence[int], iters: int, nonlazy_max_rows: int) -> None:
   rng = np.random.default_rng(0)
   lr = tf.constant(0.1)
-  print(f"dim {DIM}, {UNIQUE_IDS} unique Zipf ids per update, {NUM_BATCHES} updates per "
-        f"tf.function call, {os.cpu_count()} CPU cores, TF {tf.__version__}")
-  header = (f"{'optimizer':17s} {'candidate':12s} {'rows':>9s} {'ms/update':>10s} {'GB/s':>7s} "
-            f"{'/gather':>8s}")
+  print(
+    f"dim {DIM}, {UNIQUE_IDS} unique Zipf ids per update, {NUM_BATCHES} updates per "
+    f"tf.function call, {os.cpu_count()} CPU cores, TF {tf.__version__}"
+  )
+  header = (
+    f"{'optimizer':17s} {'candidate':12s} {'rows':>9s} {'ms/update':>10s} {'GB/s':>7s} "
+    f"{'/gather':>8s}"
+  )
   for vocab in row_counts:
     batches = zipf_batches(vocab, rng)
     grads = [tf.random.normal([b.shape[0], DIM]) for b in batches]
@@ -226,8 +256,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument("--rows", type=int, nargs="+", default=[10**4, 10**6, 10**7])
   parser.add_argument("--iters", type=int, default=50)
   parser.add_argument("--quick", action="store_true", help="1e4 and 1e6 rows, fewer iterations")
-  parser.add_argument("--nonlazy-max-rows", type=int, default=10**6,
-                      help="largest table for non-lazy Adam (it touches every row)")
+  parser.add_argument(
+    "--nonlazy-max-rows",
+    type=int,
+    default=10**6,
+    help="largest table for non-lazy Adam (it touches every row)",
+  )
   args = parser.parse_args(argv)
   rows, iters = args.rows, args.iters
   if args.quick:

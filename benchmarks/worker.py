@@ -35,7 +35,7 @@ if SPEC.get("impl") == "tfrs":
   # tfrs 0.7.7 only imports with legacy Keras; must be set before TensorFlow is imported.
   os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
-import numpy as np  # pylint: disable=g-import-not-at-top
+import numpy as np  # noqa: E402  (after the environment variable above)
 
 ZIPF_A = 1.2
 MULTI_HOT = (0, 1, 2)  # features with 1-5 ids each (ragged, sum combiner)
@@ -86,6 +86,7 @@ def run_limit(spec) -> dict:
 def _limit_of_shape(rows: int, dim: int, spec, rng) -> dict:
   """The bandwidths for one table shape; its table is freed on return, before the next one."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   table = np.ones((rows, dim), np.float32)
   n = spec["n_rows"]
   idx = rng.integers(0, rows, n)
@@ -111,10 +112,10 @@ def _limit_of_shape(rows: int, dim: int, spec, rng) -> dict:
   gather()
   tg = best(lambda: gather().numpy())
   return {
-      "numpy_take_gbs": [n * row_bytes / t / 1e9 for t in tk],
-      "numpy_gather_gbs": [n * row_bytes / t / 1e9 for t in g],
-      "numpy_scatter_gbs": [len(uidx) * row_bytes / t / 1e9 for t in s],
-      "tf_gather_gbs": [n * row_bytes / t / 1e9 for t in tg],
+    "numpy_take_gbs": [n * row_bytes / t / 1e9 for t in tk],
+    "numpy_gather_gbs": [n * row_bytes / t / 1e9 for t in g],
+    "numpy_scatter_gbs": [len(uidx) * row_bytes / t / 1e9 for t in s],
+    "tf_gather_gbs": [n * row_bytes / t / 1e9 for t in tg],
   }
 
 
@@ -122,13 +123,16 @@ def build(spec):
   """(layer, keras optimizer, feature dict -> activations list, list of table configs)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_keras  # pylint: disable=g-import-not-at-top
+
   e = tf.tpu.experimental.embedding
   impl, opt, dim = spec["impl"], spec["opt"], spec["dim"]
   # Same values' law for every implementation. RandomUniform, not TF's default TruncatedNormal:
   # both peak at table + 2 temporaries while initialising, but TruncatedNormal takes 2.5x longer.
   init = tf.initializers.RandomUniform(-0.05, 0.05)
-  tables = [e.TableConfig(vocabulary_size=int(v), dim=dim, name=f"t{i}", combiner="sum",
-                          initializer=init) for i, v in enumerate(spec["sizes"])]
+  tables = [
+    e.TableConfig(vocabulary_size=int(v), dim=dim, name=f"t{i}", combiner="sum", initializer=init)
+    for i, v in enumerate(spec["sizes"])
+  ]
   fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
   lr = LR[opt]
   k = (tf.keras if impl == "tfrs" else tf_keras).optimizers
@@ -139,15 +143,19 @@ def build(spec):
   mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
   if impl == "ours":
     import tpu_embedding  # pylint: disable=g-import-not-at-top
+
     layer = tpu_embedding.TPUEmbedding(fc, mid_opt)
   elif impl == "ours-keras":
     import tpu_embedding  # pylint: disable=g-import-not-at-top
+
     layer = tpu_embedding.TPUEmbedding(fc, mid_opt, table_updates="keras")
   elif impl == "ours-partial":
     import tpu_embedding  # pylint: disable=g-import-not-at-top
+
     layer = tpu_embedding.PartialTPUEmbedding(fc, mid_opt, size_threshold=None)
   elif impl == "tfrs":
     import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+
     layer = tfrs.layers.embedding.TPUEmbedding(fc, keras_opt)
   elif impl == "keras-embedding":
     layer = KerasEmbeddings(tables, tf_keras)
@@ -163,11 +171,14 @@ class KerasEmbeddings:
 
   def __init__(self, tables, tf_keras):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
     self._tf = tf
     self.layers = {
-        f"f{i}": tf_keras.layers.Embedding(
-            t.vocabulary_size, t.dim, embeddings_initializer=t.initializer, name=t.name)
-        for i, t in enumerate(tables)}
+      f"f{i}": tf_keras.layers.Embedding(
+        t.vocabulary_size, t.dim, embeddings_initializer=t.initializer, name=t.name
+      )
+      for i, t in enumerate(tables)
+    }
 
   def __call__(self, feats):
     out = {}
@@ -178,7 +189,7 @@ class KerasEmbeddings:
 
   @property
   def trainable_variables(self):
-    return [v for l in self.layers.values() for v in l.trainable_variables]
+    return [v for layer in self.layers.values() for v in layer.trainable_variables]
 
 
 class ConstantActivations:
@@ -191,6 +202,7 @@ class ConstantActivations:
 
   def __call__(self, feats):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
     batch = lambda x: x.nrows() if isinstance(x, tf.RaggedTensor) else tf.shape(x, tf.int64)[0]
     return {name: tf.fill(tf.stack([batch(x), self._dim]), 0.01) for name, x in feats.items()}
 
@@ -208,6 +220,7 @@ def run_train(spec) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_keras  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
+
   t_import = time.perf_counter() - t_start
   rss_after_import = vmhwm_bytes()
   results = []
@@ -252,10 +265,14 @@ def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
   dlrm = workload == "dlrm"
   if dlrm and "mlp" not in models:
     mlp = lambda units, last: tf_keras.Sequential(
-        [tf_keras.layers.Dense(u, activation="relu") for u in units] +
-        [tf_keras.layers.Dense(last, activation="relu" if last > 1 else None)])
-    models["mlp"] = (mlp([512, 256], 16), mlp([512, 256], 1),
-                     tf_keras.losses.BinaryCrossentropy(from_logits=True))
+      [tf_keras.layers.Dense(u, activation="relu") for u in units]
+      + [tf_keras.layers.Dense(last, activation="relu" if last > 1 else None)]
+    )
+    models["mlp"] = (
+      mlp([512, 256], 16),
+      mlp([512, 256], 1),
+      tf_keras.losses.BinaryCrossentropy(from_logits=True),
+    )
 
   @tf.function(jit_compile=spec.get("jit_compile", False))
   def step(feats, dense, labels):
@@ -309,7 +326,8 @@ def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
   n_warm = 0
   # At least one warm-up step after the tracing one; more while they fit in a quarter budget.
   while n_warm < max(1, spec["warmup"]) and (
-      n_warm == 0 or time.perf_counter() - t0 < spec["budget_s"] / 4):
+    n_warm == 0 or time.perf_counter() - t0 < spec["budget_s"] / 4
+  ):
     n_warm += 1
     loss = step(*batches[n_warm % len(batches)])
     float(loss.numpy())
@@ -327,10 +345,17 @@ def measure(tf, tf_keras, spec, layer, opt, models, sizes, group, m) -> dict:
     float(loss.numpy())  # wait for the last step
     times.append((time.perf_counter() - t0) / steps)
   return {
-      "workload": workload, "batch": batch, "sizes": sizes, "step_s": times,
-      "steps_per_rep": steps, "warmup_steps": n_warm, "warmup_step_s": t_one,
-      "first_step_s": t_first, "unique_rows": uniq, "vmhwm": vmhwm_bytes(),
-      "partial": len(times) < spec["reps"],
+    "workload": workload,
+    "batch": batch,
+    "sizes": sizes,
+    "step_s": times,
+    "steps_per_rep": steps,
+    "warmup_steps": n_warm,
+    "warmup_step_s": t_one,
+    "first_step_s": t_first,
+    "unique_rows": uniq,
+    "vmhwm": vmhwm_bytes(),
+    "partial": len(times) < spec["reps"],
   }
 
 

@@ -16,16 +16,16 @@ import nbformat
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The first code cell of every notebook: fast mode and where files go.
-SETUP = '''\
+SETUP = """\
 import os
 
 # TPU_EMBEDDING_FAST=1 (set by the tests) trains briefly so the notebook runs in well under two
 # minutes on a laptop CPU; leave it unset for the figures quoted in the text.
 FAST = os.environ.get("TPU_EMBEDDING_FAST") == "1"
 OUTPUT_DIR = os.environ.get("TPU_EMBEDDING_OUTPUT_DIR", "colab_output")
-os.makedirs(OUTPUT_DIR, exist_ok=True)'''
+os.makedirs(OUTPUT_DIR, exist_ok=True)"""
 
-STRATEGY = '''\
+STRATEGY = """\
 import tensorflow as tf
 import tf_keras
 
@@ -34,22 +34,22 @@ from tpu_embedding.examples.movielens_ranking import choose_strategy
 # TPUStrategy when a TPU is attached (Colab TPU runtime, Cloud TPU VM), else the default strategy.
 # This is the only line that knows about the hardware: everything below runs unchanged on both.
 strategy = choose_strategy()
-print(type(strategy).__name__, "with", strategy.num_replicas_in_sync, "replica(s)")'''
+print(type(strategy).__name__, "with", strategy.num_replicas_in_sync, "replica(s)")"""
 
 
 def md(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip())
+  return nbformat.v4.new_markdown_cell(textwrap.dedent(text).strip())
 
 
 def code(text: str) -> nbformat.NotebookNode:
-    return nbformat.v4.new_code_cell(textwrap.dedent(text).strip())
+  return nbformat.v4.new_code_cell(textwrap.dedent(text).strip())
 
 
 # ---------------------------------------------------------------------------------------------
 # Quick start: the ranking model of the example script, step by step.
 
 QUICKSTART = [
-    md("""
+  md("""
     # TPUEmbedding quick start: ranking movies
 
     This notebook trains the ranking model of the Keras SparseCore tutorial with
@@ -59,16 +59,16 @@ QUICKSTART = [
 
     It is the step-by-step version of `python -m tpu_embedding.examples.movielens_ranking`.
     """),
-    code(SETUP),
-    md("""
+  code(SETUP),
+  md("""
     ## The strategy: the one hardware decision
 
     `choose_strategy` connects to a TPU when one is attached and otherwise returns the default
     strategy. Models are created under `strategy.scope()` and steps run in `strategy.run`; on a
     TPU, the layer then places its tables in the TPU embedding engine (or SparseCore).
     """),
-    code(STRATEGY),
-    md("""
+  code(STRATEGY),
+  md("""
     ## Data
 
     MovieLens 100K from the package's data module. Without network access it uses a synthetic
@@ -77,7 +77,7 @@ QUICKSTART = [
     to [0, 1], and 20% of them (shuffled with seed 42) are held out for evaluation.
     Predicting the mean training rating is the baseline to beat.
     """),
-    code('''
+  code("""
     from tpu_embedding.data import movielens
 
     data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
@@ -86,8 +86,8 @@ QUICKSTART = [
     print(f"{data.source}: {len(train)} training and {len(test)} test ratings, "
           f"{data.num_users} users, {data.num_movies} movies")
     print(f"RMSE of predicting the mean rating: {baseline_rmse:.4f}")
-    '''),
-    md("""
+    """),
+  md("""
     ## Tables and features
 
     One `TableConfig` per id, one `FeatureConfig` per input. Ids are 1-based, so each table has
@@ -96,7 +96,7 @@ QUICKSTART = [
     reproduces (the TPU's Adam has no bias correction). The dense layers get a Keras optimizer
     as usual.
     """),
-    code('''
+  code("""
     EMBEDDING_DIM = 32
     embedding = tf.tpu.experimental.embedding
 
@@ -108,15 +108,15 @@ QUICKSTART = [
         "user_id": embedding.FeatureConfig(table=user_table, name="user_id"),
         "movie_id": embedding.FeatureConfig(table=movie_table, name="movie_id"),
     }
-    '''),
-    md("""
+    """),
+  md("""
     ## The model
 
     `TPUEmbedding` takes the whole feature dict in one call (on a TPU there is exactly one call
     of the layer per step) and returns a dict of embeddings with the same keys. Their
     concatenation goes through a 256-64-1 MLP with a sigmoid output, since labels lie in [0, 1].
     """),
-    code('''
+  code("""
     import tpu_embedding
 
 
@@ -141,8 +141,8 @@ QUICKSTART = [
     with strategy.scope():
         model = RankingModel(feature_config, embedding.Adam(learning_rate=0.01))
         optimizer = tf_keras.optimizers.Adagrad(learning_rate=0.1)
-    '''),
-    md("""
+    """),
+  md("""
     ## The training step
 
     A custom step under `strategy.run`. The loss is averaged over the *global* batch, as every
@@ -151,7 +151,7 @@ QUICKSTART = [
     applies the tables' gradients with the tables' own optimizer (on TPU, in the embedding
     engine). The Keras optimizer only ever sees the dense variables.
     """),
-    code('''
+  code("""
     BATCH_SIZE = 256  # global batch: a multiple of the number of replicas
 
 
@@ -169,14 +169,14 @@ QUICKSTART = [
     def train_step(iterator):
         per_replica_loss = strategy.run(step_fn, args=next(iterator))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
-    '''),
-    md("""
+    """),
+  md("""
     ## Training and evaluation
 
     Training batches have a static shape (`drop_remainder=True`, required on TPU). The test set
     is evaluated in full: `eval_dataset` pads its last batch with weight-0 rows.
     """),
-    code('''
+  code("""
     import numpy as np
 
     from tpu_embedding.examples import movielens_ranking
@@ -207,8 +207,8 @@ QUICKSTART = [
     print(f"Test RMSE {history['test_rmse'][-1]:.4f} vs {baseline_rmse:.4f} for the mean rating")
     assert history["loss"][-1] < history["loss"][0]
     assert history["test_rmse"][-1] < baseline_rmse
-    '''),
-    md("""
+    """),
+  md("""
     ## Checkpoint, export, reload, recommend
 
     A `tf.train.Checkpoint` holds the tables under the same names on every hardware path.
@@ -216,7 +216,7 @@ QUICKSTART = [
     so the export looks its tables up with plain CPU ops whatever trained it, and saves a
     `serve(user_id, movie_id)` signature returning ratings on the 1-5 scale.
     """),
-    code('''
+  code("""
     checkpoint_path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(OUTPUT_DIR, "quickstart", "ckpt"))
     export_dir = movielens_ranking.export_saved_model(
@@ -230,8 +230,8 @@ QUICKSTART = [
         print(f"Top 5 for user {user_id}:")
         for movie_id, rating in picks:
             print(f"  {rating:.2f}  {data.titles[movie_id]}")
-    '''),
-    md("""
+    """),
+  md("""
     ## On a TPU
 
     Nothing changes but what `choose_strategy()` returns: run the same cells on a TPU runtime.
@@ -244,7 +244,7 @@ QUICKSTART = [
 # Retrieval: two towers sharing one TPUEmbedding call.
 
 RETRIEVAL = [
-    md("""
+  md("""
     # Two-tower retrieval with TPUEmbedding
 
     A retrieval model scores every movie for a user with a dot product between a *user tower*
@@ -257,9 +257,9 @@ RETRIEVAL = [
     user rated in training) contain the movies the user rated 4 or 5 stars? That is recall@10,
     compared with recommending the most popular movies.
     """),
-    code(SETUP),
-    code(STRATEGY),
-    code('''
+  code(SETUP),
+  code(STRATEGY),
+  code("""
     import numpy as np
 
     from tpu_embedding.data import movielens
@@ -272,8 +272,8 @@ RETRIEVAL = [
     # the prior the model's retrieval score uses (see below). +1 smooths unseen movies.
     counts = np.bincount(train.movie_ids, minlength=data.num_movies + 1).astype(np.float32)
     log_popularity = np.log((counts + 1.0) / (counts + 1.0).sum()).astype(np.float32)
-    '''),
-    md("""
+    """),
+  md("""
     ## Objective
 
     What is rated and how it is rated are two different questions. In MovieLens, *which* movies
@@ -288,7 +288,7 @@ RETRIEVAL = [
     Retrieval then ranks by `log P(liked | user, movie) + log popularity(movie)`, which is
     `log P(rated and liked)`.
     """),
-    code('''
+  code("""
     import tpu_embedding
 
     EMBEDDING_DIM = 32
@@ -337,8 +337,8 @@ RETRIEVAL = [
     def train_step(iterator):
         loss = strategy.run(step_fn, args=next(iterator))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
-    '''),
-    code('''
+    """),
+  code("""
     EPOCHS = 2 if FAST else 4
     liked = lambda features, rating: (features, tf.cast(rating >= 0.75, tf.float32))  # 4+ stars
     train_data = strategy.experimental_distribute_dataset(
@@ -352,15 +352,15 @@ RETRIEVAL = [
             losses.append(float(train_step(iterator)))
             progbar.update(step + 1, [("loss", float(np.mean(losses[-steps:])))])
     assert np.mean(losses[-steps:]) < np.mean(losses[:steps])
-    '''),
-    md("""
+    """),
+  md("""
     ## Brute-force retrieval and recall@10
 
     The tower outputs for every user and every movie are computed once; a user's scores over all
     movies are one matrix-vector product, and `tf.math.top_k` picks the best. Movies the user
     rated in training are masked out.
     """),
-    code('''
+  code("""
     tables = {table.name: variable for table, variable in model.embedding.embedding_tables.items()}
     user_vectors = model.user_tower(tables["user_table"])
     movie_vectors = model.movie_tower(tables["movie_table"])
@@ -395,8 +395,8 @@ RETRIEVAL = [
     print(f"recall@10 over {len(users)} test users: model {model_recall:.4f}, "
           f"most popular movies {popularity_recall:.4f}")
     assert model_recall > popularity_recall
-    '''),
-    md("""
+    """),
+  md("""
     With the default 4 epochs on the synthetic data we measured recall@10 of 0.120 for the
     model against 0.091 for the most-rated movies (0.111 for the movies most often rated 4+;
     the planted model itself, which generated the data, reaches 0.143). The gain over
@@ -404,20 +404,20 @@ RETRIEVAL = [
     information about the user, so all a model can add is the user's taste among popular
     movies. The fast mode's two epochs gave 0.112.
     """),
-    code('''
+  code("""
     for user_id in users[:3]:
         print(f"Top 10 for user {user_id} (held-out 4+ ratings marked *):")
         for movie_id in top_k([user_id], scores[[user_id]])[0]:
             mark = "*" if movie_id in relevant[user_id] else " "
             print(f"  {mark} {data.titles[int(movie_id)]}")
-    '''),
+    """),
 ]
 
 # ---------------------------------------------------------------------------------------------
 # DLRM with PartialTPUEmbedding on synthetic Criteo-shaped data.
 
 DLRM = [
-    md("""
+  md("""
     # DLRM on Criteo-shaped data with PartialTPUEmbedding
 
     Click-through models such as DLRM mix a few huge categorical features (ids in the millions)
@@ -431,9 +431,9 @@ DLRM = [
     very different vocabulary sizes with Zipf-distributed ids. Clicks come from a known logistic
     model, so we know the best log loss achievable and can check the model approaches it.
     """),
-    code(SETUP),
-    code(STRATEGY),
-    md("""
+  code(SETUP),
+  code(STRATEGY),
+  md("""
     ## Data with a known answer
 
     Each id of each categorical feature has a planted weight, and two features also interact
@@ -441,7 +441,7 @@ DLRM = [
     (log-transformed) dense features. Frequent ids get their weights learned quickly; the long
     tail is what a large table holds.
     """),
-    code('''
+  code("""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -490,14 +490,14 @@ DLRM = [
     best_loss = log_loss(test[3], test[2])
     print(f"click rate {click_rate:.3f}; test log loss: constant {constant_loss:.4f}, "
           f"the planted model {best_loss:.4f}")
-    '''),
-    md("""
+    """),
+  md("""
     ## PartialTPUEmbedding and its placement
 
     Tables above `size_threshold` rows are sharded (TPU embedding engine), the others
     replicated. Every table is trained by its own mid-level optimizer, here Adagrad.
     """),
-    code('''
+  code("""
     import tpu_embedding
 
     EMBEDDING_DIM = 16
@@ -517,15 +517,15 @@ DLRM = [
     print()
     print("On an 8-chip TPU slice:")
     print(partial_embedding.placement(num_replicas=8))
-    '''),
-    md("""
+    """),
+  md("""
     ## DLRM
 
     A bottom MLP maps the dense features to the embedding dimension; the pairwise dot products
     of all 7 vectors (dense + 6 embeddings) are the interactions; a top MLP reads the dense
     vector, the interactions and the embeddings, and outputs the click logit.
     """),
-    code('''
+  code("""
     class DLRM(tf_keras.Model):
         def __init__(self, embedding_layer):
             super().__init__()
@@ -583,8 +583,8 @@ DLRM = [
         if shuffle:
             data = data.shuffle(len(clicks), seed=0)
         return data.batch(BATCH_SIZE, drop_remainder=True)
-    '''),
-    code('''
+    """),
+  code("""
     EPOCHS = 1 if FAST else 3
     train_data = strategy.experimental_distribute_dataset(dataset(train, shuffle=True))
     steps = len(train[2]) // BATCH_SIZE
@@ -605,11 +605,11 @@ DLRM = [
     print(f"test log loss: DLRM {test_loss:.4f}, constant click rate {constant_loss:.4f}, "
           f"planted model {log_loss(test[3][:kept], test[2][:kept]):.4f}")
     assert test_loss < constant_loss
-    '''),
-    md("""
+    """),
+  md("""
     ## Training loss
     """),
-    code('''
+  code("""
     %matplotlib inline
     import matplotlib.pyplot as plt
 
@@ -624,14 +624,14 @@ DLRM = [
     ax.legend()
     fig.savefig(os.path.join(OUTPUT_DIR, "dlrm_training_loss.png"), dpi=100)
     plt.show()
-    '''),
+    """),
 ]
 
 # ---------------------------------------------------------------------------------------------
 # Quick start for Keras 3: the same model with `tpu_embedding.keras` and `model.fit`.
 
 KERAS3_QUICKSTART = [
-    md("""
+  md("""
     # TPUEmbedding quick start for Keras 3: ranking movies with `model.fit`
 
     The quick start's ranking model, written for Keras 3 (`tf.keras` on TensorFlow 2.16+, and
@@ -641,15 +641,15 @@ KERAS3_QUICKSTART = [
     trained with their own optimizer exactly as the TPU embedding engine trains them; the
     optimizer given to `model.compile` trains the dense layers only.
     """),
-    code(SETUP),
-    md("""
+  code(SETUP),
+  md("""
     ## Keras 3 with the TensorFlow backend
 
     The layer runs on TensorFlow: set the backend before Keras is imported. The strategy is the
     only hardware decision: on a TPU, create `tf.distribute.TPUStrategy(resolver)` instead and
     build the model under its scope; nothing else changes.
     """),
-    code('''
+  code("""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
     import keras
@@ -662,15 +662,15 @@ KERAS3_QUICKSTART = [
     strategy = tf.distribute.get_strategy()
     print("Keras", keras.__version__, "on", keras.backend.backend(), "|",
           type(strategy).__name__)
-    '''),
-    md("""
+    """),
+  md("""
     ## Data
 
     The same MovieLens 100K split as the quick start (synthetic without network access; set
     `MOVIELENS_DIR` to an ml-100k directory for the real ratings), as `tf.data` datasets of
     `({"user_id", "movie_id"}, rating in [0, 1])`.
     """),
-    code('''
+  code("""
     from tpu_embedding.data import movielens
 
     data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
@@ -681,15 +681,15 @@ KERAS3_QUICKSTART = [
     test_data = movielens.to_dataset(test, BATCH_SIZE)
     print(f"{data.source}: {len(train)} training and {len(test)} test ratings; "
           f"RMSE of predicting the mean rating: {baseline_rmse:.4f}")
-    '''),
-    md("""
+    """),
+  md("""
     ## Tables and features, keras-rs style
 
     keras-rs's configs are accepted as they are: `embedding_dim` is the table width, the Keras
     `Adam` given to each table is translated to the TPU embedding `Adam`, and the global-batch
     `output_shape` to the per-replica shape the TPU needs.
     """),
-    code('''
+  code("""
     EMBEDDING_DIM = 32
 
 
@@ -706,8 +706,8 @@ KERAS3_QUICKSTART = [
         for name, t in [("user_id", table("user_table", data.num_users)),
                         ("movie_id", table("movie_table", data.num_movies))]
     }
-    '''),
-    md("""
+    """),
+  md("""
     ## The model, compiled and fitted
 
     A functional model: the embedding layer takes the whole feature dict and returns a dict of
@@ -715,7 +715,7 @@ KERAS3_QUICKSTART = [
     `jit_compile=False`: the layer's XLA training path is not there yet (on CPU Keras' default
     leaves XLA off anyway).
     """),
-    code('''
+  code("""
     with strategy.scope():
         inputs = {name: keras.Input(shape=(), dtype="int32", name=name)
                   for name in ("user_id", "movie_id")}
@@ -733,15 +733,15 @@ KERAS3_QUICKSTART = [
     test_rmse = model.evaluate(test_data, return_dict=True, verbose=0)["rmse"]
     print(f"Test RMSE {test_rmse:.4f} vs {baseline_rmse:.4f} for the mean rating")
     assert test_rmse < baseline_rmse
-    '''),
-    md("""
+    """),
+  md("""
     ## Save, reload, export
 
     `model.save` writes the tables and their optimizer slots into the `.keras` file, and
     `keras.models.load_model` gives a model that predicts the same. `export_for_serving` writes
     a SavedModel for CPU serving, the same function as for tf-keras models.
     """),
-    code('''
+  code("""
     from tpu_embedding import serving
 
     keras_file = os.path.join(OUTPUT_DIR, "keras3_ranking.keras")
@@ -762,34 +762,37 @@ KERAS3_QUICKSTART = [
     served = tf.saved_model.load(export_dir).signatures["serving_default"]
     print("Predicted ratings:", served(user_id=tf.constant(sample["user_id"]),
                                       movie_id=tf.constant(sample["movie_id"]))["rating"].numpy())
-    '''),
+    """),
 ]
 
 NOTEBOOKS = {
-    "tpu_embedding_quickstart.ipynb": QUICKSTART,
-    "tpu_embedding_keras3_quickstart.ipynb": KERAS3_QUICKSTART,
-    "retrieval_two_tower.ipynb": RETRIEVAL,
-    "partial_tpu_embedding_dlrm.ipynb": DLRM,
+  "tpu_embedding_quickstart.ipynb": QUICKSTART,
+  "tpu_embedding_keras3_quickstart.ipynb": KERAS3_QUICKSTART,
+  "retrieval_two_tower.ipynb": RETRIEVAL,
+  "partial_tpu_embedding_dlrm.ipynb": DLRM,
 }
 
 
 def build(directory: str = HERE) -> list[str]:
-    paths = []
-    for name, cells in NOTEBOOKS.items():
-        notebook = nbformat.v4.new_notebook(cells=cells)
-        for number, cell in enumerate(notebook.cells):
-            cell.id = f"cell-{number}"  # stable ids: rebuilding changes nothing unless a cell does
-        notebook.metadata["kernelspec"] = {
-            "name": "python3", "display_name": "Python 3", "language": "python"}
-        notebook.metadata["language_info"] = {"name": "python"}
-        nbformat.validate(notebook)
-        path = os.path.join(directory, name)
-        with open(path, "w", encoding="utf-8") as f:
-            nbformat.write(notebook, f)
-        paths.append(path)
-    return paths
+  paths = []
+  for name, cells in NOTEBOOKS.items():
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    for number, cell in enumerate(notebook.cells):
+      cell.id = f"cell-{number}"  # stable ids: rebuilding changes nothing unless a cell does
+    notebook.metadata["kernelspec"] = {
+      "name": "python3",
+      "display_name": "Python 3",
+      "language": "python",
+    }
+    notebook.metadata["language_info"] = {"name": "python"}
+    nbformat.validate(notebook)
+    path = os.path.join(directory, name)
+    with open(path, "w", encoding="utf-8") as f:
+      nbformat.write(notebook, f)
+    paths.append(path)
+  return paths
 
 
 if __name__ == "__main__":
-    for written in build():
-        print(written)
+  for written in build():
+    print(written)

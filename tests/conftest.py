@@ -12,8 +12,7 @@ import tensorflow as tf  # noqa: E402
 
 _cpus = tf.config.list_physical_devices("CPU")
 try:
-  tf.config.set_logical_device_configuration(
-      _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+  tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 except RuntimeError:  # already initialised by an earlier import in this process
   pass
 

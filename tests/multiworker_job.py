@@ -22,16 +22,22 @@ GLOBAL_BATCH = 8
 
 def main(out_path: str) -> None:
   multi_worker = "TF_CONFIG" in os.environ
-  strategy = (tf.distribute.MultiWorkerMirroredStrategy() if multi_worker
-              else tf.distribute.get_strategy())
+  strategy = (
+    tf.distribute.MultiWorkerMirroredStrategy() if multi_worker else tf.distribute.get_strategy()
+  )
   rng = np.random.default_rng(3)
   values = rng.normal(size=(9, 2)).astype(np.float32)
   bags = [rng.integers(0, 9, size=(GLOBAL_BATCH, 3)) for _ in range(3)]
   for batch in bags:
     batch[:2, 1:] = -1  # ragged: the worker holding the first rows gets fewer ids
   with strategy.scope():
-    table = E.TableConfig(vocabulary_size=9, dim=2, combiner="sum", name="t",
-                          initializer=tf.constant_initializer(values))
+    table = E.TableConfig(
+      vocabulary_size=9,
+      dim=2,
+      combiner="sum",
+      name="t",
+      initializer=tf.constant_initializer(values),
+    )
     layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.Adagrad(0.1))
     dense = tf_keras.layers.Dense(1, kernel_initializer="ones")
     optimizer = tf_keras.optimizers.SGD(0.01)

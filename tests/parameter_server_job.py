@@ -27,12 +27,12 @@ BATCHES = [([0, 2, 2], [1, 4]), ([2, 3, 0], [4, 4]), ([5, 5, 5], [0, 1]), ([0, 1
 
 def _in_process_cluster(num_workers: int) -> tf.distribute.cluster_resolver.ClusterResolver:
   ports = loopback.free_ports(num_workers + 1)
-  spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
-                               "ps": [f"127.0.0.1:{ports[-1]}"]})
+  spec = tf.train.ClusterSpec(
+    {"worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]], "ps": [f"127.0.0.1:{ports[-1]}"]}
+  )
   config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=num_workers + 1)
   for index in range(num_workers):
-    tf.distribute.Server(spec, job_name="worker", task_index=index, config=config,
-                         protocol="grpc")
+    tf.distribute.Server(spec, job_name="worker", task_index=index, config=config, protocol="grpc")
   tf.distribute.Server(spec, job_name="ps", task_index=0, protocol="grpc")
   return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
 
@@ -41,15 +41,25 @@ def main(out_path: str) -> None:
   strategy = tf.distribute.ParameterServerStrategy(_in_process_cluster(num_workers=2))
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
   with strategy.scope():
-    sgd_table = E.TableConfig(vocabulary_size=6, dim=2, combiner="sum", name="sgd",
-                              optimizer=E.SGD(0.5), initializer=tf.zeros_initializer())
+    sgd_table = E.TableConfig(
+      vocabulary_size=6,
+      dim=2,
+      combiner="sum",
+      name="sgd",
+      optimizer=E.SGD(0.5),
+      initializer=tf.zeros_initializer(),
+    )
     adagrad_table = E.TableConfig(
-        vocabulary_size=5, dim=2, combiner="sum", name="adagrad",
-        optimizer=E.Adagrad(0.5, initial_accumulator_value=1.0),
-        initializer=tf.constant_initializer(np.arange(10).reshape(5, 2)))
-    layer = tpu_embedding.TPUEmbedding({"a": E.FeatureConfig(table=sgd_table),
-                                        "b": E.FeatureConfig(table=adagrad_table)},
-                                       E.SGD(0.5))
+      vocabulary_size=5,
+      dim=2,
+      combiner="sum",
+      name="adagrad",
+      optimizer=E.Adagrad(0.5, initial_accumulator_value=1.0),
+      initializer=tf.constant_initializer(np.arange(10).reshape(5, 2)),
+    )
+    layer = tpu_embedding.TPUEmbedding(
+      {"a": E.FeatureConfig(table=sgd_table), "b": E.FeatureConfig(table=adagrad_table)}, E.SGD(0.5)
+    )
 
   @tf.function
   def worker_step(ids_a, ids_b):
@@ -62,19 +72,23 @@ def main(out_path: str) -> None:
     strategy.run(replica_step, args=(ids_a, ids_b))
 
   for ids_a, ids_b in BATCHES:
-    coordinator.schedule(worker_step, args=(tf.constant(ids_a, tf.int64),
-                                            tf.constant(ids_b, tf.int64)))
+    coordinator.schedule(
+      worker_step, args=(tf.constant(ids_a, tf.int64), tf.constant(ids_b, tf.int64))
+    )
   coordinator.join()
   spec = tf.TensorSpec([None], tf.int64)
   graph = worker_step.get_concrete_function(spec, spec).graph
   op_types = {op.type for op in graph.get_operations()}
   op_types |= {node.op for fn in graph.as_graph_def().library.function for node in fn.node_def}
   variables = layer.variables_by_table
-  np.savez(out_path, sgd=variables["sgd"]["parameters"].numpy(),
-           adagrad=variables["adagrad"]["parameters"].numpy(),
-           accumulators=variables["adagrad"]["accumulators"].numpy(),
-           placement=np.array([variables["sgd"]["parameters"].device]),
-           op_types=np.array(sorted(op_types)))
+  np.savez(
+    out_path,
+    sgd=variables["sgd"]["parameters"].numpy(),
+    adagrad=variables["adagrad"]["parameters"].numpy(),
+    accumulators=variables["adagrad"]["accumulators"].numpy(),
+    placement=np.array([variables["sgd"]["parameters"].device]),
+    op_types=np.array(sorted(op_types)),
+  )
 
 
 if __name__ == "__main__":

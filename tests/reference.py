@@ -1,7 +1,7 @@
 """Float64 NumPy reference of the TPU embedding semantics, written from the SPEC.
 
 Independent of the engine code on purpose: every formula here is transcribed
-from /work/shared/SPEC-tpu-embedding-semantics.md, so engine tests compare the
+from docs/SPEC-tpu-embedding-semantics.md, so engine tests compare the
 implementation with the spec, not with itself.
 
 Optimizer parameters are plain dicts keyed by the mid-level optimizer's
@@ -39,27 +39,44 @@ Bag = Tuple[Sequence[int], Optional[Sequence[float]]]
 """One sample: its ids and their weights (None = all weights 1)."""
 
 _SLOTS = {
-    "sgd": (),
-    "adagrad": ("accumulators",),
-    "adagrad_momentum": ("accumulators", "momenta"),
-    "adam": ("momenta", "velocities"),
-    "ftrl": ("accumulators", "linears"),
+  "sgd": (),
+  "adagrad": ("accumulators",),
+  "adagrad_momentum": ("accumulators", "momenta"),
+  "adam": ("momenta", "velocities"),
+  "ftrl": ("accumulators", "linears"),
 }
 
-_COMMON = ("learning_rate", "clip_gradient_min", "clip_gradient_max",
-           "clip_weight_min", "clip_weight_max", "weight_decay_factor",
-           "multiply_weight_decay_factor_by_learning_rate")
+_COMMON = (
+  "learning_rate",
+  "clip_gradient_min",
+  "clip_gradient_max",
+  "clip_weight_min",
+  "clip_weight_max",
+  "weight_decay_factor",
+  "multiply_weight_decay_factor_by_learning_rate",
+)
 _HYPERPARAMETERS = {
-    "sgd": (),
-    "adagrad": ("initial_accumulator_value",),
-    "adagrad_momentum": ("momentum", "use_nesterov", "exponent", "beta2", "epsilon"),
-    "adam": ("beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt"),
-    "ftrl": ("learning_rate_power", "l1_regularization_strength",
-             "l2_regularization_strength", "beta", "initial_accumulator_value",
-             "multiply_linear_by_learning_rate"),
+  "sgd": (),
+  "adagrad": ("initial_accumulator_value",),
+  "adagrad_momentum": ("momentum", "use_nesterov", "exponent", "beta2", "epsilon"),
+  "adam": ("beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt"),
+  "ftrl": (
+    "learning_rate_power",
+    "l1_regularization_strength",
+    "l2_regularization_strength",
+    "beta",
+    "initial_accumulator_value",
+    "multiply_linear_by_learning_rate",
+  ),
 }
-_KINDS = {"SGD": "sgd", "Adagrad": "adagrad", "AdagradMomentum": "adagrad_momentum",
-          "Adam": "adam", "FTRL": "ftrl", "CustomOptimizer": "custom"}
+_KINDS = {
+  "SGD": "sgd",
+  "Adagrad": "adagrad",
+  "AdagradMomentum": "adagrad_momentum",
+  "Adam": "adam",
+  "FTRL": "ftrl",
+  "CustomOptimizer": "custom",
+}
 
 
 # ---------------------------------------------------------------- parameters
@@ -74,8 +91,7 @@ def params_from_optimizer(optimizer) -> Params:
   if kind == "custom":
     params["custom_computation"] = optimizer.custom_computation
     params["slot_names"] = tuple(optimizer._slot_names())  # pylint: disable=protected-access
-    params["hyperparameters"] = tuple(
-        h() if callable(h) else h for h in optimizer.hyperparameters)
+    params["hyperparameters"] = tuple(h() if callable(h) else h for h in optimizer.hyperparameters)
     return params
   for name in _HYPERPARAMETERS[kind]:
     params[name] = getattr(optimizer, name)
@@ -92,10 +108,10 @@ def initial_slots(params: Params, shape: Sequence[int]) -> Slots:
   """Slot values of a fresh table (SPEC §2.4-2.7 initialisers)."""
   kind = params["kind"]
   init = {
-      "adagrad": {"accumulators": params.get("initial_accumulator_value")},
-      "adagrad_momentum": {"accumulators": 0.0, "momenta": 0.0},
-      "adam": {"momenta": 0.0, "velocities": 0.0},
-      "ftrl": {"accumulators": params.get("initial_accumulator_value"), "linears": 0.0},
+    "adagrad": {"accumulators": params.get("initial_accumulator_value")},
+    "adagrad_momentum": {"accumulators": 0.0, "momenta": 0.0},
+    "adam": {"momenta": 0.0, "velocities": 0.0},
+    "ftrl": {"accumulators": params.get("initial_accumulator_value"), "linears": 0.0},
   }.get(kind, {})
   return {name: np.full(shape, init[name], np.float64) for name in _SLOTS.get(kind, ())}
 
@@ -171,8 +187,13 @@ def custom(w, slots, g, lr, params):
   new_w = np.array(w, np.float64)
   new_slots = {n: np.array(slots[n], np.float64) for n in names}
   for r in range(w.shape[0]):
-    out = fn(g[r:r + 1], w[r:r + 1], [slots[n][r:r + 1] for n in names], lr,
-             list(params["hyperparameters"]))
+    out = fn(
+      g[r : r + 1],
+      w[r : r + 1],
+      [slots[n][r : r + 1] for n in names],
+      lr,
+      list(params["hyperparameters"]),
+    )
     if isinstance(out, (tuple, list)):
       new_w[r] = np.asarray(out[0])[0]
       for n, value in zip(names, out[1:]):
@@ -183,8 +204,12 @@ def custom(w, slots, g, lr, params):
 
 
 RULES: Dict[str, Callable[..., Tuple[np.ndarray, Slots]]] = {
-    "sgd": sgd, "adagrad": adagrad, "adagrad_momentum": adagrad_momentum,
-    "adam": adam, "ftrl": ftrl, "custom": custom,
+  "sgd": sgd,
+  "adagrad": adagrad,
+  "adagrad_momentum": adagrad_momentum,
+  "adam": adam,
+  "ftrl": ftrl,
+  "custom": custom,
 }
 
 
@@ -210,9 +235,14 @@ def _decay(w: np.ndarray, lr: float, params: Params) -> np.ndarray:
   return w - factor * w
 
 
-def apply_step(table: np.ndarray, slots: Mapping[str, np.ndarray],
-               row_ids: Sequence[int], grads: np.ndarray, lr: float,
-               params: Params) -> Tuple[np.ndarray, Slots]:
+def apply_step(
+  table: np.ndarray,
+  slots: Mapping[str, np.ndarray],
+  row_ids: Sequence[int],
+  grads: np.ndarray,
+  lr: float,
+  params: Params,
+) -> Tuple[np.ndarray, Slots]:
   """One optimizer step on a whole table with unique touched `row_ids`.
 
   Touched rows: clip g -> decay W -> rule -> clip W. Untouched rows are left
@@ -229,8 +259,9 @@ def apply_step(table: np.ndarray, slots: Mapping[str, np.ndarray],
     w0, s0 = rule(table, slots, np.zeros_like(table), lr, params)
     new_table = clip(w0, params.get("clip_weight_min"), params.get("clip_weight_max"))
     new_slots.update(s0)
-  g = clip(np.asarray(grads, np.float64), params.get("clip_gradient_min"),
-           params.get("clip_gradient_max"))
+  g = clip(
+    np.asarray(grads, np.float64), params.get("clip_gradient_min"), params.get("clip_gradient_max")
+  )
   w = _decay(table[row_ids], lr, params)
   w, touched_slots = rule(w, {n: slots[n][row_ids] for n in names}, g, lr, params)
   new_table[row_ids] = clip(w, params.get("clip_weight_min"), params.get("clip_weight_max"))
@@ -260,8 +291,9 @@ def _weights(ids: Sequence[int], weights: Optional[Sequence[float]]) -> np.ndarr
   return np.ones(len(ids)) if weights is None else np.asarray(weights, np.float64)
 
 
-def combine_bag(table: np.ndarray, ids: Sequence[int],
-                weights: Optional[Sequence[float]], combiner: str) -> np.ndarray:
+def combine_bag(
+  table: np.ndarray, ids: Sequence[int], weights: Optional[Sequence[float]], combiner: str
+) -> np.ndarray:
   """a_s = c_s * sum_k w_k W[i_k]; an empty bag (or zero weight sum) gives 0."""
   table = np.asarray(table, np.float64)
   if len(ids) == 0:
@@ -270,8 +302,9 @@ def combine_bag(table: np.ndarray, ids: Sequence[int],
   return bag_scale(w, combiner) * (w[:, None] * table[np.asarray(ids)]).sum(axis=0)
 
 
-def assemble_gradients(bags: Sequence[Bag], upstream: np.ndarray, combiner: str,
-                       dim: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+def assemble_gradients(
+  bags: Sequence[Bag], upstream: np.ndarray, combiner: str, dim: Optional[int] = None
+) -> Tuple[np.ndarray, np.ndarray]:
   """§2.1: g_r = sum over samples and occurrences of c_s w_k dL/da_s.
 
   `bags` are all samples of all features on one table (concatenate features,

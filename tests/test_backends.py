@@ -20,10 +20,16 @@ from tpu_embedding.layer import TPUEmbedding
 emb = tf.tpu.experimental.embedding
 BATCH = 4
 
-CLASS_OF = {Path.TPU_V0: emb.TPUEmbeddingV0, Path.TPU_V1: emb.TPUEmbedding,
-            Path.TPU_V2: emb.TPUEmbeddingV2}
-FEATURE_OF = {Path.TPU_V0: EmbeddingFeature.UNSUPPORTED, Path.TPU_V1: EmbeddingFeature.V1,
-              Path.TPU_V2: EmbeddingFeature.V2}
+CLASS_OF = {
+  Path.TPU_V0: emb.TPUEmbeddingV0,
+  Path.TPU_V1: emb.TPUEmbedding,
+  Path.TPU_V2: emb.TPUEmbeddingV2,
+}
+FEATURE_OF = {
+  Path.TPU_V0: EmbeddingFeature.UNSUPPORTED,
+  Path.TPU_V1: EmbeddingFeature.V1,
+  Path.TPU_V2: EmbeddingFeature.V2,
+}
 
 
 @pytest.fixture
@@ -39,25 +45,26 @@ def tables():
 def feature_config(output_shape=None):
   video, user = tables()
   return {
-      "watched": emb.FeatureConfig(table=video, name="watched", output_shape=output_shape),
-      "favorited": emb.FeatureConfig(table=video, name="favorited", output_shape=output_shape),
-      "friends": emb.FeatureConfig(table=user, name="friends", output_shape=output_shape),
+    "watched": emb.FeatureConfig(table=video, name="watched", output_shape=output_shape),
+    "favorited": emb.FeatureConfig(table=video, name="favorited", output_shape=output_shape),
+    "friends": emb.FeatureConfig(table=user, name="friends", output_shape=output_shape),
   }
 
 
 def features():
   ragged = lambda values, lengths: tf.RaggedTensor.from_row_lengths(
-      tf.constant(values, tf.int32), lengths)
+    tf.constant(values, tf.int32), lengths
+  )
   return {
-      "watched": ragged([0, 0, 1, 0, 1, 1], [1, 2, 2, 1]),
-      "favorited": ragged([0, 1, 1, 0, 0, 1], [2, 1, 1, 2]),
-      "friends": ragged([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3]),
+    "watched": ragged([0, 0, 1, 0, 1, 1], [1, 2, 2, 1]),
+    "favorited": ragged([0, 1, 1, 0, 0, 1], [2, 1, 1, 2]),
+    "friends": ragged([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3]),
   }
 
 
 def make_layer(path, **kwargs):
   kwargs.setdefault("optimizer", tf_keras.optimizers.legacy.SGD(learning_rate=0.1))
-  # SC-API requires output_shape (SPEC 3.6); the others derive it from the inputs.
+  # SC-API requires output_shape (SPEC §3.6); the others derive it from the inputs.
   config = feature_config([BATCH] if path is Path.TPU_V2 else None)
   return TPUEmbedding(config, **kwargs), config
 
@@ -118,8 +125,11 @@ def _one_device():
   return tf.distribute.OneDeviceStrategy("/cpu:0")
 
 
-@pytest.mark.parametrize("create,call", [(_one_device, _mirrored), (_mirrored, _one_device)],
-                         ids=["one_device_then_mirrored", "mirrored_then_one_device"])
+@pytest.mark.parametrize(
+  "create,call",
+  [(_one_device, _mirrored), (_mirrored, _one_device)],
+  ids=["one_device_then_mirrored", "mirrored_then_one_device"],
+)
 def test_cpu_layer_called_under_another_strategy_is_refused(create, call):
   """CPU path, real strategies: the refusal names both strategies."""
   created_under, called_under = create(), call()
@@ -200,11 +210,13 @@ def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
   exported = serving.export_for_serving(layer, str(tmp_path / "export"), serve)
   loaded = tf.saved_model.load(exported)
   (out,) = loaded.signatures["serving_default"](
-      ids=tf.constant([1, 0, 1]), ids_1=tf.constant([0, 2, 3], tf.int64)).values()
+    ids=tf.constant([1, 0, 1]), ids_1=tf.constant([0, 2, 3], tf.int64)
+  ).values()
   np.testing.assert_array_equal(out.numpy(), [[4.0, 6.0, 8.0, 10.0], [4.0, 5.0, 6.0, 7.0]])
   assert sorted(loaded.embedding_tables) == ["video_table"]
-  np.testing.assert_array_equal(loaded.embedding_tables["video_table"].numpy(),
-                                np.arange(8.0).reshape(2, 4))
+  np.testing.assert_array_equal(
+    loaded.embedding_tables["video_table"].numpy(), np.arange(8.0).reshape(2, 4)
+  )
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,6 +226,7 @@ def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
 def _keras3_layer(config, **kwargs):
   import keras  # pylint: disable=g-import-not-at-top
   from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding  # pylint: disable=g-import-not-at-top
+
   return Keras3TPUEmbedding(config, optimizer=keras.optimizers.SGD(0.1), **kwargs)
 
 
@@ -232,7 +245,10 @@ def test_the_keras3_layer_builds_v1_as_the_tf_keras_layer_and_traces_one_engine_
   reference, proto = recorded.config_protos
   assert proto == reference
   assert [(f.name, list(f.input_shape)) for f in proto.feature_descriptor] == [
-      ("favorited", [BATCH]), ("friends", [BATCH]), ("watched", [BATCH])]
+    ("favorited", [BATCH]),
+    ("friends", [BATCH]),
+    ("watched", [BATCH]),
+  ]
 
   @tf.function
   def step(ids):
@@ -263,9 +279,11 @@ def _sparse_core_config():
   """Tables whose every entry is known (SparseCore asks initializers for padded shapes)."""
   video = emb.TableConfig(16, 4, name="video_table", initializer=tpu_harness.pattern(0.0))
   user = emb.TableConfig(32, 2, name="user_table", initializer=tpu_harness.pattern(10000.0))
-  return {"watched": emb.FeatureConfig(video, name="watched", output_shape=[BATCH]),
-          "favorited": emb.FeatureConfig(video, name="favorited", output_shape=[BATCH]),
-          "friends": emb.FeatureConfig(user, name="friends", output_shape=[BATCH])}
+  return {
+    "watched": emb.FeatureConfig(video, name="watched", output_shape=[BATCH]),
+    "favorited": emb.FeatureConfig(video, name="favorited", output_shape=[BATCH]),
+    "friends": emb.FeatureConfig(user, name="friends", output_shape=[BATCH]),
+  }
 
 
 def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_lookup(tpu):
@@ -288,7 +306,8 @@ def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_looku
   assert sorted(tables) == sorted(reference) == ["user_table", "video_table"]
   for name, (dim, offset) in {"video_table": (4, 0.0), "user_table": (2, 10000.0)}.items():
     by_hand = tpu_harness.logical_by_hand(
-        tpu_harness.stacked_by_hand(stacked[layouts[name].stacked_table_name]), layouts[name])
+      tpu_harness.stacked_by_hand(stacked[layouts[name].stacked_table_name]), layouts[name]
+    )
     np.testing.assert_array_equal(tables[name], by_hand, err_msg=name)
     np.testing.assert_array_equal(tables[name], reference[name], err_msg=name)
     # Only this table's columns: TF's initializer wrote offset + 100 * row + column.
@@ -305,7 +324,10 @@ def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_looku
   kinds = [op.type for op in concrete.graph.get_operations()]
   assert kinds.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1  # one stack: dims 4, 2
   assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
-      "watched": [BATCH, 4], "favorited": [BATCH, 4], "friends": [BATCH, 2]}
+    "watched": [BATCH, 4],
+    "favorited": [BATCH, 4],
+    "friends": [BATCH, 2],
+  }
 
 
 def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):

@@ -33,8 +33,7 @@ def test_alternation_runs_every_implementation_once_per_round():
 
 def test_markdown_table_and_formatting():
   table = h.markdown_table(["a", "b"], [[1, "x|y"], [h.fmt_num(12345.6), h.fmt_num(0.012345)]])
-  assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | x\\|y |",
-                                "| 12,346 | 0.0123 |"]
+  assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | x\\|y |", "| 12,346 | 0.0123 |"]
   with pytest.raises(ValueError):
     h.markdown_table(["a"], [[1, 2]])
   assert h.fmt_stat(h.summarize([1, 2, 3])) == "2.00 (1.00–3.00, n=3)"
@@ -44,7 +43,7 @@ def test_markdown_table_and_formatting():
 
 
 def test_parse_result_and_worker_env():
-  assert h.parse_result("noise\nRESULT {\"x\": 1}\n") == {"x": 1}
+  assert h.parse_result('noise\nRESULT {"x": 1}\n') == {"x": 1}
   assert h.parse_result("no result") is None
   assert h.worker_env("tfrs")["TF_USE_LEGACY_KERAS"] == "1"
   assert "TF_USE_LEGACY_KERAS" not in h.worker_env("ours")
@@ -71,8 +70,10 @@ def test_plan_shares_processes_and_alternates():
 def test_jit_plan_runs_each_variant_in_its_own_process_and_partial_on_small_tables():
   jobs = cases.plan({"jit"}, cases.Settings.make(quick=True))
   labels = [cases.impl_label(spec["impl"], spec["jit_compile"]) for _, _, spec in jobs]
-  assert labels == ["ours/xla", "ours", "tfrs", "keras-embedding/xla", "ours-partial/xla",
-                    "ours-partial"] * 2
+  assert (
+    labels
+    == ["ours/xla", "ours", "tfrs", "keras-embedding/xla", "ours-partial/xla", "ours-partial"] * 2
+  )
   partial = jobs[4][2]["groups"][0]
   assert partial["kind"] == "jit-partial" and max(partial["sizes"]) <= 10_000
   assert [m["workload"] for m in partial["measure"]] == ["emb"]
@@ -82,23 +83,54 @@ def _fake_raw(s):
   runs = []
   for fam, _, spec in cases.plan(set(cases.CASES) - {"serving"}, s):
     if fam == "limit":
-      one = {"numpy_take_gbs": [2.0] * 5, "numpy_gather_gbs": [1.0] * 5,
-             "numpy_scatter_gbs": [1.0] * 5, "tf_gather_gbs": [1.0] * 5}
-      runs.append({"family": fam, "spec": spec,
-                   "result": {"limit": {"1000000x16": one, "10000000x32": one}}})
+      one = {
+        "numpy_take_gbs": [2.0] * 5,
+        "numpy_gather_gbs": [1.0] * 5,
+        "numpy_scatter_gbs": [1.0] * 5,
+        "tf_gather_gbs": [1.0] * 5,
+      }
+      runs.append(
+        {"family": fam, "spec": spec, "result": {"limit": {"1000000x16": one, "10000000x32": one}}}
+      )
       continue
 
-    speed = {"ours": 1.0, "ours-keras": 2.0, "tfrs": 4.0, "keras-embedding": 3.0,
-             "dense-only": 0.5, "ours/xla": 0.5, "keras-embedding/xla": 3.0,
-             "ours-partial/xla": 1.5, "ours-partial": 1.0}[
-                 cases.impl_label(spec["impl"], spec.get("jit_compile", False))]
-    ms = [{"workload": m["workload"], "batch": m["batch"], "sizes": g["sizes"],
-           "step_s": [0.01 * speed * k for k in (1, 1, 1.1, 0.9, 1)], "partial": False,
-           "steps_per_rep": 3, "unique_rows": 1000.0, "vmhwm": 3 * 2**30,
-           "first_step_s": 1.0, "kind": g["kind"]} for g in spec["groups"] for m in g["measure"]]
+    speed = {
+      "ours": 1.0,
+      "ours-keras": 2.0,
+      "tfrs": 4.0,
+      "keras-embedding": 3.0,
+      "dense-only": 0.5,
+      "ours/xla": 0.5,
+      "keras-embedding/xla": 3.0,
+      "ours-partial/xla": 1.5,
+      "ours-partial": 1.0,
+    }[cases.impl_label(spec["impl"], spec.get("jit_compile", False))]
+    ms = [
+      {
+        "workload": m["workload"],
+        "batch": m["batch"],
+        "sizes": g["sizes"],
+        "step_s": [0.01 * speed * k for k in (1, 1, 1.1, 0.9, 1)],
+        "partial": False,
+        "steps_per_rep": 3,
+        "unique_rows": 1000.0,
+        "vmhwm": 3 * 2**30,
+        "first_step_s": 1.0,
+        "kind": g["kind"],
+      }
+      for g in spec["groups"]
+      for m in g["measure"]
+    ]
     runs.append({"family": fam, "spec": spec, "result": {"measurements": ms}})
-  return {"settings": {}, "cases": sorted(set(cases.CASES) - {"serving"}), "runs": runs,
-          "started": "now", "load_avg_start": [0.0], "load_avg_end": [0.0], "total_s": 60}
+  return {
+    "settings": {},
+    "cases": sorted(set(cases.CASES) - {"serving"}),
+    "runs": runs,
+    "started": "now",
+    "load_avg_start": [0.0],
+    "load_avg_end": [0.0],
+    "total_s": 60,
+  }
 
 
 def test_report_on_fake_results(tmp_path):
@@ -117,7 +149,9 @@ def test_report_on_fake_results(tmp_path):
   assert "t(1e+07)/t(1e+04)" in text
   assert targets["jit DLRM Adam: ours/xla >= 5x tfrs"][1:3] == ("8.00x", "MET")
   assert targets["Partial replicated side adam: XLA step within 2x of compiled kernels"][1:3] == (
-      "0.67x", "MET")
+    "0.67x",
+    "MET",
+  )
   assert "| partial emb | adagrad | ours-partial/xla | 15.0 (13.5–16.5, n=5) |" in text
   for png in ("dlrm.png", "table_size.png", "batch.png"):
     assert os.path.exists(tmp_path / png)

@@ -28,8 +28,7 @@ FEATURES = {"user": [1, 2, 3, 2], "movie": [4, 5, 4, 0]}
 def feature_config(optimizers=True, movie_rows=50, with_movie=True):
   """Two tables: `user` trained with Adagrad, `movie` with Adam (their own optimizers)."""
   user = E.TableConfig(100, 4, name="user", optimizer=E.Adagrad(0.1) if optimizers else None)
-  movie = E.TableConfig(movie_rows, 8, name="movie",
-                        optimizer=E.Adam(0.01) if optimizers else None)
+  movie = E.TableConfig(movie_rows, 8, name="movie", optimizer=E.Adam(0.01) if optimizers else None)
   config = {"user": E.FeatureConfig(user)}
   if with_movie:
     config["movie"] = E.FeatureConfig(movie)
@@ -37,7 +36,6 @@ def feature_config(optimizers=True, movie_rows=50, with_movie=True):
 
 
 class Ranker(tf_keras.Model):
-
   def __init__(self, config, optimizer="sgd", **layer_kwargs):
     super().__init__()
     self.embedding = tpu_embedding.TPUEmbedding(config, optimizer=optimizer, **layer_kwargs)
@@ -72,7 +70,9 @@ def engine_variables(model):
 
 def all_values(model, optimizer=None):
   values = {f"engine:{k}": v for k, v in engine_variables(model).items()}
-  values.update({"dense:kernel": model.dense.kernel.numpy(), "dense:bias": model.dense.bias.numpy()})
+  values.update(
+    {"dense:kernel": model.dense.kernel.numpy(), "dense:bias": model.dense.bias.numpy()}
+  )
   if optimizer is not None:
     values.update({f"opt:{i}": v.numpy() for i, v in enumerate(optimizer.variables())})
   return values
@@ -86,8 +86,7 @@ def _train_and_save(directory):
   tf.keras.utils.set_random_seed(1)
   model, optimizer = Ranker(feature_config()), tf_keras.optimizers.Adam(0.05)
   train(model, optimizer)
-  path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
-      os.path.join(directory, "ckpt"))
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(directory, "ckpt"))
   np.savez(os.path.join(directory, "trained.npz"), **all_values(model, optimizer))
   with open(os.path.join(directory, "path.txt"), "w") as f:
     f.write(path)
@@ -107,8 +106,13 @@ def _restore_fresh(directory):
 
 def run_here(call):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
-  result = subprocess.run([sys.executable, "-c", f"import test_checkpoints as t; t.{call}"],
-                          env=env, capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-c", f"import test_checkpoints as t; t.{call}"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -130,12 +134,18 @@ def test_checkpoint_holds_the_mid_level_keys(trained):
   path, _ = trained
   keys = {name: shape for name, shape in tf.train.list_variables(path)}
   prefix = "model/embedding/_tpu_embedding/"
-  for key, shape in [("user", [100, 4]), ("user.Saccumulators", [100, 4]), ("movie", [50, 8]),
-                     ("movie.Smomenta", [50, 8]), ("movie.Svelocities", [50, 8])]:
+  for key, shape in [
+    ("user", [100, 4]),
+    ("user.Saccumulators", [100, 4]),
+    ("movie", [50, 8]),
+    ("movie.Smomenta", [50, 8]),
+    ("movie.Svelocities", [50, 8]),
+  ]:
     assert keys[f"{prefix}{key}/.ATTRIBUTES/VARIABLE_VALUE"] == shape
   # Nothing else of the layer is saved (no gradient-trap variable, no pipelining buffers).
   assert sorted(k for k in keys if k.startswith("model/embedding/")) == sorted(
-      k for k in keys if k.startswith(prefix))
+    k for k in keys if k.startswith(prefix)
+  )
   assert len([k for k in keys if k.startswith(prefix)]) == 5
 
 
@@ -147,8 +157,12 @@ def test_restore_in_a_fresh_process_is_exact(trained, tmp_path):
   restored = dict(np.load(tmp_path / "restored.npz"))
   assert sorted(restored) == sorted(values)
   assert {k for k in values if k.startswith("engine:")} == {
-      "engine:user", "engine:user/accumulators", "engine:movie", "engine:movie/momenta",
-      "engine:movie/velocities"}
+    "engine:user",
+    "engine:user/accumulators",
+    "engine:movie",
+    "engine:movie/momenta",
+    "engine:movie/velocities",
+  }
   for name, value in values.items():
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
   # Training changed the tables and slots (the comparison above is not trivially true).
@@ -163,8 +177,10 @@ def test_restore_into_a_serving_only_model(trained):
   model(batch())
   status.assert_existing_objects_matched()
   engine = model.embedding._tpu_embedding.variables_by_table
-  assert {t: sorted(v) for t, v in engine.items()} == {"user": ["parameters"],
-                                                       "movie": ["parameters"]}
+  assert {t: sorted(v) for t, v in engine.items()} == {
+    "user": ["parameters"],
+    "movie": ["parameters"],
+  }
   for table in ("user", "movie"):
     np.testing.assert_array_equal(engine[table]["parameters"].numpy(), values[f"engine:{table}"])
   np.testing.assert_array_equal(model.dense.kernel.numpy(), values["dense:kernel"])
@@ -179,13 +195,15 @@ def test_restores_into_the_mid_level_serving_api(trained, tmp_path, route):
     tf.train.Checkpoint(model=model).restore(path).expect_partial()
     model(batch())
     path = tf.train.Checkpoint(embedding=model.embedding._tpu_embedding).save(
-        str(tmp_path / "engine"))
+      str(tmp_path / "engine")
+    )
   serving = E.TPUEmbeddingForServing(feature_config(optimizers=False), optimizer=None)
   if route == "engine":
     root = tf.train.Checkpoint(embedding=serving)
   else:  # the model's checkpoint, through the attribute path the layer uses
     root = tf.train.Checkpoint(
-        model=tf.train.Checkpoint(embedding=tf.train.Checkpoint(_tpu_embedding=serving)))
+      model=tf.train.Checkpoint(embedding=tf.train.Checkpoint(_tpu_embedding=serving))
+    )
   root.restore(path).expect_partial()
   serving.build()
   for config, variable in serving.embedding_tables.items():
@@ -197,15 +215,16 @@ def test_mid_level_checkpoint_restores_into_the_layer(tmp_path):
   serving = E.TPUEmbeddingForServing(feature_config(optimizers=False), optimizer=None)
   serving.build()
   path = tf.train.Checkpoint(
-      model=tf.train.Checkpoint(embedding=tf.train.Checkpoint(_tpu_embedding=serving))).save(
-          str(tmp_path / "mid"))
+    model=tf.train.Checkpoint(embedding=tf.train.Checkpoint(_tpu_embedding=serving))
+  ).save(str(tmp_path / "mid"))
   model = Ranker(feature_config(optimizers=False), optimizer=None)
   model(batch())
   tf.train.Checkpoint(model=model).restore(path).expect_partial()
   for config, variable in serving.embedding_tables.items():
     np.testing.assert_array_equal(
-        model.embedding._tpu_embedding.variables_by_table[config.name]["parameters"].numpy(),
-        variable.numpy())
+      model.embedding._tpu_embedding.variables_by_table[config.name]["parameters"].numpy(),
+      variable.numpy(),
+    )
 
 
 def test_pipelined_updates_are_flushed_into_the_checkpoint(tmp_path):
@@ -214,7 +233,8 @@ def test_pipelined_updates_are_flushed_into_the_checkpoint(tmp_path):
   held_back = engine_variables(model)["user"].copy()
   path = tf.train.Checkpoint(model=model).save(str(tmp_path / "c"))
   saved = tf.train.load_checkpoint(path).get_tensor(
-      "model/embedding/_tpu_embedding/user/.ATTRIBUTES/VARIABLE_VALUE")
+    "model/embedding/_tpu_embedding/user/.ATTRIBUTES/VARIABLE_VALUE"
+  )
   assert not np.array_equal(saved, held_back)  # the pending update of the last step is in it
   np.testing.assert_array_equal(saved, engine_variables(model)["user"])
 
@@ -265,7 +285,8 @@ def test_missing_table_is_refused_and_nothing_changes(tmp_path):
   with pytest.raises(ValueError) as error:
     tf.train.Checkpoint(model=model).restore(path)
   assert "table 'movie' (shape [50, 8] in this layer) is missing from the checkpoint" in str(
-      error.value)
+    error.value
+  )
   after = all_values(model)
   for name, value in before.items():
     np.testing.assert_array_equal(after[name], value, err_msg=name)
@@ -276,8 +297,11 @@ def test_missing_slot_is_refused(tmp_path):
   sgd(batch())
   path = tf.train.Checkpoint(model=sgd).save(str(tmp_path / "sgd"))
   model = built_model(6)
-  with pytest.raises(ValueError, match="slot 'user/accumulators' of table 'user' "
-                                       r"\(shape \[100, 4\] in this layer\) is missing"):
+  with pytest.raises(
+    ValueError,
+    match="slot 'user/accumulators' of table 'user' "
+    r"\(shape \[100, 4\] in this layer\) is missing",
+  ):
     tf.train.Checkpoint(model=model).restore(path)
 
 
@@ -304,9 +328,12 @@ sys.path.insert(0, HERE)
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
-TFRS_SLOTS = {"sgd": {}, "adagrad": {"accumulators": "accumulator"},
-              "adam": {"momenta": "m", "velocities": "v"},
-              "ftrl": {"accumulators": "accumulator", "linears": "linear"}}
+TFRS_SLOTS = {
+  "sgd": {},
+  "adagrad": {"accumulators": "accumulator"},
+  "adam": {"momenta": "m", "velocities": "v"},
+  "ftrl": {"accumulators": "accumulator", "linears": "linear"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -314,9 +341,12 @@ def tfrs_checkpoints(tmp_path_factory):
   """{(layer, optimizer): checkpoint path}, written by tf-recommenders in a subprocess."""
   directory = tmp_path_factory.mktemp("tfrs")
   result = subprocess.run(
-      [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
-      env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
-      capture_output=True, text=True, timeout=600)
+    [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
+    env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return {case: str(directory / "-".join(case) / "ckpt") for case in tfrs_writer.CASES}
 
@@ -329,7 +359,8 @@ def our_model(layer_name, optimizer_name, **kwargs):
     layer = tpu_embedding.TPUEmbedding(config, optimizer, **kwargs)
   else:
     layer = tpu_embedding.PartialTPUEmbedding(
-        config, optimizer, size_threshold=tfrs_writer.SIZE_THRESHOLD, **kwargs)
+      config, optimizer, size_threshold=tfrs_writer.SIZE_THRESHOLD, **kwargs
+    )
   model = tfrs_writer.build_model(layer, optimizer, tf_keras)
   model(tfrs_writer.inputs())
   return model, optimizer
@@ -349,13 +380,17 @@ def tfrs_key(layer_name, table, slot=None):
 
 
 @pytest.mark.parametrize("layer_name,optimizer_name", tfrs_writer.CASES)
-def test_tfrs_checkpoint_restores_every_table_and_slot(tfrs_checkpoints, layer_name,
-                                                       optimizer_name):
+def test_tfrs_checkpoint_restores_every_table_and_slot(
+  tfrs_checkpoints, layer_name, optimizer_name
+):
   path = tfrs_checkpoints[(layer_name, optimizer_name)]
   model, optimizer = our_model(layer_name, optimizer_name)
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-  variables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
-               else model.embedding._variables_by_table())
+  variables = (
+    model.embedding.variables_by_table
+    if layer_name == "TPUEmbedding"
+    else model.embedding._variables_by_table()
+  )
   restored = 0
   for table in ("small", "large"):
     expected = {"parameters": tf.train.load_variable(path, tfrs_key(layer_name, table))}
@@ -366,9 +401,10 @@ def test_tfrs_checkpoint_restores_every_table_and_slot(tfrs_checkpoints, layer_n
       np.testing.assert_array_equal(variables[table][name].numpy(), value, err_msg=name)
       restored += 1
   assert restored == 2 * (1 + len(TFRS_SLOTS[optimizer_name]))
-  np.testing.assert_array_equal(model.dense.kernel.numpy(),
-                                tf.train.load_variable(path, "model/dense/kernel/.ATTRIBUTES/"
-                                                       "VARIABLE_VALUE"))
+  np.testing.assert_array_equal(
+    model.dense.kernel.numpy(),
+    tf.train.load_variable(path, "model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE"),
+  )
   # The engine trains the tables: the Keras optimizer made no slot of its own for them.
   assert not [v for v in optimizer.variables() if v.shape.rank == 2 and v.shape[0] in (8, 30)]
 
@@ -379,34 +415,49 @@ def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints, la
   path = tfrs_checkpoints[(layer_name, "adagrad")]
   model, optimizer = our_model(layer_name, "adagrad", table_updates="keras")
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-  tables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
-            else model.embedding._variables_by_table())
+  tables = (
+    model.embedding.variables_by_table
+    if layer_name == "TPUEmbedding"
+    else model.embedding._variables_by_table()
+  )
   assert sorted(tables) == ["large", "small"]
   for table, variables in tables.items():
-    np.testing.assert_array_equal(variables["parameters"].numpy(),
-                                  tf.train.load_variable(path, tfrs_key(layer_name, table)))
     np.testing.assert_array_equal(
-        optimizer.get_slot(variables["parameters"], "accumulator").numpy(),
-        tf.train.load_variable(path, tfrs_key(layer_name, table, "accumulator")))
+      variables["parameters"].numpy(), tf.train.load_variable(path, tfrs_key(layer_name, table))
+    )
+    np.testing.assert_array_equal(
+      optimizer.get_slot(variables["parameters"], "accumulator").numpy(),
+      tf.train.load_variable(path, tfrs_key(layer_name, table, "accumulator")),
+    )
 
 
 @pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
 def test_tfrs_slots_of_another_optimizer_are_refused_by_name(tfrs_checkpoints, layer_name):
   path = tfrs_checkpoints[(layer_name, "adagrad")]
   model, optimizer = our_model(layer_name, "adam")
-  before = {t: v["parameters"].numpy() for t, v in (
-      model.embedding.variables_by_table if layer_name == "TPUEmbedding"
-      else model.embedding._variables_by_table()).items()}
+  before = {
+    t: v["parameters"].numpy()
+    for t, v in (
+      model.embedding.variables_by_table
+      if layer_name == "TPUEmbedding"
+      else model.embedding._variables_by_table()
+    ).items()
+  }
   with pytest.raises(ValueError) as error:
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
   message = str(error.value)
   assert f"into this {layer_name} layer" in message
   for table, shape in (("small", [8, 4]), ("large", [30, 2])):
     for slot in ("momenta", "velocities"):
-      assert (f"slot '{table}/{slot}' of table '{table}' (shape {shape} in this layer) is "
-              "missing from the checkpoint") in message
-  after = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
-           else model.embedding._variables_by_table())
+      assert (
+        f"slot '{table}/{slot}' of table '{table}' (shape {shape} in this layer) is "
+        "missing from the checkpoint"
+      ) in message
+  after = (
+    model.embedding.variables_by_table
+    if layer_name == "TPUEmbedding"
+    else model.embedding._variables_by_table()
+  )
   for table, value in before.items():
     np.testing.assert_array_equal(after[table]["parameters"].numpy(), value, err_msg=table)
 
@@ -416,26 +467,41 @@ def test_tfrs_slots_of_another_optimizer_are_refused_by_name(tfrs_checkpoints, l
 def test_our_checkpoint_loads_back_into_tfrs(tmp_path, layer_name, table_updates):
   """Tables always; slots only where the Keras optimizer owned them (table_updates="keras")."""
   model, optimizer = our_model(layer_name, "adagrad", table_updates=table_updates)
-  model.fit(tf.data.Dataset.from_tensors((tfrs_writer.inputs(),
-                                          tf.constant(tfrs_writer.LABELS))).repeat(2), verbose=0)
+  model.fit(
+    tf.data.Dataset.from_tensors((tfrs_writer.inputs(), tf.constant(tfrs_writer.LABELS))).repeat(2),
+    verbose=0,
+  )
   path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ours"))
   out = str(tmp_path / "tfrs.npz")
   result = subprocess.run(
-      [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), "--read", path, out,
-       layer_name],
-      env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
-      capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      os.path.join(HERE, "tfrs_checkpoint_writer.py"),
+      "--read",
+      path,
+      out,
+      layer_name,
+    ],
+    env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   loaded = np.load(out)
-  tables = (model.embedding.variables_by_table if layer_name == "TPUEmbedding"
-            else model.embedding._variables_by_table())
+  tables = (
+    model.embedding.variables_by_table
+    if layer_name == "TPUEmbedding"
+    else model.embedding._variables_by_table()
+  )
   assert sorted(tables) == ["large", "small"]
   for table, variables in tables.items():
     np.testing.assert_array_equal(loaded[table], variables["parameters"].numpy())
     if table_updates == "keras":
       np.testing.assert_array_equal(
-          loaded[table + "/accumulator"],
-          optimizer.get_slot(variables["parameters"], "accumulator").numpy())
+        loaded[table + "/accumulator"],
+        optimizer.get_slot(variables["parameters"], "accumulator").numpy(),
+      )
     else:  # the engine's slots are not where tf-recommenders looks: its own start afresh
       fresh = loaded[table + "/accumulator"]
       assert np.isnan(fresh).all() or (fresh == np.float32(0.1)).all(), fresh

@@ -21,9 +21,14 @@ E = tf.tpu.experimental.embedding
 
 
 def _table(values, combiner="sum", name="t", optimizer=None):
-  return E.TableConfig(vocabulary_size=values.shape[0], dim=values.shape[1], combiner=combiner,
-                       name=name, optimizer=optimizer,
-                       initializer=tf.constant_initializer(values))
+  return E.TableConfig(
+    vocabulary_size=values.shape[0],
+    dim=values.shape[1],
+    combiner=combiner,
+    name=name,
+    optimizer=optimizer,
+    initializer=tf.constant_initializer(values),
+  )
 
 
 class Probe(tf_keras.Model):
@@ -54,8 +59,7 @@ def _step(model, dense_optimizer, ids, weights, upstream):
 
 @st.composite
 def optimizers(draw):
-  kind = draw(st.sampled_from(["sgd", "adagrad", "adagrad_momentum", "adam", "adam_dense",
-                               "ftrl"]))
+  kind = draw(st.sampled_from(["sgd", "adagrad", "adagrad_momentum", "adam", "adam_dense", "ftrl"]))
   lr = draw(st.sampled_from([0.05, 0.3]))
   common = {}
   if draw(st.booleans()):
@@ -70,13 +74,23 @@ def optimizers(draw):
   if kind == "adagrad":
     return E.Adagrad(lr, initial_accumulator_value=draw(st.sampled_from([0.1, 1.0])), **common)
   if kind == "adagrad_momentum":
-    return E.AdagradMomentum(lr, momentum=0.9, use_nesterov=draw(st.booleans()),
-                             beta2=draw(st.sampled_from([1.0, 0.9])), **common)
+    return E.AdagradMomentum(
+      lr,
+      momentum=0.9,
+      use_nesterov=draw(st.booleans()),
+      beta2=draw(st.sampled_from([1.0, 0.9])),
+      **common,
+    )
   if kind in ("adam", "adam_dense"):
     return E.Adam(lr, lazy_adam=kind == "adam", sum_inside_sqrt=draw(st.booleans()), **common)
-  return E.FTRL(lr, l1_regularization_strength=draw(st.sampled_from([0.0, 0.01])),
-                l2_regularization_strength=0.1, beta=draw(st.sampled_from([0.0, 0.5])),
-                multiply_linear_by_learning_rate=draw(st.booleans()), **common)
+  return E.FTRL(
+    lr,
+    l1_regularization_strength=draw(st.sampled_from([0.0, 0.01])),
+    l2_regularization_strength=0.1,
+    beta=draw(st.sampled_from([0.0, 0.5])),
+    multiply_linear_by_learning_rate=draw(st.booleans()),
+    **common,
+  )
 
 
 bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
@@ -85,14 +99,22 @@ bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, ma
 def _reference_examples(max_examples: int, max_steps: int, **more):
   """The property tests' settings and examples: a table, its optimizer, steps of two features."""
   settings = hypothesis.settings(
-      max_examples=max_examples, deadline=None,
-      suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                             hypothesis.HealthCheck.function_scoped_fixture])
+    max_examples=max_examples,
+    deadline=None,
+    suppress_health_check=[
+      hypothesis.HealthCheck.too_slow,
+      hypothesis.HealthCheck.function_scoped_fixture,
+    ],
+  )
   given = hypothesis.given(
-      dim=st.integers(1, 3), combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
-      optimizer=optimizers(),
-      steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=max_steps),
-      weighted=st.booleans(), seed=st.integers(0, 2**16), **more)
+    dim=st.integers(1, 3),
+    combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+    optimizer=optimizers(),
+    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=max_steps),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+    **more,
+  )
   return lambda test: settings(given(test))
 
 
@@ -110,8 +132,9 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
 
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
 @_reference_examples(8, 2)
-def test_jit_compiled_steps_match_reference(monkeypatch, formulation, dim, combiner, optimizer,
-                                            steps, weighted, seed):
+def test_jit_compiled_steps_match_reference(
+  monkeypatch, formulation, dim, combiner, optimizer, steps, weighted, seed
+):
   """The same under `jit_compile=True` (the static-shape path), with each of its two update
   formulations whatever the table's size; fewer examples, as each one compiles with XLA."""
   if formulation == "whole_table":  # what summed replicas take, on one replica
@@ -126,32 +149,49 @@ def _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted
   rows = 6
   values = rng.uniform(-1, 1, size=(rows, dim)).astype(np.float32)
   table = _table(values, combiner)
-  layer = tpu_embedding.TPUEmbedding({"a": E.FeatureConfig(table=table),
-                                      "b": E.FeatureConfig(table=table)}, optimizer)
+  layer = tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table=table), "b": E.FeatureConfig(table=table)}, optimizer
+  )
   model = Probe(layer)
   dense = tf_keras.optimizers.SGD(0.0)
   params = reference.params_from_optimizer(optimizer)
   w = values.astype(np.float64)
   slots = reference.initial_slots(params, w.shape)
   for bags_a, bags_b in steps:
-    weights = {k: [list(rng.uniform(-0.5, 2.0, len(b))) for b in bags] if weighted else None
-               for k, bags in (("a", bags_a), ("b", bags_b))}
-    upstream = {k: rng.normal(size=(len(bags), dim)).astype(np.float32)
-                for k, bags in (("a", bags_a), ("b", bags_b))}
-    ids = {"a": tf.ragged.constant(bags_a, tf.int64, ragged_rank=1),
-           "b": tf.ragged.constant(bags_b, tf.int64, ragged_rank=1)}
-    tf_weights = None if not weighted else {
-        k: tf.ragged.constant(weights[k], tf.float32, ragged_rank=1) for k in weights}
+    weights = {
+      k: [list(rng.uniform(-0.5, 2.0, len(b))) for b in bags] if weighted else None
+      for k, bags in (("a", bags_a), ("b", bags_b))
+    }
+    upstream = {
+      k: rng.normal(size=(len(bags), dim)).astype(np.float32)
+      for k, bags in (("a", bags_a), ("b", bags_b))
+    }
+    ids = {
+      "a": tf.ragged.constant(bags_a, tf.int64, ragged_rank=1),
+      "b": tf.ragged.constant(bags_b, tf.int64, ragged_rank=1),
+    }
+    tf_weights = (
+      None
+      if not weighted
+      else {k: tf.ragged.constant(weights[k], tf.float32, ragged_rank=1) for k in weights}
+    )
     out = run_step(model, dense, ids, tf_weights, upstream)
     for k, bags in (("a", bags_a), ("b", bags_b)):
-      expected = [reference.combine_bag(w, b, None if not weighted else weights[k][i], combiner)
-                  for i, b in enumerate(bags)]
-      np.testing.assert_allclose(out[k].numpy(), np.reshape(expected, (-1, dim)),
-                                 rtol=1e-4, atol=1e-5)
-    samples = [(b, None if not weighted else weights[k][i])
-               for k, bags in (("a", bags_a), ("b", bags_b)) for i, b in enumerate(bags)]
+      expected = [
+        reference.combine_bag(w, b, None if not weighted else weights[k][i], combiner)
+        for i, b in enumerate(bags)
+      ]
+      np.testing.assert_allclose(
+        out[k].numpy(), np.reshape(expected, (-1, dim)), rtol=1e-4, atol=1e-5
+      )
+    samples = [
+      (b, None if not weighted else weights[k][i])
+      for k, bags in (("a", bags_a), ("b", bags_b))
+      for i, b in enumerate(bags)
+    ]
     row_ids, grads = reference.assemble_gradients(
-        samples, np.concatenate([upstream["a"], upstream["b"]]), combiner, dim)
+      samples, np.concatenate([upstream["a"], upstream["b"]]), combiner, dim
+    )
     if len(row_ids) or (params["kind"] == "adam" and not params["lazy_adam"]):
       w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
   variables = layer._tpu_embedding.variables_by_table["t"]
@@ -198,8 +238,9 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
 
   with pytest.warns(UserWarning, match="received a second gradient.*updated them again"):
     step()
-  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
-                                [[0.0], [-4.0], [-2.0]])  # two steps of -(1 + 1) and -1
+  np.testing.assert_array_equal(
+    list(layer.embedding_tables.values())[0].numpy(), [[0.0], [-4.0], [-2.0]]
+  )  # two steps of -(1 + 1) and -1
 
 
 def test_one_gradient_per_step_gives_no_warning():
@@ -210,13 +251,15 @@ def test_one_gradient_per_step_gives_no_warning():
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(layer(tf.constant([1])))
       tape.gradient(loss, layer.trainable_variables)
-  np.testing.assert_array_equal(list(layer.embedding_tables.values())[0].numpy(),
-                                [[0.0], [-2.0], [0.0]])
+  np.testing.assert_array_equal(
+    list(layer.embedding_tables.values())[0].numpy(), [[0.0], [-2.0], [0.0]]
+  )
 
 
 def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path):
   layer = tpu_embedding.TPUEmbedding(
-      E.FeatureConfig(table=_table(np.zeros((5, 2), np.float32))), E.Adagrad(0.1))
+    E.FeatureConfig(table=_table(np.zeros((5, 2), np.float32))), E.Adagrad(0.1)
+  )
 
   @tf.function
   def step(ids):
@@ -226,8 +269,13 @@ def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path)
 
   graph = step.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
   types = [op.type for op in graph.get_operations()]
-  counted = ("Unique", "ResourceGather", "TpuEmbeddingDedupLookup", "TpuEmbeddingRowGradients",
-             "TpuEmbeddingApplyRows")
+  counted = (
+    "Unique",
+    "ResourceGather",
+    "TpuEmbeddingDedupLookup",
+    "TpuEmbeddingRowGradients",
+    "TpuEmbeddingApplyRows",
+  )
   if engine_path == "native":  # one kernel looks up, one sums the gradients, one updates
     assert [types.count(t) for t in counted] == [0, 0, 1, 1, 1]
   else:  # the table's rows (looked up, then updated) and the accumulator's
@@ -239,10 +287,11 @@ def test_a_compiled_training_step_reads_each_touched_table_row_once(engine_path)
 
 
 def _constant_gradient_lookups(pipelining: bool, steps: int = 4):
-  """Spec 6's example: one row, SGD lr 1, gradient 1 each step, starting at 0."""
+  """SPEC §6's example: one row, SGD lr 1, gradient 1 each step, starting at 0."""
   table = _table(np.zeros((2, 1), np.float32))
-  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.SGD(1.0),
-                                     pipeline_execution_with_tensor_core=pipelining)
+  layer = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(table=table), E.SGD(1.0), pipeline_execution_with_tensor_core=pipelining
+  )
   seen = []
 
   @tf.function
@@ -278,7 +327,8 @@ def test_pipelined_update_is_flushed_before_a_checkpoint_is_written(tmp_path):
   layer, _ = _constant_gradient_lookups(True, steps=2)
   path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
   saved = tf.train.load_checkpoint(path).get_tensor(
-      "layer/_tpu_embedding/t/.ATTRIBUTES/VARIABLE_VALUE")
+    "layer/_tpu_embedding/t/.ATTRIBUTES/VARIABLE_VALUE"
+  )
   assert saved[1, 0] == -2.0
 
 
@@ -327,8 +377,9 @@ def test_callable_learning_rate_of_a_mid_level_optimizer_is_read_every_step():
 def test_keras_managed_tables_are_trained_by_the_users_optimizer():
   values = np.arange(6, dtype=np.float32).reshape(3, 2)
   table = _table(values)
-  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), E.Adagrad(0.1),
-                                     table_updates="keras")
+  layer = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(table=table), E.Adagrad(0.1), table_updates="keras"
+  )
   model = Probe(layer)
   _step(model, tf_keras.optimizers.SGD(0.5), tf.constant([2, 2]), None, tf.ones([2, 2]))
   assert list(layer._tpu_embedding.variables_by_table["t"]) == ["parameters"]  # no slots
@@ -340,16 +391,22 @@ def test_keras_managed_tables_are_trained_by_the_users_optimizer():
 
 def test_unknown_table_updates_mode_is_refused():
   with pytest.raises(ValueError, match="table_updates='tpu'; expected one of"):
-    tpu_embedding.TPUEmbedding(E.FeatureConfig(table=_table(np.zeros((2, 1)))), "sgd",
-                               table_updates="tpu")
+    tpu_embedding.TPUEmbedding(
+      E.FeatureConfig(table=_table(np.zeros((2, 1)))), "sgd", table_updates="tpu"
+    )
 
 
-@pytest.mark.parametrize("make_optimizer,slot_names", [
+@pytest.mark.parametrize(
+  "make_optimizer,slot_names",
+  [
     (lambda: tf_keras.optimizers.Adam(0.1), ["momenta", "velocities"]),
     (lambda: tf_keras.optimizers.legacy.Ftrl(0.1), ["accumulators", "linears"]),
-    (lambda: "adagrad", ["accumulators"])])
-def test_translated_optimizer_slots_round_trip_through_a_checkpoint(tmp_path, make_optimizer,
-                                                                    slot_names):
+    (lambda: "adagrad", ["accumulators"]),
+  ],
+)
+def test_translated_optimizer_slots_round_trip_through_a_checkpoint(
+  tmp_path, make_optimizer, slot_names
+):
   def build():
     table = _table(np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2))
     return tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), make_optimizer())
@@ -357,8 +414,13 @@ def test_translated_optimizer_slots_round_trip_through_a_checkpoint(tmp_path, ma
   trained = build()
   model = Probe(trained)
   for _ in range(2):
-    _step(model, tf_keras.optimizers.SGD(0.0), tf.ragged.constant([[0, 3, 3]]), None,
-          tf.constant([[0.5, -1.0]]))
+    _step(
+      model,
+      tf_keras.optimizers.SGD(0.0),
+      tf.ragged.constant([[0, 3, 3]]),
+      None,
+      tf.constant([[0.5, -1.0]]),
+    )
   path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
   fresh = build()
   fresh_model = Probe(fresh)

@@ -23,8 +23,9 @@ E = tf.tpu.experimental.embedding
 def _strategy():
   # Reduction through one device: CPU collectives keep per-process keys that a second strategy
   # of the same devices would reuse with other shapes.
-  return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
-                                        cross_device_ops=tf.distribute.ReductionToOneDevice())
+  return tf.distribute.MirroredStrategy(
+    ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+  )
 
 
 def test_every_replica_receives_the_sum_and_one_replica_its_own_value(strategy):
@@ -41,17 +42,20 @@ def test_every_replica_receives_the_sum_and_one_replica_its_own_value(strategy):
 
 # Each replica's bags of one feature and their activation gradients; the global batch is both.
 BAGS = [[[0, 3, 3], [5]], [[3], [1, 1, 0]]]
-UPSTREAM = [np.array([[1.0, -2.0], [0.5, 0.25]], np.float32),
-            np.array([[-1.0, 3.0], [2.0, -0.5]], np.float32)]
+UPSTREAM = [
+  np.array([[1.0, -2.0], [0.5, 0.25]], np.float32),
+  np.array([[-1.0, 3.0], [2.0, -0.5]], np.float32),
+]
 
 
-@pytest.mark.parametrize("optimizer", [E.Adagrad(0.3), E.Adam(0.3, lazy_adam=True),
-                                       E.Adam(0.3, lazy_adam=False)],
-                         ids=["adagrad", "lazy_adam", "adam"])
+@pytest.mark.parametrize(
+  "optimizer",
+  [E.Adagrad(0.3), E.Adam(0.3, lazy_adam=True), E.Adam(0.3, lazy_adam=False)],
+  ids=["adagrad", "lazy_adam", "adam"],
+)
 def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(strategy, optimizer):
   values = np.linspace(-1, 1, 8 * 2, dtype=np.float32).reshape(8, 2)
-  table = E.TableConfig(8, 2, name="t", combiner="sum",
-                        initializer=tf.constant_initializer(values))
+  table = E.TableConfig(8, 2, name="t", combiner="sum", initializer=tf.constant_initializer(values))
   config = config_lib.prepare({"f": E.FeatureConfig(table)}, optimizer)
   with strategy.scope():
     engine = EmbeddingEngine(config)
@@ -68,8 +72,11 @@ def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(stra
     static_path.apply_gradients(step.upstream_by_table([upstream]), state_of)
 
   per_replica = strategy.experimental_distribute_values_from_function(
-      lambda context: (tf.ragged.constant(BAGS[context.replica_id_in_sync_group], tf.int64),
-                       tf.constant(UPSTREAM[context.replica_id_in_sync_group])))
+    lambda context: (
+      tf.ragged.constant(BAGS[context.replica_id_in_sync_group], tf.int64),
+      tf.constant(UPSTREAM[context.replica_id_in_sync_group]),
+    )
+  )
   train = tf.function(lambda inputs: strategy.run(replica_step, args=inputs))
   params = reference.params_from_optimizer(optimizer)
   w, slots = values.astype(np.float64), reference.initial_slots(params, values.shape)

@@ -18,10 +18,12 @@ ROWS = np.arange(10, dtype=np.float32).reshape(5, 2)
 
 
 def layer(learning_rate=0.5, **kwargs):
-  table = E.TableConfig(5, 2, name="videos", combiner="sum",
-                        initializer=tf.constant_initializer(ROWS))
-  return tpu_embedding.TPUEmbedding({"watched": E.FeatureConfig(table)},
-                                    E.SGD(learning_rate=learning_rate), **kwargs)
+  table = E.TableConfig(
+    5, 2, name="videos", combiner="sum", initializer=tf.constant_initializer(ROWS)
+  )
+  return tpu_embedding.TPUEmbedding(
+    {"watched": E.FeatureConfig(table)}, E.SGD(learning_rate=learning_rate), **kwargs
+  )
 
 
 def train(model, scale=1.0, weights=None, traced=False):
@@ -50,12 +52,15 @@ def test_by_default_a_nan_gradient_poisons_the_touched_rows_as_on_tpu(engine_pat
 
 @pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("table_updates", ["engine", "keras"])
-def test_a_non_finite_gradient_is_refused_naming_feature_and_table(engine_path, traced,
-                                                                   table_updates):
+def test_a_non_finite_gradient_is_refused_naming_feature_and_table(
+  engine_path, traced, table_updates
+):
   model = layer(check_finite=True, table_updates=table_updates)
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match="Feature 'watched' \\(table 'videos'\\): the gradient of its "
-                           "activations holds a non-finite value"):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Feature 'watched' \\(table 'videos'\\): the gradient of its "
+    "activations holds a non-finite value",
+  ):
     train(model, scale=float("inf"), traced=traced)
   np.testing.assert_array_equal(table_of(model), ROWS)
   train(model)  # finite values still train: d(sum)/d(row) = 1, learning rate 0.5 on the engine
@@ -68,9 +73,10 @@ def test_a_non_finite_gradient_is_refused_naming_feature_and_table(engine_path, 
 def test_a_non_finite_weight_is_refused_naming_the_feature(engine_path):
   model = layer(check_finite=True)
   weights = {"watched": tf.SparseTensor([[0, 0], [1, 0]], [1.0, float("nan")], [2, 1])}
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match="Feature 'watched' \\(table 'videos'\\): its weights hold a "
-                           "non-finite value"):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Feature 'watched' \\(table 'videos'\\): its weights hold a non-finite value",
+  ):
     train(model, weights=weights)
   np.testing.assert_array_equal(table_of(model), ROWS)
 
@@ -78,8 +84,9 @@ def test_a_non_finite_weight_is_refused_naming_the_feature(engine_path):
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_non_finite_learning_rate_is_refused_naming_the_table(engine_path, traced):
   model = layer(learning_rate=lambda: float("nan"), check_finite=True)
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match="Table 'videos': its learning rate is not finite"):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match="Table 'videos': its learning rate is not finite"
+  ):
     train(model, traced=traced)
   np.testing.assert_array_equal(table_of(model), ROWS)
 
@@ -87,19 +94,27 @@ def test_a_non_finite_learning_rate_is_refused_naming_the_table(engine_path, tra
 @pytest.mark.parametrize("rate", [lambda: tf.constant([0.1, 0.2]), lambda: "0.1"])
 def test_both_engine_paths_refuse_a_learning_rate_that_is_not_a_scalar(engine_path, rate):
   model = layer(learning_rate=rate)
-  with pytest.raises(TypeError, match="Table 'videos': its learning_rate callable returned .*"
-                                      "expected a scalar float"):
+  with pytest.raises(
+    TypeError, match="Table 'videos': its learning_rate callable returned .*expected a scalar float"
+  ):
     train(model)
   np.testing.assert_array_equal(table_of(model), ROWS)
 
 
 def test_check_finite_is_refused_on_tpu_paths():
   config = config_lib.prepare(E.FeatureConfig(E.TableConfig(5, 2, name="t")), "sgd")
-  with pytest.raises(ValueError, match="check_finite=True is an option of the CPU/GPU engine; "
-                                       "on TPU_V1"):
-    backends.create(hardware.Path.TPU_V1, config, pipelining=False, batch_size=None,
-                    sparse_core_embedding_config=None, table_updates="engine",
-                    check_finite=True)
+  with pytest.raises(
+    ValueError, match="check_finite=True is an option of the CPU/GPU engine; on TPU_V1"
+  ):
+    backends.create(
+      hardware.Path.TPU_V1,
+      config,
+      pipelining=False,
+      batch_size=None,
+      sparse_core_embedding_config=None,
+      table_updates="engine",
+      check_finite=True,
+    )
 
 
 def test_fit_stops_at_the_first_non_finite_gradient():

@@ -17,20 +17,19 @@ from tpu_embedding.hardware import EmbeddingFeature, Path
 FEATURES = [EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1, EmbeddingFeature.V2]
 OVERRIDES = [None] + FEATURES
 PATH_OF = {
-    EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
-    EmbeddingFeature.V1: Path.TPU_V1,
-    EmbeddingFeature.V2: Path.TPU_V2,
+  EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
+  EmbeddingFeature.V1: Path.TPU_V1,
+  EmbeddingFeature.V2: Path.TPU_V2,
 }
 
 NON_TPU_STRATEGIES = {
-    "default": lambda: tf.distribute.get_strategy(),
-    "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
-    "mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+  "default": lambda: tf.distribute.get_strategy(),
+  "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+  "mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
 }
 
 
-@pytest.mark.parametrize("kind,override",
-                         list(itertools.product(NON_TPU_STRATEGIES, OVERRIDES)))
+@pytest.mark.parametrize("kind,override", list(itertools.product(NON_TPU_STRATEGIES, OVERRIDES)))
 def test_non_tpu_strategies_take_the_cpu_path_whatever_the_override(kind, override):
   strategy = NON_TPU_STRATEGIES[kind]()
   assert hardware.detect_embedding_feature(strategy) is None
@@ -66,12 +65,15 @@ def test_forcing_unsupported_is_always_allowed(fake_tpu, detected):
   assert hardware.choose_path(strategy, EmbeddingFeature.UNSUPPORTED) is Path.TPU_V0
 
 
-@pytest.mark.parametrize("detected,override", [
+@pytest.mark.parametrize(
+  "detected,override",
+  [
     (EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1),
     (EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V2),
     (EmbeddingFeature.V1, EmbeddingFeature.V2),
     (EmbeddingFeature.V2, EmbeddingFeature.V1),
-])
+  ],
+)
 def test_forcing_a_feature_the_hardware_lacks_is_an_error(fake_tpu, detected, override):
   strategy = fake_tpu(detected)
   with pytest.raises(ValueError) as error:
@@ -136,8 +138,11 @@ def test_the_tf1_tpu_strategy_is_refused_by_name():
   """Failure 6: TF's embedding classes refuse TPUStrategyV1 (V1 silently treats it as CPU)."""
   cls = tf.compat.v1.distribute.experimental.TPUStrategy
   strategy = cls.__new__(cls)
-  with pytest.raises(TypeError, match=r"tf\.compat\.v1\.distribute\.experimental\.TPUStrategy"
-                     r".*tf\.distribute\.TPUStrategy"):
+  with pytest.raises(
+    TypeError,
+    match=r"tf\.compat\.v1\.distribute\.experimental\.TPUStrategy"
+    r".*tf\.distribute\.TPUStrategy",
+  ):
     hardware.choose_path(strategy)
 
 
@@ -147,8 +152,10 @@ def test_an_unknown_embedding_feature_is_refused_not_replicated(override):
   unknown = "EmbeddingFeature.V3"
   with pytest.raises(ValueError, match="EmbeddingFeature.V3.*UNSUPPORTED"):
     hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown), override)
-  assert hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown),
-                              EmbeddingFeature.UNSUPPORTED) is Path.TPU_V0
+  assert (
+    hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown), EmbeddingFeature.UNSUPPORTED)
+    is Path.TPU_V0
+  )
 
 
 def test_detection_never_touches_the_runtime_off_tpu():

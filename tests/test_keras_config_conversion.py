@@ -18,13 +18,22 @@ def rs_table(name="movies", **kwargs):
 
 
 def rs_feature(table, name="movie", batch=8, output_shape=None):
-  return keras_rs.layers.FeatureConfig(name=name, table=table, input_shape=(batch,),
-                                       output_shape=output_shape or (batch, table.embedding_dim))
+  return keras_rs.layers.FeatureConfig(
+    name=name,
+    table=table,
+    input_shape=(batch,),
+    output_shape=output_shape or (batch, table.embedding_dim),
+  )
 
 
 def test_table_fields_and_string_optimizer_follow_keras():
   table = config_conversion.to_mid_level_table(rs_table(combiner="sqrtn"))
-  assert (table.name, table.vocabulary_size, table.dim, table.combiner) == ("movies", 10, 4, "sqrtn")
+  assert (table.name, table.vocabulary_size, table.dim, table.combiner) == (
+    "movies",
+    10,
+    4,
+    "sqrtn",
+  )
   # "adam" is Keras' Adam with its defaults, translated as any Keras Adam is.
   assert isinstance(table.optimizer, E.Adam)
   assert (table.optimizer.beta_1, table.optimizer.beta_2) == (0.9, 0.999)
@@ -36,8 +45,10 @@ def test_table_fields_and_string_optimizer_follow_keras():
 
 def test_keras_optimizer_object_and_initializer_string():
   table = config_conversion.to_mid_level_table(
-      rs_table(optimizer=keras.optimizers.Adagrad(0.3, initial_accumulator_value=0.5),
-               initializer="zeros"))
+    rs_table(
+      optimizer=keras.optimizers.Adagrad(0.3, initial_accumulator_value=0.5), initializer="zeros"
+    )
+  )
   assert isinstance(table.optimizer, E.Adagrad)
   assert table.optimizer.initial_accumulator_value == 0.5
   np.testing.assert_allclose(float(table.optimizer.learning_rate()), 0.3)
@@ -57,8 +68,12 @@ def test_default_device_placement_is_refused_with_the_remedy():
 def test_nest_shares_tables_and_keeps_mid_level_leaves():
   movies, users = rs_table(), rs_table("users")
   mid_level = E.FeatureConfig(E.TableConfig(5, 2, name="age"))
-  nest = {"movie": rs_feature(movies), "watched": rs_feature(movies, "watched"),
-          "user": [rs_feature(users, "user")], "age": mid_level}
+  nest = {
+    "movie": rs_feature(movies),
+    "watched": rs_feature(movies, "watched"),
+    "user": [rs_feature(users, "user")],
+    "age": mid_level,
+  }
   converted = config_conversion.to_mid_level(nest)
   assert converted["age"] is mid_level
   assert converted["movie"].table is converted["watched"].table
@@ -76,11 +91,14 @@ def test_global_output_shape_becomes_per_replica_without_the_dimension():
     assert config_conversion.to_mid_level_feature(unfixed, table, 2).output_shape.rank is None
 
 
-@pytest.mark.parametrize("output_shape,match", [
+@pytest.mark.parametrize(
+  "output_shape,match",
+  [
     ((8, 5), r"output_shape=\(8, 5\); expected \(batch, \.\.\., 4\)"),
     ((4,), r"output_shape=\(4,\)"),
     ((9, 4), "batch size 9 of output_shape is not a multiple of the 2 replicas"),
-])
+  ],
+)
 def test_bad_output_shapes_name_the_feature(output_shape, match):
   feature = rs_feature(rs_table(), output_shape=output_shape)
   table = config_conversion.to_mid_level_table(feature.table)

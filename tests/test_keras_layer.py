@@ -21,8 +21,13 @@ LABELS = np.array([1.0, 0.0, 2.0, -1.0], np.float32)
 
 
 def make_table(optimizer=None, rows=4, dim=2, name="t", values=VALUES):
-  return E.TableConfig(vocabulary_size=rows, dim=dim, name=name, optimizer=optimizer,
-                       initializer=tf.constant_initializer(values))
+  return E.TableConfig(
+    vocabulary_size=rows,
+    dim=dim,
+    name=name,
+    optimizer=optimizer,
+    initializer=tf.constant_initializer(values),
+  )
 
 
 def row_gradients(w, ids, labels):
@@ -73,8 +78,9 @@ def test_fit_trains_tables_with_their_own_optimizer(style):
   model = build_model(style, layer)
   model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse", jit_compile=False)
   model.fit({"f": IDS}, LABELS, batch_size=4, epochs=1, verbose=0)
-  np.testing.assert_allclose(layer.embedding_tables[t].numpy(), sgd_step(VALUES, IDS, LABELS, 0.5),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    layer.embedding_tables[t].numpy(), sgd_step(VALUES, IDS, LABELS, 0.5), rtol=1e-6
+  )
   # Only the gradient trap is a Keras trainable weight: the model's Adam never sees the tables.
   assert [w.path.split("/")[-1] for w in model.trainable_weights] == ["tpu_embedding_helper_dummy"]
 
@@ -88,8 +94,9 @@ def test_fit_evaluate_predict_with_keras_optimizer_for_tables():
   model.fit({"f": IDS}, LABELS, batch_size=2, epochs=1, shuffle=False, verbose=0)
   expected, accumulators = adagrad_steps(VALUES, halves, 0.2)
   np.testing.assert_allclose(layer.embedding_tables[t].numpy(), expected, rtol=1e-5)
-  np.testing.assert_allclose(layer.variables_by_table["t"]["accumulators"].numpy(), accumulators,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    layer.variables_by_table["t"]["accumulators"].numpy(), accumulators, rtol=1e-5
+  )
   predictions = model.predict({"f": IDS}, verbose=0)
   np.testing.assert_allclose(predictions, expected[IDS].sum(axis=1), rtol=1e-5)
   loss = model.evaluate({"f": IDS}, LABELS, verbose=0)
@@ -104,8 +111,9 @@ def test_fit_with_jit_compile():
   model = build_model("functional", layer)
   model.compile(optimizer="sgd", loss="mse", jit_compile=True)
   model.fit({"f": IDS}, LABELS, batch_size=4, epochs=1, verbose=0)
-  np.testing.assert_allclose(layer.embedding_tables[t].numpy(), sgd_step(VALUES, IDS, LABELS, 0.5),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    layer.embedding_tables[t].numpy(), sgd_step(VALUES, IDS, LABELS, 0.5), rtol=1e-6
+  )
 
 
 def _custom_loop_tables(strategy):
@@ -129,7 +137,8 @@ def _custom_loop_tables(strategy):
   ids = np.concatenate([IDS, IDS[::-1]])
   labels = np.concatenate([LABELS, LABELS])
   dataset = strategy.experimental_distribute_dataset(
-      tf.data.Dataset.from_tensor_slices((ids, labels)).batch(4))
+    tf.data.Dataset.from_tensor_slices((ids, labels)).batch(4)
+  )
   for batch_ids, batch_labels in dataset:
     step(batch_ids, batch_labels)
   expected, _ = adagrad_steps(VALUES, [(IDS, LABELS), (IDS[::-1], LABELS)], 0.2)
@@ -140,16 +149,21 @@ def _custom_loop_tables(strategy):
 def test_custom_loop_under_default_and_mirrored_strategy(mirrored):
   # Not TF's default collective all-reduce: its keys restart with each strategy, so collectives
   # of other shapes here would clash with those of a later test's strategy in this process.
-  strategy = (tf.distribute.MirroredStrategy(
-      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
-              if mirrored else tf.distribute.get_strategy())
+  strategy = (
+    tf.distribute.MirroredStrategy(
+      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    if mirrored
+    else tf.distribute.get_strategy()
+  )
   tables, expected = _custom_loop_tables(strategy)
   np.testing.assert_allclose(tables, expected, rtol=1e-5)
 
 
 def test_fit_under_mirrored_strategy_trains_on_the_global_batch():
   strategy = tf.distribute.MirroredStrategy(  # no collectives: see the custom loop test above
-      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+  )
   with strategy.scope():
     t = make_table()
     layer = TPUEmbedding({"f": E.FeatureConfig(table=t)}, E.Adagrad(0.2))
@@ -167,10 +181,15 @@ def test_fit_under_mirrored_strategy_trains_on_the_global_batch():
 def test_keras_rs_configs_train_like_the_mid_level_ones():
   keras_rs = pytest.importorskip("keras_rs")
   table = keras_rs.layers.TableConfig(
-      name="t", vocabulary_size=4, embedding_dim=2,
-      initializer=keras.initializers.Constant(VALUES), optimizer=keras.optimizers.SGD(0.5))
-  feature = keras_rs.layers.FeatureConfig(name="f", table=table, input_shape=(4,),
-                                          output_shape=(4, 2))
+    name="t",
+    vocabulary_size=4,
+    embedding_dim=2,
+    initializer=keras.initializers.Constant(VALUES),
+    optimizer=keras.optimizers.SGD(0.5),
+  )
+  feature = keras_rs.layers.FeatureConfig(
+    name="f", table=table, input_shape=(4,), output_shape=(4, 2)
+  )
   layer = TPUEmbedding({"f": feature})
   model = build_model("subclassed", layer)
   model.compile(optimizer="sgd", loss="mse", jit_compile=False)
@@ -186,8 +205,7 @@ def test_table_updates_by_the_model_optimizer_are_refused():
 
 def test_check_finite_refuses_a_nan_gradient_and_survives_the_config_round_trip():
   """check_finite reaches the engine from the Keras 3 layer, and from its rebuilt copy."""
-  original = TPUEmbedding({"f": E.FeatureConfig(table=make_table())}, E.SGD(0.5),
-                          check_finite=True)
+  original = TPUEmbedding({"f": E.FeatureConfig(table=make_table())}, E.SGD(0.5), check_finite=True)
   assert original.get_config()["check_finite"] is True
   layer = TPUEmbedding.from_config(original.get_config())
   model = SumModel(layer)
@@ -198,7 +216,8 @@ def test_check_finite_refuses_a_nan_gradient_and_survives_the_config_round_trip(
     with tf.GradientTape() as tape:
       loss = tf.reduce_sum(model({"f": IDS}) * float("nan"))
     keras.optimizers.SGD(0.1).apply_gradients(
-        zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+      zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    )
   np.testing.assert_array_equal(table.numpy(), before)
 
 
@@ -210,6 +229,7 @@ def _trained_layer(flavour):
   """A layer of `flavour` ("keras" or "tf_keras") after two Adagrad steps, and its table."""
   import tf_keras  # pylint: disable=g-import-not-at-top
   import tpu_embedding  # pylint: disable=g-import-not-at-top
+
   t = make_table(E.Adagrad(0.2))
   cls = TPUEmbedding if flavour == "keras" else tpu_embedding.TPUEmbedding
   layer = cls({"f": E.FeatureConfig(table=t)})
@@ -217,13 +237,15 @@ def _trained_layer(flavour):
   for ids, labels in [(IDS, LABELS), (IDS[::-1], LABELS)]:
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean((tf.reduce_sum(layer({"f": ids})["f"], axis=1) - labels) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, layer.trainable_variables),
-                                  layer.trainable_variables))
+    optimizer.apply_gradients(
+      zip(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+    )
   return layer, t
 
 
 def _fresh_layer(flavour):
   import tpu_embedding  # pylint: disable=g-import-not-at-top
+
   cls = TPUEmbedding if flavour == "keras" else tpu_embedding.TPUEmbedding
   return cls({"f": E.FeatureConfig(table=make_table(E.Adagrad(0.2), values=np.zeros((4, 2))))})
 
@@ -232,21 +254,25 @@ def _fresh_layer(flavour):
 def test_checkpoints_restore_across_keras_flavours(writer, reader, tmp_path):
   layer, _ = _trained_layer(writer)
   expected, _ = adagrad_steps(VALUES, [(IDS, LABELS), (IDS[::-1], LABELS)], 0.2)
-  np.testing.assert_allclose(layer.variables_by_table["t"]["parameters"].numpy(), expected,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    layer.variables_by_table["t"]["parameters"].numpy(), expected, rtol=1e-5
+  )
   path = tf.train.Checkpoint(model=tf.train.Checkpoint(embedding=layer)).save(
-      str(tmp_path / "ckpt"))
+    str(tmp_path / "ckpt")
+  )
   assert {k for k, _ in tf.train.list_variables(path) if k.startswith("model/")} == {
-      "model/embedding/_tpu_embedding/t/.ATTRIBUTES/VARIABLE_VALUE",
-      "model/embedding/_tpu_embedding/t.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE"}
+    "model/embedding/_tpu_embedding/t/.ATTRIBUTES/VARIABLE_VALUE",
+    "model/embedding/_tpu_embedding/t.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE",
+  }
 
   restored = _fresh_layer(reader)
   status = tf.train.Checkpoint(model=tf.train.Checkpoint(embedding=restored)).restore(path)
   restored({"f": IDS})  # builds the layer: the tables take the checkpoint's values
   status.assert_existing_objects_matched()
   for name in ["parameters", "accumulators"]:
-    np.testing.assert_array_equal(restored.variables_by_table["t"][name].numpy(),
-                                  layer.variables_by_table["t"][name].numpy())
+    np.testing.assert_array_equal(
+      restored.variables_by_table["t"][name].numpy(), layer.variables_by_table["t"][name].numpy()
+    )
 
 
 def test_export_for_serving_reads_the_trained_tables(tmp_path):
@@ -260,8 +286,11 @@ def test_export_for_serving_reads_the_trained_tables(tmp_path):
   serving.export_for_serving(model, str(tmp_path / "export"), signatures=serve)
   loaded = tf.saved_model.load(str(tmp_path / "export"))
   table = layer.embedding_tables[t].numpy()
-  np.testing.assert_allclose(loaded.signatures["serving_default"](ids=tf.constant(IDS))
-                             ["output_0"].numpy(), table[IDS].sum(axis=1), rtol=1e-6)
+  np.testing.assert_allclose(
+    loaded.signatures["serving_default"](ids=tf.constant(IDS))["output_0"].numpy(),
+    table[IDS].sum(axis=1),
+    rtol=1e-6,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,10 +306,12 @@ def test_keras_file_round_trip_keeps_tables_slots_and_training(tmp_path):
   model.save(str(tmp_path / "model.keras"))
 
   loaded = keras.models.load_model(str(tmp_path / "model.keras"))
-  (loaded_layer,) = [l for l in loaded.layers if isinstance(l, TPUEmbedding)]
+  (loaded_layer,) = [layer for layer in loaded.layers if isinstance(layer, TPUEmbedding)]
   for name in ["parameters", "momenta", "velocities"]:
-    np.testing.assert_array_equal(loaded_layer.variables_by_table["t"][name].numpy(),
-                                  layer.variables_by_table["t"][name].numpy())
+    np.testing.assert_array_equal(
+      loaded_layer.variables_by_table["t"][name].numpy(),
+      layer.variables_by_table["t"][name].numpy(),
+    )
   (saved_table,) = loaded_layer.get_config()["feature_config"]["tables"]
   assert saved_table["optimizer"]["class"] == "Adam"
   assert saved_table["optimizer"]["config"]["beta_1"] == pytest.approx(0.8)
@@ -288,8 +319,11 @@ def test_keras_file_round_trip_keeps_tables_slots_and_training(tmp_path):
   # Both go on training the same way.
   for m in (model, loaded):
     m.fit({"f": IDS}, LABELS, batch_size=4, epochs=1, verbose=0)
-  np.testing.assert_allclose(loaded_layer.variables_by_table["t"]["parameters"].numpy(),
-                             layer.variables_by_table["t"]["parameters"].numpy(), rtol=1e-6)
+  np.testing.assert_allclose(
+    loaded_layer.variables_by_table["t"]["parameters"].numpy(),
+    layer.variables_by_table["t"]["parameters"].numpy(),
+    rtol=1e-6,
+  )
 
 
 def test_keras_file_with_a_table_of_another_shape_is_refused(tmp_path):

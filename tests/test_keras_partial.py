@@ -39,17 +39,27 @@ def test_table_updates_by_the_model_optimizer_are_refused(size_threshold):
   even when every table is replicated (no sharded layer there to refuse it)."""
   small, large = tables()
   with pytest.raises(ValueError, match="table_updates='keras'"):
-    PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
-                        "sgd", size_threshold=size_threshold, table_updates="keras")
+    PartialTPUEmbedding(
+      {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+      "sgd",
+      size_threshold=size_threshold,
+      table_updates="keras",
+    )
 
 
 @pytest.mark.parametrize("size_threshold", [5, None, 0])
 def test_fit_trains_both_sides_like_numpy(size_threshold):
   small, large = tables()
-  layer = PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
-                              E.SGD(0.5), size_threshold=size_threshold)
+  layer = PartialTPUEmbedding(
+    {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+    E.SGD(0.5),
+    size_threshold=size_threshold,
+  )
   assert [layer.side(t) for t in ("small", "large")] == {
-      5: ["replicated", "sharded"], None: ["replicated"] * 2, 0: ["sharded"] * 2}[size_threshold]
+    5: ["replicated", "sharded"],
+    None: ["replicated"] * 2,
+    0: ["sharded"] * 2,
+  }[size_threshold]
   inputs = {k: keras.Input(shape=(), dtype="int32", name=k) for k in IDS}
   activations = layer(inputs)
   model = keras.Model(inputs, keras.ops.sum(activations["small"] + activations["large"], axis=1))
@@ -62,6 +72,7 @@ def test_fit_trains_both_sides_like_numpy(size_threshold):
 
 def test_checkpoint_restores_into_the_tf_keras_layer(tmp_path):
   import tpu_embedding  # pylint: disable=g-import-not-at-top
+
   small, large = tables()
   config = {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)}
   layer = PartialTPUEmbedding(config, E.Adagrad(0.5), size_threshold=5)
@@ -73,8 +84,8 @@ def test_checkpoint_restores_into_the_tf_keras_layer(tmp_path):
 
   fresh_small, fresh_large = tables()
   reader = tpu_embedding.TPUEmbedding(
-      {"small": E.FeatureConfig(fresh_small), "large": E.FeatureConfig(fresh_large)},
-      E.Adagrad(0.5))
+    {"small": E.FeatureConfig(fresh_small), "large": E.FeatureConfig(fresh_large)}, E.Adagrad(0.5)
+  )
   reader.build(None)
   tf.train.Checkpoint(embedding=reader).restore(path).assert_existing_objects_matched()
   trained = {t.name: v.numpy() for t, v in layer.embedding_tables.items()}
@@ -85,8 +96,11 @@ def test_checkpoint_restores_into_the_tf_keras_layer(tmp_path):
 
 def test_keras_file_round_trip_of_both_sides(tmp_path):
   small, large = tables()
-  layer = PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
-                              E.Adagrad(0.5), size_threshold=5)
+  layer = PartialTPUEmbedding(
+    {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+    E.Adagrad(0.5),
+    size_threshold=5,
+  )
   inputs = {k: keras.Input(shape=(), dtype="int32", name=k) for k in IDS}
   activations = layer(inputs)
   model = keras.Model(inputs, keras.ops.sum(activations["small"] + activations["large"], axis=1))
@@ -94,7 +108,7 @@ def test_keras_file_round_trip_of_both_sides(tmp_path):
   model.fit(IDS, LABELS, batch_size=4, epochs=1, verbose=0)
   model.save(str(tmp_path / "partial.keras"))
   loaded = keras.models.load_model(str(tmp_path / "partial.keras"))
-  (loaded_layer,) = [l for l in loaded.layers if isinstance(l, PartialTPUEmbedding)]
+  (loaded_layer,) = [layer for layer in loaded.layers if isinstance(layer, PartialTPUEmbedding)]
   assert loaded_layer.side("large") == "sharded" and loaded_layer.side("small") == "replicated"
   trained = {t.name: v.numpy() for t, v in layer.embedding_tables.items()}
   for t, variable in loaded_layer.embedding_tables.items():
@@ -103,12 +117,17 @@ def test_keras_file_round_trip_of_both_sides(tmp_path):
 
 def test_custom_loop_under_mirrored_strategy_and_export_for_serving(tmp_path):
   from tpu_embedding import serving  # pylint: disable=g-import-not-at-top
+
   strategy = tf.distribute.MirroredStrategy(  # no collectives: see test_keras_layer
-      ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+  )
   with strategy.scope():
     small, large = tables()
-    layer = PartialTPUEmbedding({"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
-                                E.SGD(0.5), size_threshold=5)
+    layer = PartialTPUEmbedding(
+      {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)},
+      E.SGD(0.5),
+      size_threshold=5,
+    )
 
   def replica_step(ids, labels):
     with tf.GradientTape() as tape:
@@ -118,9 +137,10 @@ def test_custom_loop_under_mirrored_strategy_and_export_for_serving(tmp_path):
     tape.gradient(loss, layer.trainable_variables)
 
   dataset = strategy.experimental_distribute_dataset(
-      tf.data.Dataset.from_tensor_slices((IDS, LABELS)).batch(4))
+    tf.data.Dataset.from_tensor_slices((IDS, LABELS)).batch(4)
+  )
   for ids, labels in dataset:
-    tf.function(lambda i, l: strategy.run(replica_step, args=(i, l)))(ids, labels)
+    tf.function(lambda ids, labels: strategy.run(replica_step, args=(ids, labels)))(ids, labels)
   want_small, want_large = expected_sgd(0.5)
   np.testing.assert_allclose(layer.embedding_tables[small].numpy(), want_small, rtol=1e-6)
   np.testing.assert_allclose(layer.embedding_tables[large].numpy(), want_large, rtol=1e-6)
@@ -133,5 +153,8 @@ def test_custom_loop_under_mirrored_strategy_and_export_for_serving(tmp_path):
   serving.export_for_serving(layer, str(tmp_path / "export"), signatures=serve)
   loaded = tf.saved_model.load(str(tmp_path / "export"))
   got = loaded.signatures["serving_default"](**{k: tf.constant(v) for k, v in IDS.items()})
-  np.testing.assert_allclose(list(got.values())[0].numpy(), want_small[IDS["small"]].sum(1) +
-                             want_large[IDS["large"]].sum(1), rtol=1e-6)
+  np.testing.assert_allclose(
+    list(got.values())[0].numpy(),
+    want_small[IDS["small"]].sum(1) + want_large[IDS["large"]].sum(1),
+    rtol=1e-6,
+  )

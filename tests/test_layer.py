@@ -27,8 +27,14 @@ def row_id_table(rows: int, dim: int) -> np.ndarray:
 
 def table(rows=5, dim=2, combiner="mean", name=None, optimizer=None, values=None):
   values = row_id_table(rows, dim) if values is None else values
-  return E.TableConfig(vocabulary_size=rows, dim=dim, combiner=combiner, name=name,
-                       optimizer=optimizer, initializer=tf.constant_initializer(values))
+  return E.TableConfig(
+    vocabulary_size=rows,
+    dim=dim,
+    combiner=combiner,
+    name=name,
+    optimizer=optimizer,
+    initializer=tf.constant_initializer(values),
+  )
 
 
 def np_combine(values, bags, combiner, weights=None):
@@ -38,7 +44,7 @@ def np_combine(values, bags, combiner, weights=None):
     w = np.ones(len(ids)) if weights is None else np.asarray(weights[i], np.float64)
     rows = values[np.asarray(ids, int)] if ids else np.zeros((0, values.shape[1]))
     total = (w[:, None] * rows).sum(axis=0) if ids else np.zeros(values.shape[1])
-    base = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w ** 2).sum())}[combiner]
+    base = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w**2).sum())}[combiner]
     out.append(total / base if combiner == "sum" or base != 0 else np.zeros(values.shape[1]))
   return np.stack(out)
 
@@ -47,9 +53,11 @@ def sparse(bags, values=None, dtype=tf.int64, width=None):
   indices = [[i, j] for i, bag in enumerate(bags) for j in range(len(bag))]
   flat = [x for bag in bags for x in bag] if values is None else [x for v in values for x in v]
   width = width or max(len(b) for b in bags)
-  return tf.SparseTensor(tf.constant(indices, tf.int64).numpy().reshape(-1, 2),
-                         tf.constant(flat, dtype if values is None else tf.float32),
-                         [len(bags), width])
+  return tf.SparseTensor(
+    tf.constant(indices, tf.int64).numpy().reshape(-1, 2),
+    tf.constant(flat, dtype if values is None else tf.float32),
+    [len(bags), width],
+  )
 
 
 BAGS = [[1, 3], [], [4, 4, 0], [2]]
@@ -74,12 +82,13 @@ def test_multi_hot_activations_match_numpy(combiner, kind, weighted):
 
 
 def test_spec_worked_combiner_example():
-  """Spec 3.2: W[1]=[2,3], W[3]=[6,7]; ids [1,3] weights [2,0.5] -> sqrtn [3.3954988, 4.6081772]."""
+  """SPEC §3.2: W[1]=[2,3], W[3]=[6,7]; ids [1,3] weights [2,0.5] -> sqrtn [3.3954988, 4.6081772]."""
   values = np.array([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]], np.float32)
   expected = {"sum": [7.0, 9.5], "mean": [2.8, 3.8], "sqrtn": [3.3954988, 4.6081772]}
   for combiner, activation in expected.items():
     layer = tpu_embedding.TPUEmbedding(
-        E.FeatureConfig(table=table(combiner=combiner, values=values)), "sgd")
+      E.FeatureConfig(table=table(combiner=combiner, values=values)), "sgd"
+    )
     out = layer(tf.ragged.constant([[1, 3]]), weights=tf.ragged.constant([[2.0, 0.5]]))
     np.testing.assert_allclose(out.numpy()[0], activation, rtol=1e-6)
 
@@ -97,8 +106,10 @@ def test_non_positive_weights_same_rule_for_sparse_and_ragged():
   np.testing.assert_array_equal(from_sparse[1], [0.0, 0.0])
 
 
-@pytest.mark.parametrize("shape,expected_shape", [
-    ([4], [4, 3]), ([4, 1], [4, 3]), ([4, 2], [4, 2, 3]), ([2, 2, 1], [2, 2, 3])])
+@pytest.mark.parametrize(
+  "shape,expected_shape",
+  [([4], [4, 3]), ([4, 1], [4, 3]), ([4, 2], [4, 2, 3]), ([2, 2, 1], [2, 2, 3])],
+)
 def test_dense_ids_give_tpu_shapes(shape, expected_shape):
   t = table(rows=8, dim=3)
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
@@ -109,19 +120,26 @@ def test_dense_ids_give_tpu_shapes(shape, expected_shape):
 
 
 def test_sequence_features_spec_example():
-  """Spec 3.5: W[r] = [2r, 2r+1], L = 3; sparse keeps column positions, ragged left-aligns."""
+  """SPEC §3.5: W[r] = [2r, 2r+1], L = 3; sparse keeps column positions, ragged left-aligns."""
   values = np.array([[2 * r, 2 * r + 1] for r in range(5)], np.float32)
   t = table(values=values, combiner="sum")
   layer = tpu_embedding.TPUEmbedding(
-      {"s": E.FeatureConfig(table=t, max_sequence_length=3),
-       "r": E.FeatureConfig(table=t, max_sequence_length=3)}, "sgd")
-  sp = tf.SparseTensor([[0, 0], [0, 2], [1, 0], [1, 3]], tf.constant([1, 3, 4, 2], tf.int64),
-                       [2, 4])
+    {
+      "s": E.FeatureConfig(table=t, max_sequence_length=3),
+      "r": E.FeatureConfig(table=t, max_sequence_length=3),
+    },
+    "sgd",
+  )
+  sp = tf.SparseTensor(
+    [[0, 0], [0, 2], [1, 0], [1, 3]], tf.constant([1, 3, 4, 2], tf.int64), [2, 4]
+  )
   out = layer({"s": sp, "r": tf.ragged.constant([[1, 3, 2, 4], [4]], tf.int64)})
-  np.testing.assert_array_equal(out["s"].numpy(),
-                                [[[2, 3], [0, 0], [6, 7]], [[8, 9], [0, 0], [0, 0]]])
-  np.testing.assert_array_equal(out["r"].numpy(),
-                                [[[2, 3], [6, 7], [4, 5]], [[8, 9], [0, 0], [0, 0]]])
+  np.testing.assert_array_equal(
+    out["s"].numpy(), [[[2, 3], [0, 0], [6, 7]], [[8, 9], [0, 0], [0, 0]]]
+  )
+  np.testing.assert_array_equal(
+    out["r"].numpy(), [[[2, 3], [6, 7], [4, 5]], [[8, 9], [0, 0], [0, 0]]]
+  )
 
 
 def test_ragged_output_shape_makes_a_sequence_or_reshapes():
@@ -129,8 +147,9 @@ def test_ragged_output_shape_makes_a_sequence_or_reshapes():
   t = table(values=values, combiner="mean")
   ids = tf.ragged.constant([[1, 3, 2, 4], [4]], tf.int64)
   seq = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t, output_shape=[2, 3]), "sgd")
-  np.testing.assert_array_equal(seq(ids).numpy(),
-                                [[[2, 3], [6, 7], [4, 5]], [[8, 9], [0, 0], [0, 0]]])
+  np.testing.assert_array_equal(
+    seq(ids).numpy(), [[[2, 3], [6, 7], [4, 5]], [[8, 9], [0, 0], [0, 0]]]
+  )
   pooled = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t, output_shape=[2]), "sgd")
   np.testing.assert_array_equal(pooled(ids).numpy(), [[5, 6], [8, 9]])
 
@@ -138,8 +157,10 @@ def test_ragged_output_shape_makes_a_sequence_or_reshapes():
 def test_nested_config_shared_table_and_user_configs_untouched():
   shared = table(rows=6, dim=2, combiner="sum")
   other = table(rows=3, dim=4, combiner="sum")
-  config = {"a": [E.FeatureConfig(table=shared), {"b": E.FeatureConfig(table=other)}],
-            "c": (E.FeatureConfig(table=shared),)}
+  config = {
+    "a": [E.FeatureConfig(table=shared), {"b": E.FeatureConfig(table=other)}],
+    "c": (E.FeatureConfig(table=shared),),
+  }
   layer = tpu_embedding.TPUEmbedding(config, E.Adagrad(0.1))
   ids = {"a": [tf.constant([5, 0]), {"b": tf.constant([2, 1])}], "c": (tf.constant([1, 1]),)}
   out = layer(ids)
@@ -154,7 +175,8 @@ def test_nested_config_shared_table_and_user_configs_untouched():
 def test_default_table_names_follow_first_use():
   first, second = table(name="video"), table()
   layer = tpu_embedding.TPUEmbedding(
-      {"a": E.FeatureConfig(table=first), "b": E.FeatureConfig(table=second)}, "sgd")
+    {"a": E.FeatureConfig(table=first), "b": E.FeatureConfig(table=second)}, "sgd"
+  )
   layer({"a": tf.constant([1]), "b": tf.constant([1])})
   assert sorted(layer._tpu_embedding.variables_by_table) == ["table_1", "video"]
 
@@ -189,10 +211,9 @@ class Dot(tf_keras.Model):
 
 
 def test_spec_duplicate_ids_example_sgd_and_adagrad():
-  """Spec 2.1: mean combiner, sample 0 ids [1,1] grad [1,0], sample 1 ids [1] grad [0,1]."""
+  """SPEC §2.1: mean combiner, sample 0 ids [1,1] grad [1,0], sample 1 ids [1] grad [0,1]."""
   values = np.array([[0, 0], [2, 3], [0, 0]], np.float32)
-  for optimizer, expected in [(E.SGD(0.1), [1.9, 2.9]),
-                              (E.Adagrad(0.1), [1.9046537, 2.9046537])]:
+  for optimizer, expected in [(E.SGD(0.1), [1.9, 2.9]), (E.Adagrad(0.1), [1.9046537, 2.9046537])]:
     t = table(rows=3, values=values, combiner="mean")
     layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)}, optimizer)
     model = Dot(layer, {"f": tf.constant([[1.0, 0.0], [0.0, 1.0]])})
@@ -206,8 +227,9 @@ def test_two_adagrad_steps_match_numpy_and_only_touched_rows_move():
   rng = np.random.default_rng(0)
   values = rng.normal(size=(6, 3)).astype(np.float32)
   t = table(rows=6, dim=3, values=values, combiner="sum")
-  layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)},
-                                     E.Adagrad(0.5, initial_accumulator_value=0.2))
+  layer = tpu_embedding.TPUEmbedding(
+    {"f": E.FeatureConfig(table=t)}, E.Adagrad(0.5, initial_accumulator_value=0.2)
+  )
   upstream = rng.normal(size=(3, 3)).astype(np.float32)
   model = Dot(layer, {"f": tf.constant(upstream)})
   step = _train_step(model, tf_keras.optimizers.SGD(0.1))
@@ -230,8 +252,9 @@ def test_two_adagrad_steps_match_numpy_and_only_touched_rows_move():
 def test_per_table_optimizer_overrides_layer_optimizer():
   a = table(rows=3, dim=1, combiner="sum", optimizer=E.SGD(1.0), values=np.zeros((3, 1)))
   b = table(rows=3, dim=1, combiner="sum", values=np.zeros((3, 1)))
-  layer = tpu_embedding.TPUEmbedding({"a": E.FeatureConfig(table=a), "b": E.FeatureConfig(table=b)},
-                                     E.SGD(0.25))
+  layer = tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table=a), "b": E.FeatureConfig(table=b)}, E.SGD(0.25)
+  )
   model = Dot(layer, {"a": tf.ones([1, 1]), "b": tf.ones([1, 1])})
   _train_step(model, tf_keras.optimizers.SGD(0.1))({"a": tf.constant([1]), "b": tf.constant([1])})
   assert layer.embedding_tables[a].numpy()[1, 0] == -1.0
@@ -244,8 +267,9 @@ def test_training_without_any_optimizer_is_refused_but_serving_works():
   assert layer({"f": tf.constant([2])})["f"].numpy()[0, 0] == 2.0
   assert list(layer._tpu_embedding.variables_by_table["table_0"]) == ["parameters"]
   model = Dot(layer, {"f": tf.ones([1, 1])})
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r"Table \\*'table_0\\*' has no optimizer"):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match=r"Table \\*'table_0\\*' has no optimizer"
+  ):
     _train_step(model, tf_keras.optimizers.SGD(0.1))({"f": tf.constant([1])})
   with pytest.raises(ValueError, match="Table 'table_0' has no optimizer"):  # eagerly
     with tf.GradientTape() as tape:
@@ -265,12 +289,17 @@ def _mirrored_vs_default(optimizer_fn, pipelining=False):
   for batch in batches:
     batch[0, 1:] = -1  # replica 0 gets 4 ids, replica 1 gets 6
   tables = []
-  for strategy in [tf.distribute.get_strategy(),
-                   tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])]:
+  for strategy in [
+    tf.distribute.get_strategy(),
+    tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+  ]:
     with strategy.scope():
       t = table(rows=7, dim=2, values=values, combiner="sum")
-      layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)}, optimizer_fn(),
-                                         pipeline_execution_with_tensor_core=pipelining)
+      layer = tpu_embedding.TPUEmbedding(
+        {"f": E.FeatureConfig(table=t)},
+        optimizer_fn(),
+        pipeline_execution_with_tensor_core=pipelining,
+      )
       dense = tf_keras.layers.Dense(1, kernel_initializer="ones")
       keras_opt = tf_keras.optimizers.SGD(0.01)
 
@@ -282,7 +311,8 @@ def _mirrored_vs_default(optimizer_fn, pipelining=False):
       keras_opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices(np.concatenate(batches)).batch(4))
+      tf.data.Dataset.from_tensor_slices(np.concatenate(batches)).batch(4)
+    )
 
     @tf.function
     def run(ids):
@@ -337,6 +367,7 @@ def test_model_fit_functional_and_subclassed():
       outputs = tf.reduce_sum(layer(inputs)["f"], axis=1)
       model = tf_keras.Model(inputs, outputs)
     else:
+
       class Ranker(tf_keras.Model):
         def __init__(self):
           super().__init__()
@@ -355,9 +386,12 @@ def test_model_fit_functional_and_subclassed():
 def test_functional_model_with_sparse_and_ragged_inputs_has_static_shapes():
   t = table(rows=5, dim=3, combiner="sum")
   layer = tpu_embedding.TPUEmbedding(
-      {"s": E.FeatureConfig(table=t), "r": E.FeatureConfig(table=t)}, "adagrad")
-  inputs = {"s": tf_keras.Input(batch_size=4, shape=(), sparse=True, dtype=tf.int32),
-            "r": tf_keras.Input(batch_size=4, shape=(None,), ragged=True, dtype=tf.int32)}
+    {"s": E.FeatureConfig(table=t), "r": E.FeatureConfig(table=t)}, "adagrad"
+  )
+  inputs = {
+    "s": tf_keras.Input(batch_size=4, shape=(), sparse=True, dtype=tf.int32),
+    "r": tf_keras.Input(batch_size=4, shape=(None,), ragged=True, dtype=tf.int32),
+  }
   out = layer(inputs)
   assert out["s"].shape.as_list() == [4, 3] and out["r"].shape.as_list() == [4, 3]
 
@@ -368,8 +402,9 @@ def test_functional_model_with_sparse_and_ragged_inputs_has_static_shapes():
 
 def _layer(**table_kwargs):
   t = table(rows=5, dim=2, name="videos", **table_kwargs)
-  return tpu_embedding.TPUEmbedding({"watched": E.FeatureConfig(table=t),
-                                     "liked": E.FeatureConfig(table=t)}, "sgd")
+  return tpu_embedding.TPUEmbedding(
+    {"watched": E.FeatureConfig(table=t), "liked": E.FeatureConfig(table=t)}, "sgd"
+  )
 
 
 @pytest.mark.parametrize("bad", [5, -1])
@@ -399,8 +434,11 @@ def test_range_check_traces_one_assert_whatever_the_number_of_features():
   t = table(rows=5, dim=2, name="videos")
   features = {f"f{i}": E.FeatureConfig(table=t) for i in range(6)}
   layer = tpu_embedding.TPUEmbedding(features, "sgd")
-  graph = tf.function(layer).get_concrete_function(
-      {name: tf.TensorSpec([None], tf.int64) for name in features}).graph.as_graph_def()
+  graph = (
+    tf.function(layer)
+    .get_concrete_function({name: tf.TensorSpec([None], tf.int64) for name in features})
+    .graph.as_graph_def()
+  )
   nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
   assert sum(n.op == "Assert" for n in nodes) == 1
 
@@ -412,8 +450,11 @@ def test_non_integer_ids_are_refused(ids, dtype):
 
 
 def test_structure_mismatch_shows_expected_and_received_keys():
-  with pytest.raises(ValueError, match=r"expected keys: \['liked', 'watched'\]\n.*"
-                                       r"received keys: \['clicked', 'watched'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"expected keys: \['liked', 'watched'\]\n.*"
+    r"received keys: \['clicked', 'watched'\]",
+  ):
     _layer()({"watched": tf.constant([1]), "clicked": tf.constant([0])})
 
 
@@ -422,37 +463,57 @@ def test_weights_structure_and_kind_are_checked():
   ids = {"watched": tf.ragged.constant([[1, 2]]), "liked": tf.ragged.constant([[0]])}
   with pytest.raises(ValueError, match="structure of weights does not match"):
     layer(ids, weights={"watched": tf.ragged.constant([[1.0, 1.0]])})
-  with pytest.raises(ValueError, match="Feature 'liked': its ids are a RaggedTensor, so its "
-                                       "weights must be a RaggedTensor.*SparseTensor"):
+  with pytest.raises(
+    ValueError,
+    match="Feature 'liked': its ids are a RaggedTensor, so its "
+    "weights must be a RaggedTensor.*SparseTensor",
+  ):
     layer(ids, weights={"watched": None, "liked": sparse([[0]], [[1.0]])})
 
 
 def test_weights_on_dense_input_are_refused():
   with pytest.raises(ValueError, match="Feature 'watched': weights were given for a dense"):
-    _layer()({"watched": tf.constant([1]), "liked": tf.constant([0])},
-             weights={"watched": tf.constant([1.0]), "liked": None})
+    _layer()(
+      {"watched": tf.constant([1]), "liked": tf.constant([0])},
+      weights={"watched": tf.constant([1.0]), "liked": None},
+    )
 
 
 def test_unknown_combiner_and_duplicate_table_names():
-  with pytest.raises(ValueError, match="Table 'videos' has combiner 'max'; expected one of sum, "
-                                       "mean, sqrtn"):
+  with pytest.raises(
+    ValueError, match="Table 'videos' has combiner 'max'; expected one of sum, mean, sqrtn"
+  ):
     t = table(name="videos")
     t.combiner = "max"
     tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
   with pytest.raises(ValueError, match="Two different TableConfig objects are both named 'x'"):
-    tpu_embedding.TPUEmbedding({"a": E.FeatureConfig(table=table(name="x")),
-                                "b": E.FeatureConfig(table=table(name="x"))}, "sgd")
+    tpu_embedding.TPUEmbedding(
+      {"a": E.FeatureConfig(table=table(name="x")), "b": E.FeatureConfig(table=table(name="x"))},
+      "sgd",
+    )
 
 
-@pytest.mark.parametrize("initializer,error,message", [
-    (tf.keras.initializers.Zeros, TypeError,
-     "Table 'videos': initializer is the class Zeros; pass an instance, e.g. Zeros()"),
-    (tf.constant_initializer(np.zeros([3, 2])), ValueError,
-     r"Embedding variable 'videos': its initializer failed for shape \[5, 2\]"),
-    (lambda shape, dtype=None: tf.zeros(shape, tf.int32), ValueError,
-     r"Embedding variable 'videos': its initializer gave a int32 tensor of shape \[5, 2\]; "
-     r"expected float32 \[5, 2\]"),
-])
+@pytest.mark.parametrize(
+  "initializer,error,message",
+  [
+    (
+      tf.keras.initializers.Zeros,
+      TypeError,
+      "Table 'videos': initializer is the class Zeros; pass an instance, e.g. Zeros()",
+    ),
+    (
+      tf.constant_initializer(np.zeros([3, 2])),
+      ValueError,
+      r"Embedding variable 'videos': its initializer failed for shape \[5, 2\]",
+    ),
+    (
+      lambda shape, dtype=None: tf.zeros(shape, tf.int32),
+      ValueError,
+      r"Embedding variable 'videos': its initializer gave a int32 tensor of shape \[5, 2\]; "
+      r"expected float32 \[5, 2\]",
+    ),
+  ],
+)
 def test_a_bad_initializer_is_refused_naming_the_table(initializer, error, message):
   t = E.TableConfig(5, 2, name="videos", initializer=initializer)
   with pytest.raises(error, match=message):
@@ -463,14 +524,17 @@ def test_two_strategy_objects_of_one_kind_are_named_as_two():
   with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
     layer = _layer()
   with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
-    with pytest.raises(RuntimeError, match="created under MirroredStrategy but is called under "
-                                           "another MirroredStrategy object"):
+    with pytest.raises(
+      RuntimeError,
+      match="created under MirroredStrategy but is called under another MirroredStrategy object",
+    ):
       layer({"watched": tf.constant([1]), "liked": tf.constant([0])})
 
 
 def test_path_is_cpu_off_tpu_whatever_the_override():
-  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table()), "sgd",
-                                     embedding_feature=hardware.EmbeddingFeature.V1)
+  layer = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(table=table()), "sgd", embedding_feature=hardware.EmbeddingFeature.V1
+  )
   assert layer.path is hardware.Path.CPU
 
 
@@ -509,8 +573,9 @@ def test_a_replaced_table_is_trained_and_checkpointed(tmp_path, table_updates):
   trained[1] -= 0.01 if table_updates == "engine" else 0.5
   np.testing.assert_allclose(replacement.numpy(), trained)
   path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
-  fresh = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table(rows=3, dim=2, name="videos")),
-                                     "sgd", table_updates=table_updates)
+  fresh = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(table=table(rows=3, dim=2, name="videos")), "sgd", table_updates=table_updates
+  )
   fresh(tf.constant([0]))
   tf.train.Checkpoint(layer=fresh).restore(path).assert_consumed()
   np.testing.assert_allclose(fresh.variables_by_table["videos"]["parameters"].numpy(), trained)
@@ -520,11 +585,16 @@ def test_a_replaced_table_is_trained_and_checkpointed(tmp_path, table_updates):
 def test_a_replacement_that_is_not_a_table_like_variable_is_refused(bad):
   t = table(rows=3, dim=2, name="videos")
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=t), "sgd")
-  replacement = {"shape": tf.Variable(tf.zeros([4, 2])),
-                 "dtype": tf.Variable(tf.zeros([3, 2], tf.float64)),
-                 "tensor": tf.zeros([3, 2])}[bad]
-  with pytest.raises(ValueError, match=r"Table 'videos': update_embedding_table needs a "
-                                       r"tf.Variable of shape \[3, 2\] and dtype float32"):
+  replacement = {
+    "shape": tf.Variable(tf.zeros([4, 2])),
+    "dtype": tf.Variable(tf.zeros([3, 2], tf.float64)),
+    "tensor": tf.zeros([3, 2]),
+  }[bad]
+  with pytest.raises(
+    ValueError,
+    match=r"Table 'videos': update_embedding_table needs a "
+    r"tf.Variable of shape \[3, 2\] and dtype float32",
+  ):
     layer.update_embedding_table(t, replacement)
   np.testing.assert_array_equal(layer.embedding_tables[t].numpy(), row_id_table(3, 2))
 
@@ -539,8 +609,11 @@ def test_load_model_is_refused_with_the_way_to_save_and_restore(tmp_path, file_n
   model.fit(np.array([[1], [2]]), np.array([[1.0], [0.0]]), verbose=0)
   path = str(tmp_path / file_name)
   model.save(path)
-  with pytest.raises(ValueError, match=r"cannot be rebuilt by tf_keras.models.load_model.*"
-                                       r"tf.train.Checkpoint\(model=model\).restore\(path\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"cannot be rebuilt by tf_keras.models.load_model.*"
+    r"tf.train.Checkpoint\(model=model\).restore\(path\)",
+  ):
     tf_keras.models.load_model(path)
 
 
@@ -549,12 +622,14 @@ def test_serving_only_layer_saves_with_plain_saved_model(tmp_path):
   layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t)}, optimizer=None)
   module = tf.Module()
   module.layer = layer
-  module.serve = tf.function(lambda ids: layer({"f": ids})["f"],
-                             input_signature=[tf.TensorSpec([None], tf.int32)])
+  module.serve = tf.function(
+    lambda ids: layer({"f": ids})["f"], input_signature=[tf.TensorSpec([None], tf.int32)]
+  )
   tf.saved_model.save(module, str(tmp_path / "model"))
   loaded = tf.saved_model.load(str(tmp_path / "model"))
-  np.testing.assert_array_equal(loaded.serve(tf.constant([3, 1])).numpy(),
-                                row_id_table(4, 2)[[3, 1]])
+  np.testing.assert_array_equal(
+    loaded.serve(tf.constant([3, 1])).numpy(), row_id_table(4, 2)[[3, 1]]
+  )
 
 
 ADAM_WARNING_SCRIPT = """
@@ -585,12 +660,17 @@ mark("MARK end")
 def test_keras_adam_without_bias_correction_is_logged_once(layer):
   """Only where the engine trains the tables (not table_updates="keras", not a mid-level Adam)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  result = subprocess.run([sys.executable, "-c", ADAM_WARNING_SCRIPT, layer],
-                          env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"),
-                          capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-c", ADAM_WARNING_SCRIPT, layer],
+    env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
-  lines = [line for line in result.stderr.splitlines()
-           if "MARK" in line or "no bias correction" in line]
+  lines = [
+    line for line in result.stderr.splitlines() if "MARK" in line or "no bias correction" in line
+  ]
   warning = [line for line in lines if "no bias correction" in line]
   assert len(warning) == 1, lines
   assert "tables ['t'] are trained by the TPU embedding engine's Adam" in warning[0]
@@ -610,17 +690,22 @@ def test_keras_fit_with_jit_compile_trains_dense_ragged_and_sparse_inputs_like_t
   optimizer = E.Adam(0.1, lazy_adam=True)
   shared = table(6, 2, combiner="sum", name="t", values=values)
   layer = tpu_embedding.TPUEmbedding({k: E.FeatureConfig(shared) for k in "drs"}, optimizer)
-  inputs = {"d": tf_keras.Input(shape=(1,), dtype=tf.int64),
-            "r": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True),
-            "s": tf_keras.Input(shape=(2,), dtype=tf.int64, sparse=True)}
+  inputs = {
+    "d": tf_keras.Input(shape=(1,), dtype=tf.int64),
+    "r": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True),
+    "s": tf_keras.Input(shape=(2,), dtype=tf.int64, sparse=True),
+  }
   out = layer(inputs)
   model = tf_keras.Model(inputs, tf.concat([out["d"], out["r"], out["s"]], axis=1))
-  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
-                jit_compile=True)
+  model.compile(
+    tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1), jit_compile=True
+  )
   dense, ragged, sparse = [[1], [5]], [[0, 2, 2], [4]], [[3], [0, 1]]
-  x = {"d": tf.constant(dense, tf.int64), "r": tf.ragged.constant(ragged, tf.int64),
-       "s": tf.sparse.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([3, 0, 1], tf.int64),
-                                   [2, 2])}
+  x = {
+    "d": tf.constant(dense, tf.int64),
+    "r": tf.ragged.constant(ragged, tf.int64),
+    "s": tf.sparse.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([3, 0, 1], tf.int64), [2, 2]),
+  }
   y = np.array([[1.0, -2.0, 0.5, 1.5, -1.0, 2.0], [3.0, 1.0, -0.5, 2.0, 1.0, -1.0]], np.float32)
   model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1, verbose=0)
 

@@ -26,8 +26,9 @@ VALUES = np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM)  # W[r] = [2r, 2
 
 
 def layer(combiner="sum", **feature_kwargs):
-  table = E.TableConfig(10, DIM, name="t", combiner=combiner,
-                        initializer=tf.constant_initializer(VALUES))
+  table = E.TableConfig(
+    10, DIM, name="t", combiner=combiner, initializer=tf.constant_initializer(VALUES)
+  )
   return tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table, **feature_kwargs)}, "sgd")
 
 
@@ -35,11 +36,11 @@ def layer(combiner="sum", **feature_kwargs):
 # SparseTensors that describe no valid input are refused before any op sees them
 
 HOSTILE_SPARSE = {  # name: (indices, values, dense_shape, what the refusal says)
-    "huge_dense_shape": ([[0, 0]], [1], [2**61, 3], "at most 2147483647 samples"),
-    "negative_dense_shape": ([[0, 0]], [1], [-1, 3], "must be non-negative"),
-    "index_outside": ([[0, 0], [5, 1]], [1, 2], [2, 3], "must lie inside dense_shape"),
-    "negative_index": ([[0, -1]], [1], [2, 3], "must lie inside dense_shape"),
-    "indices_without_values": ([[0, 0], [1, 0]], [1], [2, 3], "one row per value"),
+  "huge_dense_shape": ([[0, 0]], [1], [2**61, 3], "at most 2147483647 samples"),
+  "negative_dense_shape": ([[0, 0]], [1], [-1, 3], "must be non-negative"),
+  "index_outside": ([[0, 0], [5, 1]], [1, 2], [2, 3], "must lie inside dense_shape"),
+  "negative_index": ([[0, -1]], [1], [2, 3], "must lie inside dense_shape"),
+  "indices_without_values": ([[0, 0], [1, 0]], [1], [2, 3], "one row per value"),
 }
 
 _CHILD = """
@@ -82,11 +83,15 @@ for name, (indices, values, shape, _) in HOSTILE_SPARSE.items():
 
 def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting(engine_path):
   child = subprocess.run(
-      [sys.executable, "-c", _CHILD.format(tests=os.path.join(ROOT, "tests"))],
-      capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"))
-  assert child.returncode == 0, f"child died ({child.returncode}):\n{child.stdout[-2000:]}" \
-                                f"{child.stderr[-3000:]}"
+    [sys.executable, "-c", _CHILD.format(tests=os.path.join(ROOT, "tests"))],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
+  )
+  assert child.returncode == 0, (
+    f"child died ({child.returncode}):\n{child.stdout[-2000:]}{child.stderr[-3000:]}"
+  )
   lines = [json.loads(line) for line in child.stdout.splitlines()]
   results = dict(zip(map(tuple, lines[::2]), lines[1::2]))
   assert len(results) == 4 * 5 + 2
@@ -102,8 +107,7 @@ def test_a_refused_sparse_input_changes_no_table(engine_path):
   before = {t: v.numpy() for t, v in before.items()}
   with pytest.raises(ValueError, match="must lie inside dense_shape"):
     with tf.GradientTape() as tape:
-      out = model({"f": tf.SparseTensor([[0, 0], [0, 7]], tf.constant([1, 2], tf.int64),
-                                        [1, 3])})
+      out = model({"f": tf.SparseTensor([[0, 0], [0, 7]], tf.constant([1, 2], tf.int64), [1, 3])})
       tape.gradient(tf.reduce_sum(out["f"]), model.trainable_variables)
   for t, v in model.embedding_tables.items():
     np.testing.assert_array_equal(v.numpy(), before[t])
@@ -115,8 +119,9 @@ def test_a_refused_sparse_input_changes_no_table(engine_path):
 
 def test_dense_b_by_1_ids_give_b_by_d_under_an_unknown_last_dimension():
   model = layer()
-  lookup = tf.function(lambda ids: model({"f": ids})["f"],
-                       input_signature=[tf.TensorSpec([None, None], tf.int64)])
+  lookup = tf.function(
+    lambda ids: model({"f": ids})["f"], input_signature=[tf.TensorSpec([None, None], tf.int64)]
+  )
   out = lookup(tf.constant([[1], [2], [7]], tf.int64))
   np.testing.assert_array_equal(out.numpy(), VALUES[[1, 2, 7]])
   wide = lookup(tf.constant([[1, 2], [3, 4]], tf.int64))  # [B, n]: each id its own sample
@@ -125,8 +130,9 @@ def test_dense_b_by_1_ids_give_b_by_d_under_an_unknown_last_dimension():
 
 def test_a_sequence_feature_with_an_unknown_last_dimension_is_refused():
   model = layer(max_sequence_length=3)
-  lookup = tf.function(lambda ids: model({"f": ids})["f"],
-                       input_signature=[tf.TensorSpec([None, None], tf.int64)])
+  lookup = tf.function(
+    lambda ids: model({"f": ids})["f"], input_signature=[tf.TensorSpec([None, None], tf.int64)]
+  )
   with pytest.raises(ValueError, match="'f' is a sequence feature.*known last dimension"):
     lookup(tf.constant([[1], [2]], tf.int64))
 
@@ -140,8 +146,9 @@ def test_sparse_ids_of_unknown_rank_give_the_same_bags(rank):
   else:
     sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 3, 4], tf.int64), [3, 2])
     expected = np.stack([VALUES[1] + VALUES[3], np.zeros(DIM), VALUES[4]])
-  lookup = tf.function(lambda s: model({"f": s})["f"],
-                       input_signature=[tf.SparseTensorSpec(None, tf.int64)])
+  lookup = tf.function(
+    lambda s: model({"f": s})["f"], input_signature=[tf.SparseTensorSpec(None, tf.int64)]
+  )
   np.testing.assert_array_equal(lookup(sp).numpy(), expected)
   np.testing.assert_array_equal(model({"f": sp})["f"].numpy(), expected)
 
@@ -188,15 +195,21 @@ def test_a_weight_count_other_than_the_ids_is_refused(kind, validate):
     weights = tf.SparseTensor([[0, 0], [0, 1]], [2.0, 3.0], [2, 2])
   else:
     weights = tf.ragged.constant([[2.0, 3.0], []])
-  with pytest.raises(ValueError, match=r"Feature 'f': its weights must hold one value per id.*"
-                                       r"Got: 2, 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"Feature 'f': its weights must hold one value per id.*"
+    r"Got: 2, 3",
+  ):
     layer(validate_weights_and_indices=validate)({"f": ids}, weights={"f": weights})
 
 
 def test_an_output_shape_other_than_the_batch_is_refused_naming_the_feature():
   model = layer(output_shape=[4])
-  with pytest.raises(ValueError, match=r"Feature 'f': FeatureConfig.output_shape \[4\] holds 4 "
-                                       r"samples.*Got: 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"Feature 'f': FeatureConfig.output_shape \[4\] holds 4 "
+    r"samples.*Got: 3",
+  ):
     model({"f": tf.constant([1, 2, 3])})
 
 
@@ -206,19 +219,25 @@ def test_an_output_shape_other_than_the_batch_is_refused_naming_the_feature():
 
 def test_input_conversion_with_its_checks_compiles_with_xla():
   config = config_lib.prepare(
-      {"f": E.FeatureConfig(E.TableConfig(10, DIM, name="t", combiner="mean"))}, "sgd")
+    {"f": E.FeatureConfig(E.TableConfig(10, DIM, name="t", combiner="mean"))}, "sgd"
+  )
   feature = config.features[0]
 
   @tf.function(jit_compile=True)
   def bags(indices, ids, weights, ragged_ids, ragged_weights):
-    sparse = lookup.to_bags(feature, tf.SparseTensor(indices, ids, [2, 2]),
-                            tf.SparseTensor(indices, weights, [2, 2]))
+    sparse = lookup.to_bags(
+      feature, tf.SparseTensor(indices, ids, [2, 2]), tf.SparseTensor(indices, weights, [2, 2])
+    )
     ragged = lookup.to_bags(feature, ragged_ids, ragged_weights)
     return sparse.samples, sparse.gains, ragged.samples, ragged.gains
 
-  out = bags(tf.constant([[0, 0], [0, 1], [1, 0]], tf.int64), tf.constant([1, 3, 4], tf.int64),
-             tf.constant([1.0, 3.0, 2.0]), tf.ragged.constant([[1, 3], [4]], tf.int64),
-             tf.ragged.constant([[1.0, 3.0], [2.0]]))
+  out = bags(
+    tf.constant([[0, 0], [0, 1], [1, 0]], tf.int64),
+    tf.constant([1, 3, 4], tf.int64),
+    tf.constant([1.0, 3.0, 2.0]),
+    tf.ragged.constant([[1, 3], [4]], tf.int64),
+    tf.ragged.constant([[1.0, 3.0], [2.0]]),
+  )
   gains = [0.25, 0.75, 1.0]  # mean: each weight over its bag's weight sum (4, then 2)
   for samples, sample_gains in (out[:2], out[2:]):
     np.testing.assert_array_equal(samples.numpy(), [0, 0, 1])

@@ -28,17 +28,28 @@ def test_two_workers_on_loopback_equal_one_process(tmp_path):
   processes = []
   for index in range(2):
     config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-    processes.append(subprocess.Popen(
+    processes.append(
+      subprocess.Popen(
         [sys.executable, str(JOB), str(tmp_path / f"worker{index}.npy")],
-        env=_env(TF_CONFIG=json.dumps(config)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True))
-  single = subprocess.run([sys.executable, str(JOB), str(tmp_path / "single.npy")],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+        env=_env(TF_CONFIG=json.dumps(config)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
+  single = subprocess.run(
+    [sys.executable, str(JOB), str(tmp_path / "single.npy")],
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert single.returncode == 0, single.stderr[-3000:]
   for process in processes:
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
   reference = np.load(tmp_path / "single.npy")
   for index in range(2):
-    np.testing.assert_allclose(np.load(tmp_path / f"worker{index}.npy"), reference,
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+      np.load(tmp_path / f"worker{index}.npy"), reference, rtol=1e-6, atol=1e-7
+    )

@@ -22,19 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every option the kernel implements, on each optimizer it serves.
 OPTIONS = {
-    "plain": {},
-    "clipped": dict(clipvalue=(-0.3, 0.25), clip_weight_min=-0.2, clip_weight_max=0.3),
-    "one_sided_clips": dict(clipvalue=(None, 0.25), clip_weight_min=-0.2),
-    "decay": dict(weight_decay_factor=0.05),
-    "decay_by_lr": dict(weight_decay_factor=0.05,
-                        multiply_weight_decay_factor_by_learning_rate=True),
+  "plain": {},
+  "clipped": dict(clipvalue=(-0.3, 0.25), clip_weight_min=-0.2, clip_weight_max=0.3),
+  "one_sided_clips": dict(clipvalue=(None, 0.25), clip_weight_min=-0.2),
+  "decay": dict(weight_decay_factor=0.05),
+  "decay_by_lr": dict(weight_decay_factor=0.05, multiply_weight_decay_factor_by_learning_rate=True),
 }
 OPTIMIZERS = {
-    "sgd": lambda **kw: E.SGD(learning_rate=0.1, **kw),
-    "adagrad": lambda **kw: E.Adagrad(learning_rate=0.1, initial_accumulator_value=0.05, **kw),
-    "adam": lambda **kw: E.Adam(learning_rate=0.1, **kw),
-    "adam_eps_outside": lambda **kw: E.Adam(learning_rate=0.1, sum_inside_sqrt=False,
-                                            epsilon=1e-3, **kw),
+  "sgd": lambda **kw: E.SGD(learning_rate=0.1, **kw),
+  "adagrad": lambda **kw: E.Adagrad(learning_rate=0.1, initial_accumulator_value=0.05, **kw),
+  "adam": lambda **kw: E.Adam(learning_rate=0.1, **kw),
+  "adam_eps_outside": lambda **kw: E.Adam(
+    learning_rate=0.1, sum_inside_sqrt=False, epsilon=1e-3, **kw
+  ),
 }
 
 
@@ -62,17 +62,25 @@ def test_dedup_lookup_and_row_gradients_match_numpy(with_samples, with_gains):
   gains = rng.normal(size=300).astype(np.float32) if with_gains else None
   table = tf.Variable(values)
   activations, unique_ids, index = native.dedup_lookup(
-      table, tf.constant(ids), None if samples is None else tf.constant(samples),
-      None if gains is None else tf.constant(gains), num_samples)
+    table,
+    tf.constant(ids),
+    None if samples is None else tf.constant(samples),
+    None if gains is None else tf.constant(gains),
+    num_samples,
+  )
   want, want_unique, want_index = _numpy_lookup(values, ids, samples, gains, num_samples)
   np.testing.assert_allclose(activations.numpy(), want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(unique_ids.numpy(), want_unique)
   np.testing.assert_array_equal(index.numpy(), want_index)
 
   upstream = rng.normal(size=(num_samples, 5)).astype(np.float32)
-  grads = native.row_gradients(index, None if samples is None else tf.constant(samples),
-                               None if gains is None else tf.constant(gains),
-                               tf.constant(upstream), len(want_unique))
+  grads = native.row_gradients(
+    index,
+    None if samples is None else tf.constant(samples),
+    None if gains is None else tf.constant(gains),
+    tf.constant(upstream),
+    len(want_unique),
+  )
   want_grads = np.zeros((len(want_unique), 5))
   for k in range(300):
     s = k if samples is None else samples[k]
@@ -83,28 +91,35 @@ def test_dedup_lookup_and_row_gradients_match_numpy(with_samples, with_gains):
 def test_dedup_lookup_of_a_hand_worked_bag():
   table = tf.Variable([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
   activations, unique_ids, index = native.dedup_lookup(
-      table, tf.constant([2, 0, 2]), tf.constant([0, 0, 1]), tf.constant([0.5, 1.0, 2.0]), 3)
+    table, tf.constant([2, 0, 2]), tf.constant([0, 0, 1]), tf.constant([0.5, 1.0, 2.0]), 3
+  )
   np.testing.assert_array_equal(activations.numpy(), [[2.0, 1.0], [4.0, 4.0], [0.0, 0.0]])
   np.testing.assert_array_equal(unique_ids.numpy(), [2, 0])
   np.testing.assert_array_equal(index.numpy(), [0, 1, 0])
 
 
-@pytest.mark.parametrize("ids,samples,message", [
+@pytest.mark.parametrize(
+  "ids,samples,message",
+  [
     ([0, 5], None, r"id 5 is not in \[0, 5\)"),
     ([0, -1], None, r"id -1 is not in \[0, 5\)"),
     ([0, 1], [0, 3], r"sample 3 is not in \[0, 2\)"),
-])
+  ],
+)
 def test_dedup_lookup_refuses_ids_and_samples_out_of_range(ids, samples, message):
   table = tf.Variable(tf.zeros([5, 2]))
   with pytest.raises(tf.errors.InvalidArgumentError, match=message):
-    native.dedup_lookup(table, tf.constant(ids), None if samples is None else tf.constant(samples),
-                        None, 2)
+    native.dedup_lookup(
+      table, tf.constant(ids), None if samples is None else tf.constant(samples), None, 2
+    )
 
 
 # Counts the kernels allocate rows for: negative, too many to be a shape, or not a scalar.
-_BAD_COUNTS = {"-1": (-1, "must be in [0, 2**31), got -1"),
-               "2**61": (2**61, f"must be in [0, 2**31), got {2**61}"),
-               "non-scalar": ([1, 2], "must be a scalar")}
+_BAD_COUNTS = {
+  "-1": (-1, "must be in [0, 2**31), got -1"),
+  "2**61": (2**61, f"must be in [0, 2**31), got {2**61}"),
+  "non-scalar": ([1, 2], "must be a scalar"),
+}
 _HOSTILE_COUNTS = """
 import sys
 import tensorflow as tf
@@ -128,31 +143,48 @@ for name, (count, _) in {counts}.items():
 def test_kernels_refuse_bad_counts_without_aborting():
   """Run in a child process: an abort (a failed CHECK) there fails this test, not pytest."""
   script = _HOSTILE_COUNTS.format(counts=repr(_BAD_COUNTS))
-  child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,
-                                               TF_CPP_MIN_LOG_LEVEL="3"))
-  assert child.returncode == 0, f"the child died ({child.returncode}):\n{child.stdout}{child.stderr}"
+  child = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
+  )
+  assert child.returncode == 0, (
+    f"the child died ({child.returncode}):\n{child.stdout}{child.stderr}"
+  )
   lines = child.stdout.splitlines()
   assert len(lines) == 4 * len(_BAD_COUNTS), child.stdout
   for (name, (_, message)), at in zip(_BAD_COUNTS.items(), range(0, len(lines), 4)):
-    for op, result in zip(("dedup_lookup", "row_gradients"), lines[at + 1:at + 4:2]):
+    for op, result in zip(("dedup_lookup", "row_gradients"), lines[at + 1 : at + 4 : 2]):
       count = "num_samples" if op == "dedup_lookup" else "num_unique"
       assert result.startswith("refused:") and f"{count} {message}" in result, (op, name, result)
 
 
 def test_kernels_were_built_by_the_install():
   assert native.enabled(), (
-      "tpu_embedding/engine/_kernels*.so is missing: `make` (pip install) should compile it")
+    "tpu_embedding/engine/_kernels*.so is missing: `make` (pip install) should compile it"
+  )
 
 
-def _run(optimizer, path: str, monkeypatch, vocab: int, dim: int, steps: int, seed: int,
-         compiled: bool = True):
+def _run(
+  optimizer,
+  path: str,
+  monkeypatch,
+  vocab: int,
+  dim: int,
+  steps: int,
+  seed: int,
+  compiled: bool = True,
+):
   """Final table and slots after `steps` updates on the given path."""
   monkeypatch.setenv(native.ENV_SWITCH, "1" if path == "native" else "0")
   rng = np.random.default_rng(seed)
   table = tf.Variable(rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32))
-  slots = {name: tf.Variable(rng.uniform(0.01, 0.2, (vocab, dim)).astype(np.float32))
-           for name in optimizer._slot_names()}  # pylint: disable=protected-access
+  slots = {
+    name: tf.Variable(rng.uniform(0.01, 0.2, (vocab, dim)).astype(np.float32))
+    for name in optimizer._slot_names()
+  }  # pylint: disable=protected-access
 
   def step(ids, grads, learning_rate):
     updates.apply_sparse_update(optimizer, table, slots, ids, grads, learning_rate)
@@ -182,8 +214,9 @@ def _assert_same_bits(optimizer, monkeypatch, **problem):
 def test_kernel_matches_tf_ops_bit_for_bit(name, options, monkeypatch):
   kwargs = dict(OPTIONS[options])
   clip = kwargs.pop("clipvalue", None)
-  _assert_same_bits(OPTIMIZERS[name](clipvalue=clip, **kwargs), monkeypatch, vocab=300, dim=7,
-                    steps=3, seed=1)
+  _assert_same_bits(
+    OPTIMIZERS[name](clipvalue=clip, **kwargs), monkeypatch, vocab=300, dim=7, steps=3, seed=1
+  )
 
 
 def test_compiled_tf_ops_differ_from_the_kernel_only_by_rounding(monkeypatch):
@@ -200,13 +233,15 @@ def test_compiled_tf_ops_differ_from_the_kernel_only_by_rounding(monkeypatch):
 
 def test_kernel_shards_large_updates_without_changing_them(monkeypatch):
   """Enough rows for the kernel to split them across threads: still the same bits."""
-  _assert_same_bits(E.Adam(learning_rate=0.1), monkeypatch, vocab=60_000, dim=16, steps=2,
-                    seed=2)
+  _assert_same_bits(E.Adam(learning_rate=0.1), monkeypatch, vocab=60_000, dim=16, steps=2, seed=2)
 
 
 def test_optimizers_without_a_kernel_stay_on_tf_ops(monkeypatch):
-  for optimizer in (E.Adam(learning_rate=0.1, lazy_adam=False), E.FTRL(learning_rate=0.1),
-                    E.AdagradMomentum(learning_rate=0.1, momentum=0.9)):
+  for optimizer in (
+    E.Adam(learning_rate=0.1, lazy_adam=False),
+    E.FTRL(learning_rate=0.1),
+    E.AdagradMomentum(learning_rate=0.1, momentum=0.9),
+  ):
     assert updates.rule_for(optimizer).native_form() is None
   assert updates.rule_for(E.Adam(learning_rate=0.1)).native_form()[0] == "adam"
 
@@ -214,16 +249,38 @@ def test_optimizers_without_a_kernel_stay_on_tf_ops(monkeypatch):
 def test_kernel_refuses_row_ids_outside_the_table():
   table, accumulators = tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.ones([4, 2]))
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"row id 4 is not in \[0, 4\)"):
-    native.apply_rows("adagrad", (), table, [accumulators], tf.constant([1, 4]),
-                      tf.ones([2, 2]), 0.1, (None, None), 0.0, False, (None, None))
+    native.apply_rows(
+      "adagrad",
+      (),
+      table,
+      [accumulators],
+      tf.constant([1, 4]),
+      tf.ones([2, 2]),
+      0.1,
+      (None, None),
+      0.0,
+      False,
+      (None, None),
+    )
   np.testing.assert_array_equal(table.numpy(), np.zeros([4, 2]))  # nothing was written
 
 
 def test_kernel_refuses_slots_of_another_shape():
   table, accumulators = tf.Variable(tf.zeros([4, 2])), tf.Variable(tf.ones([4, 3]))
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"slot 0 has shape \[4,3\]"):
-    native.apply_rows("adagrad", (), table, [accumulators], tf.constant([1]),
-                      tf.ones([1, 2]), 0.1, (None, None), 0.0, False, (None, None))
+    native.apply_rows(
+      "adagrad",
+      (),
+      table,
+      [accumulators],
+      tf.constant([1]),
+      tf.ones([1, 2]),
+      0.1,
+      (None, None),
+      0.0,
+      False,
+      (None, None),
+    )
 
 
 def test_switch_and_placement_decide_where_the_kernel_runs(monkeypatch):
@@ -234,16 +291,24 @@ def test_switch_and_placement_decide_where_the_kernel_runs(monkeypatch):
   assert not native.runs_on([local])
 
 
-@pytest.mark.parametrize("device,local,same", [
+@pytest.mark.parametrize(
+  "device,local,same",
+  [
     ("/job:localhost/replica:0/task:0/device:CPU:0", "/job:localhost/replica:0/task:0", True),
     ("/job:worker/replica:0/task:1/device:CPU:0", "/job:worker/replica:0/task:1", True),
     ("/job:ps/replica:0/task:0/device:CPU:0", "/job:chief/replica:0/task:0", False),
     ("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1", False),
-])
+  ],
+)
 def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
   """Another task's process may not have loaded the kernels."""
-  assert native._same_task(tf.DeviceSpec.from_string(device),  # pylint: disable=protected-access
-                           tf.DeviceSpec.from_string(local)) == same
+  assert (
+    native._same_task(
+      tf.DeviceSpec.from_string(device),  # pylint: disable=protected-access
+      tf.DeviceSpec.from_string(local),
+    )
+    == same
+  )
 
 
 def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
@@ -267,13 +332,14 @@ def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_
   graph_ops = {op.type for op in train.get_concrete_function().graph.get_operations()}
   assert "TpuEmbeddingDedupLookup" in graph_ops
   tf.saved_model.save(module, str(tmp_path / "module"))
-  code = (f"import sys, numpy as np, tensorflow as tf\n"
-          f"loaded = tf.saved_model.load({str(tmp_path / 'module')!r})\n"
-          f"np.save({str(tmp_path / 'table.npy')!r}, "
-          f"loaded.train(tf.constant([1, 1, 3], tf.int64)).numpy())\n"
-          f"assert not [m for m in sys.modules if m.startswith('tpu_embedding')]\n")
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+  code = (
+    f"import sys, numpy as np, tensorflow as tf\n"
+    f"loaded = tf.saved_model.load({str(tmp_path / 'module')!r})\n"
+    f"np.save({str(tmp_path / 'table.npy')!r}, "
+    f"loaded.train(tf.constant([1, 1, 3], tf.int64)).numpy())\n"
+    f"assert not [m for m in sys.modules if m.startswith('tpu_embedding')]\n"
+  )
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
   # Adagrad from A0 = 0.1: row 1 has g = 2 (two occurrences), A = 4.1; row 3 has g = 1, A = 1.1.
   want = np.full((8, 2), 0.5, np.float32)

@@ -17,31 +17,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def loaded_after(statement: str) -> dict:
   """{"tf_keras": bool, "new_keras": [Keras 3 modules loaded beyond `import tensorflow`]}."""
   code = (
-      "import json, sys\n"
-      "import tensorflow\n"
-      "def keras3(): return {m for m in sys.modules if m == 'keras' or m.startswith('keras.')}\n"
-      "before = keras3()\n"
-      f"{statement}\n"
-      "print(json.dumps({'tf_keras': 'tf_keras' in sys.modules,\n"
-      "                  'new_keras': sorted(keras3() - before)}))\n")
+    "import json, sys\n"
+    "import tensorflow\n"
+    "def keras3(): return {m for m in sys.modules if m == 'keras' or m.startswith('keras.')}\n"
+    "before = keras3()\n"
+    f"{statement}\n"
+    "print(json.dumps({'tf_keras': 'tf_keras' in sys.modules,\n"
+    "                  'new_keras': sorted(keras3() - before)}))\n"
+  )
   env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+  result = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_keras3_layers_and_the_package_do_not_import_tf_keras():
-  loaded = loaded_after("import tpu_embedding\n"
-                        "assert 'tf_keras' not in sys.modules, 'import tpu_embedding loads tf_keras'\n"
-                        "import tpu_embedding.keras\n"
-                        "from tpu_embedding import serving")
+  loaded = loaded_after(
+    "import tpu_embedding\n"
+    "assert 'tf_keras' not in sys.modules, 'import tpu_embedding loads tf_keras'\n"
+    "import tpu_embedding.keras\n"
+    "from tpu_embedding import serving"
+  )
   assert not loaded["tf_keras"]
 
 
 def test_tf_keras_layers_do_not_import_more_keras3():
-  loaded = loaded_after("import tpu_embedding\n"
-                        "tpu_embedding.TPUEmbedding, tpu_embedding.PartialTPUEmbedding")
+  loaded = loaded_after(
+    "import tpu_embedding\ntpu_embedding.TPUEmbedding, tpu_embedding.PartialTPUEmbedding"
+  )
   assert loaded["tf_keras"]  # the check below looks at a process that did load tf-keras
   assert loaded["new_keras"] == []
 
@@ -49,6 +54,7 @@ def test_tf_keras_layers_do_not_import_more_keras3():
 def test_top_level_names_are_imported_on_first_use():
   import tpu_embedding  # pylint: disable=g-import-not-at-top
   from tpu_embedding import layer, partial  # pylint: disable=g-import-not-at-top
+
   assert tpu_embedding.TPUEmbedding is layer.TPUEmbedding
   assert tpu_embedding.PartialTPUEmbedding is partial.PartialTPUEmbedding
   assert set(tpu_embedding.__all__) <= set(dir(tpu_embedding))

@@ -23,8 +23,13 @@ def _adagrad_step(row, accumulator, gradient):
 
 def test_tables_on_a_parameter_server_are_trained_by_the_engine(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-  result = subprocess.run([sys.executable, str(JOB), str(tmp_path / "out.npz")], env=env,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, str(JOB), str(tmp_path / "out.npz")],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   out = np.load(tmp_path / "out.npz")
   assert "/job:ps/" in str(out["placement"][0])
@@ -38,8 +43,10 @@ def test_tables_on_a_parameter_server_are_trained_by_the_engine(tmp_path):
 
   # Feature "b" (Adagrad, accumulators from 1, loss weight 2): per step a row's gradient is
   # 2 x its count in the batch. Rows 0: [2]; 1: [2, 2]; 2: none; 3: [4]; 4: [2, 4] (either order).
-  np.testing.assert_array_equal(out["accumulators"][:, 0], [1 + 4, 1 + 4 + 4, 1, 1 + 16,
-                                                            1 + 4 + 16])
+  np.testing.assert_array_equal(
+    out["accumulators"][:, 0], [1 + 4, 1 + 4 + 4, 1, 1 + 16, 1 + 4 + 16]
+  )
+
   # Both columns get the same update, and column 1 starts 1 above column 0.
   def trained(row, gradients):
     value, accumulator = 2.0 * row, 1.0
@@ -49,5 +56,6 @@ def test_tables_on_a_parameter_server_are_trained_by_the_engine(tmp_path):
 
   for row, gradients in {0: [2], 1: [2, 2], 2: [], 3: [4]}.items():
     np.testing.assert_allclose(out["adagrad"][row], trained(row, gradients), rtol=1e-6)
-  assert any(np.allclose(out["adagrad"][4], trained(4, order), rtol=1e-6)
-             for order in ([2, 4], [4, 2])), out["adagrad"][4]
+  assert any(
+    np.allclose(out["adagrad"][4], trained(4, order), rtol=1e-6) for order in ([2, 4], [4, 2])
+  ), out["adagrad"][4]

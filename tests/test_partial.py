@@ -24,12 +24,19 @@ emb = tf.tpu.experimental.embedding
 def values(vocab, dim, offset=0.0):
   """A table whose row r is offset + [r*dim, ..., r*dim + dim - 1] / 10 (exact in float32)."""
   return (offset + np.arange(vocab * dim, dtype=np.float32).reshape(vocab, dim) / 8).astype(
-      np.float32)
+    np.float32
+  )
 
 
 def table(vocab, dim, name=None, combiner="mean", optimizer=None, offset=0.0):
-  return emb.TableConfig(vocab, dim, initializer=tf.constant_initializer(values(vocab, dim, offset)),
-                         combiner=combiner, name=name, optimizer=optimizer)
+  return emb.TableConfig(
+    vocab,
+    dim,
+    initializer=tf.constant_initializer(values(vocab, dim, offset)),
+    combiner=combiner,
+    name=name,
+    optimizer=optimizer,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,8 +48,10 @@ SCALAR_IDS = {"0": 4, "1": 10, "2": 6, "3": 8, "4": 0}
 
 
 def upstream_config():
-  return {str(i): emb.FeatureConfig(table(v, d, name=f"table_{i}"))
-          for i, (v, d) in enumerate(zip(VOCABS, DIMS))}
+  return {
+    str(i): emb.FeatureConfig(table(v, d, name=f"table_{i}"))
+    for i, (v, d) in enumerate(zip(VOCABS, DIMS))
+  }
 
 
 def check_scalar_lookup(layer):
@@ -55,22 +64,29 @@ def check_scalar_lookup(layer):
 
 
 def test_threshold_10_shards_the_two_tables_above_it():
-  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
-                              size_threshold=10)
+  layer = PartialTPUEmbedding(
+    upstream_config(), tf_keras.optimizers.legacy.Adam(), size_threshold=10
+  )
   sharded = layer.tpu_embedding.embedding_tables
   assert sorted((t.name, t.vocabulary_size, t.dim) for t in sharded) == [
-      ("table_1", 20, 4), ("table_4", 15, 10)]
+    ("table_1", 20, 4),
+    ("table_4", 15, 10),
+  ]
   replicated = layer.keras_embedding_layers
   assert sorted(replicated) == ["0", "2", "3"]
   assert [(replicated[k].input_dim, replicated[k].output_dim) for k in ("0", "2", "3")] == [
-      (5, 2), (8, 6), (9, 8)]
+    (5, 2),
+    (8, 6),
+    (9, 8),
+  ]
   assert all(isinstance(r, ReplicatedTable) for r in replicated.values())
   check_scalar_lookup(layer)
 
 
 def test_threshold_none_replicates_every_table():
-  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
-                              size_threshold=None)
+  layer = PartialTPUEmbedding(
+    upstream_config(), tf_keras.optimizers.legacy.Adam(), size_threshold=None
+  )
   assert layer.tpu_embedding is None
   assert len(layer.keras_embedding_layers) == 5
   check_scalar_lookup(layer)
@@ -78,8 +94,12 @@ def test_threshold_none_replicates_every_table():
 
 @pytest.mark.parametrize("pipelining", [False, True])
 def test_threshold_0_shards_every_table(pipelining):
-  layer = PartialTPUEmbedding(upstream_config(), tf_keras.optimizers.legacy.Adam(),
-                              pipeline_execution_with_tensor_core=pipelining, size_threshold=0)
+  layer = PartialTPUEmbedding(
+    upstream_config(),
+    tf_keras.optimizers.legacy.Adam(),
+    pipeline_execution_with_tensor_core=pipelining,
+    size_threshold=0,
+  )
   assert len(layer.tpu_embedding.embedding_tables) == 5
   assert layer.keras_embedding_layers == {}
   check_scalar_lookup(layer)
@@ -101,22 +121,25 @@ def test_exported_from_the_package():
 
 
 def test_nested_config_keeps_its_structure_and_shared_tables_stay_together():
-  big = table(30, 2, name="big")          # 30 > 10: sharded, shared by two features
-  small = table(4, 3, name="small")       # replicated
-  seq = table(6, 2, name="seq")           # replicated sequence feature
+  big = table(30, 2, name="big")  # 30 > 10: sharded, shared by two features
+  small = table(4, 3, name="small")  # replicated
+  seq = table(6, 2, name="seq")  # replicated sequence feature
   config = {
-      "user": {"id": emb.FeatureConfig(big), "country": emb.FeatureConfig(small)},
-      "items": [emb.FeatureConfig(big), emb.FeatureConfig(seq, max_sequence_length=3)],
+    "user": {"id": emb.FeatureConfig(big), "country": emb.FeatureConfig(small)},
+    "items": [emb.FeatureConfig(big), emb.FeatureConfig(seq, max_sequence_length=3)],
   }
   layer = PartialTPUEmbedding(config, "sgd", size_threshold=10)
   assert (layer.side("big"), layer.side(small), layer.side("seq")) == (
-      "sharded", "replicated", "replicated")
+    "sharded",
+    "replicated",
+    "replicated",
+  )
   placement = layer.placement()
   assert placement["big"].features == ("items/0", "user/id")
 
   features = {
-      "user": {"id": tf.constant([29, 3]), "country": tf.constant([[1], [2]])},
-      "items": [tf.constant([0, 29]), tf.ragged.constant([[5, 1, 2, 4], [3]], dtype=tf.int64)],
+    "user": {"id": tf.constant([29, 3]), "country": tf.constant([[1], [2]])},
+    "items": [tf.constant([0, 29]), tf.ragged.constant([[5, 1, 2, 4], [3]], dtype=tf.int64)],
   }
   out = layer(features)
   assert isinstance(out, dict) and isinstance(out["items"], list)
@@ -136,7 +159,7 @@ def weighted_rows(table_values, ids_per_row, weights_per_row, combiner):
   for ids, ws in zip(ids_per_row, weights_per_row):
     ws = np.asarray(ws, np.float64)
     total = (table_values[ids].astype(np.float64) * ws[:, None]).sum(0)
-    scale = {"sum": 1.0, "mean": 1 / ws.sum(), "sqrtn": 1 / math.sqrt((ws ** 2).sum())}[combiner]
+    scale = {"sum": 1.0, "mean": 1 / ws.sum(), "sqrtn": 1 / math.sqrt((ws**2).sum())}[combiner]
     out.append(total * scale)
   return np.array(out, np.float32)
 
@@ -167,16 +190,18 @@ def test_ragged_and_sparse_inputs_with_weights_on_replicated_tables(combiner):
   grad = np.zeros_like(w0, np.float64)
   for row, (row_ids, row_ws) in enumerate(zip(ids, ws)):
     row_ws = np.asarray(row_ws)
-    scale = {"sum": 1.0, "mean": 1 / row_ws.sum(), "sqrtn": 1 / math.sqrt((row_ws ** 2).sum())}[
-        combiner]
+    scale = {"sum": 1.0, "mean": 1 / row_ws.sum(), "sqrtn": 1 / math.sqrt((row_ws**2).sum())}[
+      combiner
+    ]
     for i, w in zip(row_ids, row_ws):
       grad[i] += 2 * scale * w * upstream[row]
   np.testing.assert_allclose(layer.embedding_tables[small].numpy(), w0 - 0.5 * grad, rtol=1e-6)
 
 
 def test_replicated_tables_are_not_trained_by_the_dense_optimizer():
-  layer = PartialTPUEmbedding({"a": emb.FeatureConfig(table(4, 2, name="a"))}, "adagrad",
-                              size_threshold=None)
+  layer = PartialTPUEmbedding(
+    {"a": emb.FeatureConfig(table(4, 2, name="a"))}, "adagrad", size_threshold=None
+  )
   layer({"a": tf.constant([1])})
   (trap,) = layer.trainable_variables  # only the gradient trap; the table is not trainable
   assert trap.name.endswith("partial_embedding_helper_dummy:0")
@@ -189,13 +214,15 @@ def test_replicated_tables_are_not_trained_by_the_dense_optimizer():
 def parity_config(own_optimizer):
   shared = table(6, 3, name="shared", combiner="sum")
   config = {
-      "r": emb.FeatureConfig(shared),
-      "s": emb.FeatureConfig(shared),
-      "q": emb.FeatureConfig(table(7, 2, name="q", combiner="sqrtn", optimizer=own_optimizer)),
-      "seq": emb.FeatureConfig(table(5, 2, name="seq"), max_sequence_length=3),
-      "shaped": emb.FeatureConfig(table(8, 2, name="shaped"), output_shape=[2, 3]),
-      "big": {"d": emb.FeatureConfig(table(40, 4, name="big", offset=1.0)),
-              "w": emb.FeatureConfig(table(50, 2, name="big_w", combiner="sqrtn"))},
+    "r": emb.FeatureConfig(shared),
+    "s": emb.FeatureConfig(shared),
+    "q": emb.FeatureConfig(table(7, 2, name="q", combiner="sqrtn", optimizer=own_optimizer)),
+    "seq": emb.FeatureConfig(table(5, 2, name="seq"), max_sequence_length=3),
+    "shaped": emb.FeatureConfig(table(8, 2, name="shaped"), output_shape=[2, 3]),
+    "big": {
+      "d": emb.FeatureConfig(table(40, 4, name="big", offset=1.0)),
+      "w": emb.FeatureConfig(table(50, 2, name="big_w", combiner="sqrtn")),
+    },
   }
   return config
 
@@ -211,11 +238,12 @@ def parity_batches():
     d = tf.constant([[39], [step]])
     w = tf.sparse.SparseTensor([[0, 1], [1, 0], [1, 1]], [49, 7, 7 + step], [2, 2])
     weights = {
-        "r": tf.ragged.constant([[0.5, 2.0, 1.0], [3.0]]),
-        "s": tf.sparse.SparseTensor(s.indices, [1.5, 0.25, 2.0], s.dense_shape),
-        "q": tf.ragged.constant([[1.0, 2.0], [0.5, 0.5, 4.0]]),
-        "seq": None, "shaped": None,
-        "big": {"d": None, "w": tf.sparse.SparseTensor(w.indices, [2.0, 1.0, 3.0], [2, 2])},
+      "r": tf.ragged.constant([[0.5, 2.0, 1.0], [3.0]]),
+      "s": tf.sparse.SparseTensor(s.indices, [1.5, 0.25, 2.0], s.dense_shape),
+      "q": tf.ragged.constant([[1.0, 2.0], [0.5, 0.5, 4.0]]),
+      "seq": None,
+      "shaped": None,
+      "big": {"d": None, "w": tf.sparse.SparseTensor(w.indices, [2.0, 1.0, 3.0], [2, 2])},
     }
     features = {"r": r, "s": s, "q": q, "seq": seq, "shaped": shaped, "big": {"d": d, "w": w}}
     batches.append((features, weights))
@@ -226,9 +254,13 @@ def train_step(layer, features, weights):
   with tf.GradientTape() as tape:
     out = layer(features, weights=weights)
     flat = tf.nest.flatten(out)
-    loss = sum(tf.reduce_sum(o * (i + 1.0) * tf.reshape(
-        tf.cast(tf.range(tf.size(o)), tf.float32), tf.shape(o))) / 16.0
-               for i, o in enumerate(flat))
+    loss = sum(
+      tf.reduce_sum(
+        o * (i + 1.0) * tf.reshape(tf.cast(tf.range(tf.size(o)), tf.float32), tf.shape(o))
+      )
+      / 16.0
+      for i, o in enumerate(flat)
+    )
   tape.gradient(loss, layer.trainable_variables)
   return [o.numpy() for o in flat]
 
@@ -237,19 +269,28 @@ def slots_by_table(variables):
   return {(t, k): v.numpy() for t, vs in variables.items() for k, v in vs.items()}
 
 
-@pytest.mark.parametrize("make_optimizer", [lambda: emb.SGD(learning_rate=0.25),
-                                            lambda: emb.Adagrad(learning_rate=0.25)],
-                         ids=["sgd", "adagrad"])
+@pytest.mark.parametrize(
+  "make_optimizer",
+  [lambda: emb.SGD(learning_rate=0.25), lambda: emb.Adagrad(learning_rate=0.25)],
+  ids=["sgd", "adagrad"],
+)
 @pytest.mark.parametrize("threshold", [10, None, 0])
 def test_parity_with_tpu_embedding_after_two_steps(make_optimizer, threshold):
-  partial = PartialTPUEmbedding(parity_config(emb.SGD(learning_rate=0.125)), make_optimizer(),
-                                size_threshold=threshold)
-  reference = tpu_embedding.TPUEmbedding(parity_config(emb.SGD(learning_rate=0.125)),
-                                         make_optimizer())
+  partial = PartialTPUEmbedding(
+    parity_config(emb.SGD(learning_rate=0.125)), make_optimizer(), size_threshold=threshold
+  )
+  reference = tpu_embedding.TPUEmbedding(
+    parity_config(emb.SGD(learning_rate=0.125)), make_optimizer()
+  )
   if threshold == 10:
     assert {t: partial.side(t) for t in ("shared", "q", "seq", "shaped", "big", "big_w")} == {
-        "shared": "replicated", "q": "replicated", "seq": "replicated", "shaped": "replicated",
-        "big": "sharded", "big_w": "sharded"}
+      "shared": "replicated",
+      "q": "replicated",
+      "seq": "replicated",
+      "shaped": "replicated",
+      "big": "sharded",
+      "big_w": "sharded",
+    }
   for features, weights in parity_batches():
     got = train_step(partial, features, weights)
     want = train_step(reference, features, weights)
@@ -262,9 +303,10 @@ def test_parity_with_tpu_embedding_after_two_steps(make_optimizer, threshold):
     np.testing.assert_array_equal(partial_state[key], value, err_msg=str(key))
   # The tables did move: the first step's gradient reached every table.
   for user_table, variable in partial.embedding_tables.items():
-    assert not np.array_equal(variable.numpy(),
-                              values(user_table.vocabulary_size, user_table.dim,
-                                     1.0 if user_table.name == "big" else 0.0)), user_table.name
+    assert not np.array_equal(
+      variable.numpy(),
+      values(user_table.vocabulary_size, user_table.dim, 1.0 if user_table.name == "big" else 0.0),
+    ), user_table.name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,10 +315,9 @@ def test_parity_with_tpu_embedding_after_two_steps(make_optimizer, threshold):
 
 def test_placement_reports_sides_and_bytes():
   config = {
-      "a": emb.FeatureConfig(table(5, 2, name="a")),                       # Adam: m, v slots
-      "b": emb.FeatureConfig(table(20, 4, name="b", optimizer=emb.SGD(0.1))),  # no slots
-      "c": emb.FeatureConfig(table(15, 10, name="c",
-                                   optimizer=emb.Adagrad(0.1))),           # one slot
+    "a": emb.FeatureConfig(table(5, 2, name="a")),  # Adam: m, v slots
+    "b": emb.FeatureConfig(table(20, 4, name="b", optimizer=emb.SGD(0.1))),  # no slots
+    "c": emb.FeatureConfig(table(15, 10, name="c", optimizer=emb.Adagrad(0.1))),  # one slot
   }
   layer = PartialTPUEmbedding(config, emb.Adam(0.1), size_threshold=10)
   report = layer.placement(num_replicas=4)
@@ -286,7 +327,10 @@ def test_placement_reports_sides_and_bytes():
   assert (by_name["a"].bytes, by_name["a"].bytes_per_device) == (120, 120)
   # b: sharded, 20 x 4 x 4 B = 320 B; ceil(20 / 4) = 5 rows per device = 80 B.
   assert (by_name["b"].side, by_name["b"].bytes, by_name["b"].bytes_per_device) == (
-      "sharded", 320, 80)
+    "sharded",
+    320,
+    80,
+  )
   # c: sharded, 15 x 10 x 4 B x 2 = 1200 B; ceil(15 / 4) = 4 rows x 80 B = 320 B.
   assert (by_name["c"].bytes, by_name["c"].bytes_per_device) == (1200, 320)
   assert report.bytes_per_device("replicated") == 120
@@ -306,8 +350,10 @@ def test_placement_reports_sides_and_bytes():
 
 
 def ckpt_config(a_rows=5, with_c=True, offset=0.0):
-  config = {"a": emb.FeatureConfig(table(a_rows, 2, name="a", offset=offset)),
-            "b": emb.FeatureConfig(table(20, 3, name="b", offset=offset))}
+  config = {
+    "a": emb.FeatureConfig(table(a_rows, 2, name="a", offset=offset)),
+    "b": emb.FeatureConfig(table(20, 3, name="b", offset=offset)),
+  }
   if with_c:
     config["c"] = emb.FeatureConfig(table(12, 2, offset=offset))  # unnamed: "table_2"
   return config
@@ -330,8 +376,9 @@ def trained_layer(threshold, optimizer):
 def test_checkpoint_written_with_threshold_0_restores_under_none_and_10(tmp_path, pipelining):
   saved = trained_layer(0, emb.Adagrad(0.5)) if not pipelining else None
   if pipelining:
-    saved = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=0,
-                                pipeline_execution_with_tensor_core=True)
+    saved = PartialTPUEmbedding(
+      ckpt_config(), emb.Adagrad(0.5), size_threshold=0, pipeline_execution_with_tensor_core=True
+    )
     with tf.GradientTape() as tape:
       loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(saved(ckpt_features())))
     tape.gradient(loss, saved.trainable_variables)  # held back until the save flushes it
@@ -385,24 +432,31 @@ def assert_refused_and_unchanged(path, layer, *messages):
 def test_restore_of_a_small_table_of_another_shape_is_refused_and_changes_nothing(tmp_path):
   """Threshold 10: `a` replicated, `b` and `table_2` sharded; TF alone would assign `b` before
   failing on `a`."""
-  saved = PartialTPUEmbedding(ckpt_config(a_rows=5, offset=1.0), emb.Adagrad(0.5),
-                              size_threshold=10)
+  saved = PartialTPUEmbedding(
+    ckpt_config(a_rows=5, offset=1.0), emb.Adagrad(0.5), size_threshold=10
+  )
   path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "five_rows"))
   layer = PartialTPUEmbedding(ckpt_config(a_rows=6), emb.Adagrad(0.5), size_threshold=10)
   assert_refused_and_unchanged(
-      path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint")
-  np.testing.assert_array_equal(layer._variables_by_table()["b"]["parameters"].numpy(),
-                                values(20, 3))
+    path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint"
+  )
+  np.testing.assert_array_equal(
+    layer._variables_by_table()["b"]["parameters"].numpy(), values(20, 3)
+  )
 
 
 def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
-  saved = PartialTPUEmbedding(ckpt_config(with_c=False, offset=1.0), emb.Adagrad(0.5),
-                              size_threshold=10)
+  saved = PartialTPUEmbedding(
+    ckpt_config(with_c=False, offset=1.0), emb.Adagrad(0.5), size_threshold=10
+  )
   path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "no_c"))
   layer = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=10)
   assert_refused_and_unchanged(
-      path, layer, "table 'table_2' (shape [12, 2] in this layer) is missing from the checkpoint",
-      "slot 'table_2/accumulators' of table 'table_2'")
+    path,
+    layer,
+    "table 'table_2' (shape [12, 2] in this layer) is missing from the checkpoint",
+    "slot 'table_2/accumulators' of table 'table_2'",
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,8 +467,11 @@ def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
 def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
   small = table(8, 4, name="small")  # shared by two features: one variable
   large = table(30, 2, name="large", offset=1.0)
-  config = {"a": emb.FeatureConfig(small), "b": emb.FeatureConfig(small),
-            "c": emb.FeatureConfig(large)}
+  config = {
+    "a": emb.FeatureConfig(small),
+    "b": emb.FeatureConfig(small),
+    "c": emb.FeatureConfig(large),
+  }
   optimizer = tf_keras.optimizers.legacy.Adagrad(0.5, initial_accumulator_value=0.1)
   layer = PartialTPUEmbedding(config, optimizer, size_threshold=threshold, table_updates="keras")
   ids = {"a": [0, 3], "b": [3, 7], "c": [29, 29]}
@@ -436,10 +493,12 @@ def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
     accumulator = 0.1 + grads[name] ** 2  # Keras (legacy) Adagrad, untouched rows included
     variable = tables[name]["parameters"]
     assert list(tables[name]) == ["parameters"]  # no engine slots...
-    np.testing.assert_allclose(optimizer.get_slot(variable, "accumulator").numpy(),
-                               accumulator, rtol=1e-6)  # ...the Keras optimizer's
     np.testing.assert_allclose(
-        variable.numpy(), value - 0.5 * grads[name] / (np.sqrt(accumulator) + 1e-7), rtol=1e-6)
+      optimizer.get_slot(variable, "accumulator").numpy(), accumulator, rtol=1e-6
+    )  # ...the Keras optimizer's
+    np.testing.assert_allclose(
+      variable.numpy(), value - 0.5 * grads[name] / (np.sqrt(accumulator) + 1e-7), rtol=1e-6
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +520,8 @@ def _traced_step(layer):
     return tape.gradient(loss, layer.trainable_variables)
 
   return step.get_concrete_function(
-      tf.nest.map_structure(tf.TensorSpec.from_tensor, ckpt_features())).graph
+    tf.nest.map_structure(tf.TensorSpec.from_tensor, ckpt_features())
+  ).graph
 
 
 def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
@@ -471,8 +531,10 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
     graph = _traced_step(layer)
   assert layer.tpu_embedding.path is hardware.Path.TPU_V1
   (proto,) = recorded.config_protos
-  assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [("b", 20),
-                                                                          ("table_2", 12)]
+  assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [
+    ("b", 20),
+    ("table_2", 12),
+  ]
   assert [f.table_id for f in proto.feature_descriptor] == [0, 1]
   ops = [op.type for op in graph.get_operations()]
   assert ops.count("EnqueueTPUEmbeddingArbitraryTensorBatch") == 1
@@ -532,16 +594,22 @@ def sparse_core_config():
   and every feature's output shape (a batch of 4, one row per SparseCore)."""
   offsets = {"a": 0.0, "b": 10000.0, "c": 20000.0}
   shapes = {"a": (5, 2), "b": (20, 3), "c": (12, 2)}
-  return {key: emb.FeatureConfig(emb.TableConfig(*shapes[key], name=key,
-                                                 initializer=tpu_harness.pattern(offset)),
-                                 output_shape=[4])
-          for key, offset in offsets.items()}
+  return {
+    key: emb.FeatureConfig(
+      emb.TableConfig(*shapes[key], name=key, initializer=tpu_harness.pattern(offset)),
+      output_shape=[4],
+    )
+    for key, offset in offsets.items()
+  }
 
 
 def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables(monkeypatch):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  features = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
-              "c": tf.constant([11, 11, 1, 5])}
+  features = {
+    "a": tf.constant([1, 4, 0, 2]),
+    "b": tf.constant([19, 2, 3, 0]),
+    "c": tf.constant([11, 11, 1, 5]),
+  }
   with strategy.scope():
     layer = PartialTPUEmbedding(sparse_core_config(), emb.Adagrad(0.5), size_threshold=10)
     layer.build(tf.nest.map_structure(lambda ids: ids.shape, features))
@@ -551,7 +619,8 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
       return strategy.run(layer, args=(ids,))
 
     concrete = step.get_concrete_function(
-        tf.nest.map_structure(tf.TensorSpec.from_tensor, features))
+      tf.nest.map_structure(tf.TensorSpec.from_tensor, features)
+    )
   assert layer.tpu_embedding.path is hardware.Path.TPU_V2
   assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
   # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
@@ -559,7 +628,10 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
   ops = [op.type for op in concrete.graph.get_operations()]
   assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == 1
   assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
-      "a": [4, 2], "b": [4, 3], "c": [4, 2]}
+    "a": [4, 2],
+    "b": [4, 3],
+    "c": [4, 2],
+  }
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
   np.testing.assert_array_equal(tables["a"], tpu_harness.pattern_table(5, 2, 0.0))
   # TF initialises the padded, dealt stack; each table is read back through its layout.
@@ -567,15 +639,19 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
   layouts = layer.tpu_embedding._tpu_embedding.embedding_layouts
   for name, offset in {"b": 10000.0, "c": 20000.0}.items():
     np.testing.assert_array_equal(
-        tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name)
+      tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name
+    )
     vocabulary, dim = layouts[name].unsharded_shape
     assert tables[name].shape == (vocabulary, dim), name
     np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
     assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
 
 
-SPARSE_CORE_FEATURES = {"a": tf.constant([1, 4, 0, 2]), "b": tf.constant([19, 2, 3, 0]),
-                        "c": tf.constant([11, 11, 1, 5])}
+SPARSE_CORE_FEATURES = {
+  "a": tf.constant([1, 4, 0, 2]),
+  "b": tf.constant([19, 2, 3, 0]),
+  "c": tf.constant([11, 11, 1, 5]),
+}
 
 
 def sparse_core_partial(strategy, build):
@@ -587,14 +663,17 @@ def sparse_core_partial(strategy, build):
 
 
 def stacked_state(layer):
-  return {f"{name}/{slot}": tpu_harness.stacked_by_hand(variable)
-          for name, slots in layer.tpu_embedding.variables_by_table.items()
-          for slot, variable in slots.items()}
+  return {
+    f"{name}/{slot}": tpu_harness.stacked_by_hand(variable)
+    for name, slots in layer.tpu_embedding.variables_by_table.items()
+    for slot, variable in slots.items()
+  }
 
 
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
 def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
-    monkeypatch, tmp_path, built):
+  monkeypatch, tmp_path, built
+):
   """The sharded tables are TF's stacked variables: a per-table (CPU/V1) checkpoint's sharded
   tables would silently stay unrestored, built or not."""
   cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
@@ -620,8 +699,9 @@ def test_on_sparse_core_a_per_table_checkpoint_is_refused_and_changes_nothing(
       np.testing.assert_array_equal(after[key], value, err_msg=key)
 
 
-def test_a_sparse_core_checkpoint_is_refused_off_sparse_core_and_changes_nothing(monkeypatch,
-                                                                                 tmp_path):
+def test_a_sparse_core_checkpoint_is_refused_off_sparse_core_and_changes_nothing(
+  monkeypatch, tmp_path
+):
   """Its sharded tables are stacked under stacked names: a CPU layer would keep its own."""
   cpu = sparse_core_partial(tf.distribute.get_strategy(), build=True)
   before = {t.name: np.asarray(v).copy() for t, v in cpu.embedding_tables.items()}
@@ -654,15 +734,21 @@ def test_on_sparse_core_its_own_checkpoint_restores(monkeypatch, tmp_path):
 
 
 def test_keras_fit_trains_both_sides():
-  config = {"a": emb.FeatureConfig(table(5, 2, name="a")),
-            "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  config = {
+    "a": emb.FeatureConfig(table(5, 2, name="a")),
+    "b": emb.FeatureConfig(table(20, 2, name="b")),
+  }
   inputs = {k: tf_keras.Input(shape=(), dtype=tf.int64, name=k) for k in config}
   layer = PartialTPUEmbedding(config, emb.SGD(0.1), size_threshold=10)
   out = layer(inputs)
   model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(tf.concat([out["a"], out["b"]], 1)))
   model.compile("sgd", "mse")
-  model.fit({"a": np.array([1, 2, 3, 4]), "b": np.array([5, 6, 7, 19])}, np.ones([4, 1]),
-            epochs=1, verbose=0)
+  model.fit(
+    {"a": np.array([1, 2, 3, 4]), "b": np.array([5, 6, 7, 19])},
+    np.ones([4, 1]),
+    epochs=1,
+    verbose=0,
+  )
   for user_table, variable in layer.embedding_tables.items():
     before = values(user_table.vocabulary_size, 2)
     assert not np.array_equal(variable.numpy(), before), user_table.name
@@ -670,8 +756,10 @@ def test_keras_fit_trains_both_sides():
 
 
 def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_global_batch():
-  config = lambda: {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
-                    "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  config = lambda: {
+    "a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
+    "b": emb.FeatureConfig(table(20, 2, name="b")),
+  }
   features = {"a": tf.constant([1, 1, 3, 4]), "b": tf.constant([5, 6, 5, 19])}
   single = PartialTPUEmbedding(config(), emb.Adagrad(0.5), size_threshold=10)
   with tf.GradientTape() as tape:
@@ -681,8 +769,9 @@ def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_glob
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   with strategy.scope():
     mirrored = PartialTPUEmbedding(config(), emb.Adagrad(0.5), size_threshold=10)
-  assert isinstance(mirrored.keras_embedding_layers["a"].embeddings,
-                    tf.distribute.DistributedValues)
+  assert isinstance(
+    mirrored.keras_embedding_layers["a"].embeddings, tf.distribute.DistributedValues
+  )
   dataset = tf.data.Dataset.from_tensor_slices(features).batch(4)
   batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
 
@@ -692,6 +781,7 @@ def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_glob
       with tf.GradientTape() as tape:
         loss = sum(tf.reduce_sum(o * o) for o in tf.nest.flatten(mirrored(x)))
       tape.gradient(loss, mirrored.trainable_variables)
+
     strategy.run(replica_step, args=(batch,))
 
   step(batch)
@@ -717,13 +807,15 @@ def test_sharding_on_a_tpu_without_embedding_hardware_is_refused(monkeypatch):
 def _expected_tables(optimizer, bags_by_table, upstream_by_table, steps):
   """Reference tables and slots after `steps` identical steps, per table name."""
   import reference  # pylint: disable=import-outside-toplevel
+
   params = reference.params_from_optimizer(optimizer)
   expected = {}
   for name, (vocab, dim, combiner) in {"a": (5, 2, "sum"), "b": (20, 2, "mean")}.items():
     w, slots = values(vocab, dim).astype(np.float64), reference.initial_slots(params, (vocab, dim))
     for _ in range(steps):
       row_ids, grads = reference.assemble_gradients(
-          [(ids, None) for ids in bags_by_table[name]], upstream_by_table[name], combiner)
+        [(ids, None) for ids in bags_by_table[name]], upstream_by_table[name], combiner
+      )
       w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
     expected[name] = {"parameters": w, **slots}
   return expected
@@ -733,19 +825,27 @@ def _check_tables(layer, expected):
   variables = layer._variables_by_table()
   for name, want in expected.items():
     for key, value in want.items():
-      np.testing.assert_allclose(variables[name][key].numpy(), value, rtol=1e-5, atol=1e-6,
-                                 err_msg=f"{name}/{key}")
+      np.testing.assert_allclose(
+        variables[name][key].numpy(), value, rtol=1e-5, atol=1e-6, err_msg=f"{name}/{key}"
+      )
 
 
-@pytest.mark.parametrize("optimizer", [emb.FTRL(0.5, l2_regularization_strength=0.1),
-                                       emb.Adam(0.5, lazy_adam=False)], ids=["ftrl", "adam"])
+@pytest.mark.parametrize(
+  "optimizer",
+  [emb.FTRL(0.5, l2_regularization_strength=0.1), emb.Adam(0.5, lazy_adam=False)],
+  ids=["ftrl", "adam"],
+)
 def test_a_jit_compiled_custom_step_trains_both_sides_like_the_reference(optimizer):
-  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),  # replicated
-            "b": emb.FeatureConfig(table(20, 2, name="b"))}  # sharded
+  config = {
+    "a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),  # replicated
+    "b": emb.FeatureConfig(table(20, 2, name="b")),
+  }  # sharded
   layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
   bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
-  upstream = {"a": np.array([[1.0, -1.0], [0.5, 2.0]], np.float32),
-              "b": np.array([[-2.0, 1.0], [1.0, 0.25]], np.float32)}
+  upstream = {
+    "a": np.array([[1.0, -1.0], [0.5, 2.0]], np.float32),
+    "b": np.array([[-2.0, 1.0], [1.0, 0.25]], np.float32),
+  }
 
   @tf.function(jit_compile=True)
   def step(features):
@@ -761,18 +861,25 @@ def test_a_jit_compiled_custom_step_trains_both_sides_like_the_reference(optimiz
 
 def test_keras_fit_with_jit_compile_trains_both_sides_like_the_reference():
   optimizer = emb.Adagrad(0.5)
-  config = {"a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
-            "b": emb.FeatureConfig(table(20, 2, name="b"))}
+  config = {
+    "a": emb.FeatureConfig(table(5, 2, name="a", combiner="sum")),
+    "b": emb.FeatureConfig(table(20, 2, name="b")),
+  }
   layer = PartialTPUEmbedding(config, optimizer, size_threshold=10)
-  inputs = {"a": tf_keras.Input(shape=(), dtype=tf.int64, sparse=True),
-            "b": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True)}
+  inputs = {
+    "a": tf_keras.Input(shape=(), dtype=tf.int64, sparse=True),
+    "b": tf_keras.Input(shape=(None,), dtype=tf.int64, ragged=True),
+  }
   out = layer(inputs)
   model = tf_keras.Model(inputs, tf.concat([out["a"], out["b"]], axis=1))
-  model.compile(tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1),
-                jit_compile=True)
+  model.compile(
+    tf_keras.optimizers.SGD(0.0), loss=lambda y, a: tf.reduce_sum(y * a, axis=-1), jit_compile=True
+  )
   bags = {"a": [[1], [4]], "b": [[5, 5, 19], [0]]}
-  x = {"a": tf.sparse.SparseTensor([[0], [1]], tf.constant([1, 4], tf.int64), [2]),
-       "b": tf.ragged.constant(bags["b"], tf.int64)}
+  x = {
+    "a": tf.sparse.SparseTensor([[0], [1]], tf.constant([1, 4], tf.int64), [2]),
+    "b": tf.ragged.constant(bags["b"], tf.int64),
+  }
   y = np.array([[1.0, -1.0, -2.0, 1.0], [0.5, 2.0, 1.0, 0.25]], np.float32)
   model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), verbose=0)
   upstream = {"a": y[:, :2] / 2, "b": y[:, 2:] / 2}  # the loss is a mean over 2 samples

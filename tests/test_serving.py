@@ -34,12 +34,14 @@ def feature_config():
   user = E.TableConfig(100, 4, name="user", optimizer=E.Adagrad(0.1))
   movie = E.TableConfig(50, 8, name="movie", optimizer=E.Adam(0.01))
   genre = E.TableConfig(20, 3, name="genre", combiner="sum")
-  return {"user": E.FeatureConfig(user), "movie": E.FeatureConfig(movie),
-          "genre": E.FeatureConfig(genre)}
+  return {
+    "user": E.FeatureConfig(user),
+    "movie": E.FeatureConfig(movie),
+    "genre": E.FeatureConfig(genre),
+  }
 
 
 class Ranker(tf_keras.Model):
-
   def __init__(self, config, optimizer="sgd", layer=tpu_embedding.TPUEmbedding):
     super().__init__()
     self.config = config
@@ -73,11 +75,11 @@ def signatures(model):
   def dense_ids(user_id, movie_id, genre_id):
     return {"score": model({"user": user_id, "movie": movie_id, "genre": genre_id})}
 
-  @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")],
-               autograph=False)
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")], autograph=False)
   def examples(serialized):
     parsed = tf.io.parse_example(
-        serialized, {k: tf.io.FixedLenFeature([], tf.int64) for k in ("user", "movie", "genre")})
+      serialized, {k: tf.io.FixedLenFeature([], tf.int64) for k in ("user", "movie", "genre")}
+    )
     return {"score": model(parsed)}
 
   @tf.function(input_signature=ids[:2], autograph=False)
@@ -93,8 +95,10 @@ def signatures(model):
 def serialized_examples():
   out = []
   for i in range(len(INPUTS["user_id"])):
-    feature = {k[:-3]: tf.train.Feature(int64_list=tf.train.Int64List(value=[v[i]]))
-               for k, v in INPUTS.items()}
+    feature = {
+      k[:-3]: tf.train.Feature(int64_list=tf.train.Int64List(value=[v[i]]))
+      for k, v in INPUTS.items()
+    }
     out.append(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
   return out
 
@@ -111,8 +115,9 @@ def files_digest(directory):
 
 def run_python(code, timeout=120, **kwargs):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=timeout, **kwargs)
+  return subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+  )
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +129,9 @@ def exported(tmp_path_factory):
   assert serving.export_for_serving(model, directory, fns) == directory
   ids = {k: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
   expected = {
-      "serving_default": fns["serving_default"](**ids)["score"].numpy(),
-      "examples": fns["examples"](tf.constant(serialized_examples()))["score"].numpy(),
-      "user_movie": fns["user_movie"](ids["user_id"], ids["movie_id"])["dot"].numpy(),
+    "serving_default": fns["serving_default"](**ids)["score"].numpy(),
+    "examples": fns["examples"](tf.constant(serialized_examples()))["score"].numpy(),
+    "user_movie": fns["user_movie"](ids["user_id"], ids["movie_id"])["dot"].numpy(),
   }
   return model, directory, expected
 
@@ -148,18 +153,21 @@ def test_serving_config_subset_gives_the_layers_activations():
   out = model.embedding({"u": features["user"]}, serving_config=by_name)
   np.testing.assert_array_equal(out["u"].numpy(), full["user"].numpy())
   table = model.embedding.embedding_tables[config["genre"].table].numpy()
-  out = model.embedding({"genre": features["genre"]},
-                        serving_config={"genre": config["genre"]})
+  out = model.embedding({"genre": features["genre"]}, serving_config={"genre": config["genre"]})
   np.testing.assert_array_equal(out["genre"].numpy(), table[INPUTS["genre_id"]])
 
 
 def test_serving_config_with_an_unknown_table_is_refused():
   model = trained_model()
   stranger = E.TableConfig(10, 4, name="stranger")
-  with pytest.raises(ValueError, match="uses table 'stranger', which this layer does not have; "
-                                       r"its tables are \['genre', 'movie', 'user'\]"):
-    model.embedding({"x": tf.constant([1], tf.int64)},
-                    serving_config={"x": E.FeatureConfig(stranger)})
+  with pytest.raises(
+    ValueError,
+    match="uses table 'stranger', which this layer does not have; "
+    r"its tables are \['genre', 'movie', 'user'\]",
+  ):
+    model.embedding(
+      {"x": tf.constant([1], tf.int64)}, serving_config={"x": E.FeatureConfig(stranger)}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +195,21 @@ def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_p
   model, directory, expected = exported
   out = str(tmp_path / "served.npz")
   result = subprocess.run(
-      [sys.executable, "-c", LOAD_WITH_TENSORFLOW_ONLY, directory, repr(INPUTS),
-       repr(serialized_examples()), out],
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
-      timeout=120, cwd=str(tmp_path))
+    [
+      sys.executable,
+      "-c",
+      LOAD_WITH_TENSORFLOW_ONLY,
+      directory,
+      repr(INPUTS),
+      repr(serialized_examples()),
+      out,
+    ],
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=str(tmp_path),
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   served = np.load(out)
   for name, value in expected.items():
@@ -205,6 +224,7 @@ def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_p
 def test_exported_graph_holds_only_cpu_ops(exported):
   from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
   from tensorflow.python.framework import kernels  # pylint: disable=g-import-not-at-top
+
   _, directory, _ = exported
   proto = saved_model_pb2.SavedModel()
   with open(os.path.join(directory, "saved_model.pb"), "rb") as f:
@@ -213,8 +233,13 @@ def test_exported_graph_holds_only_cpu_ops(exported):
   ops = {n.op for n in graph.node}
   ops |= {n.op for fn in graph.library.function for n in fn.node_def}
   assert "ResourceGather" in ops or "GatherV2" in ops  # the lookups are there
-  no_cpu = [op for op in ops if not any(
-      k.device_type in ("CPU", "DEFAULT") for k in kernels.get_registered_kernels_for_op(op).kernel)]
+  no_cpu = [
+    op
+    for op in ops
+    if not any(
+      k.device_type in ("CPU", "DEFAULT") for k in kernels.get_registered_kernels_for_op(op).kernel
+    )
+  ]
   assert no_cpu == []
   assert not [op for op in ops if "TPU" in op.upper()]
 
@@ -231,45 +256,55 @@ def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
   def train_step():
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(model(features) ** 2)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                  model.trainable_variables))
+    optimizer.apply_gradients(
+      zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    )
 
   train_step()
-  kernel_ops = [op.type for op in train_step.get_concrete_function().graph.get_operations()
-                if op.type == "TpuEmbeddingApplyRows"]
+  kernel_ops = [
+    op.type
+    for op in train_step.get_concrete_function().graph.get_operations()
+    if op.type == "TpuEmbeddingApplyRows"
+  ]
   assert len(kernel_ops) == 3  # one per table: the kernels did the training
   directory = str(tmp_path / "whole")
   tf.saved_model.save(model, directory)
-  result = run_python(textwrap.dedent(f"""
+  result = run_python(
+    textwrap.dedent(f"""
       import sys
       import numpy as np, tensorflow as tf
       loaded = tf.saved_model.load({directory!r})
       features = {{k[:-3]: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
       np.save({str(tmp_path / "scores.npy")!r}, loaded(features).numpy())
       assert not [m for m in sys.modules if m.startswith("tpu_embedding")]
-      """))
+      """)
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), model(features).numpy(), rtol=1e-6)
 
 
 KERAS_ADAGRAD_LAYERS = {
-    "TPUEmbedding": tpu_embedding.TPUEmbedding,
-    # genre (20 rows) replicated, movie and user sharded
-    "PartialTPUEmbedding": lambda config, optimizer: tpu_embedding.PartialTPUEmbedding(
-        config, optimizer, size_threshold=20),
+  "TPUEmbedding": tpu_embedding.TPUEmbedding,
+  # genre (20 rows) replicated, movie and user sharded
+  "PartialTPUEmbedding": lambda config, optimizer: tpu_embedding.PartialTPUEmbedding(
+    config, optimizer, size_threshold=20
+  ),
 }
 
 
-@pytest.mark.parametrize("layer,steps", [("TPUEmbedding", 2), ("TPUEmbedding", 0),
-                                         ("PartialTPUEmbedding", 2)])
+@pytest.mark.parametrize(
+  "layer,steps", [("TPUEmbedding", 2), ("TPUEmbedding", 0), ("PartialTPUEmbedding", 2)]
+)
 def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorflow(
-    tmp_path, layer, steps):
+  tmp_path, layer, steps
+):
   """tfrs's guide saves with `tf.saved_model.save(model, path, signatures=...)`: the serving
   trace must not carry the training trap's gradient (which reads the Keras optimizer's
   learning rate, a variable the model does not reach)."""
   tf.keras.utils.set_random_seed(0)
-  model = Ranker(feature_config(), tf_keras.optimizers.legacy.Adagrad(0.5),
-                 KERAS_ADAGRAD_LAYERS[layer])
+  model = Ranker(
+    feature_config(), tf_keras.optimizers.legacy.Adagrad(0.5), KERAS_ADAGRAD_LAYERS[layer]
+  )
   features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
   model.compile(tf_keras.optimizers.legacy.Adagrad(0.5), "mse")
   if steps:
@@ -279,9 +314,11 @@ def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorfl
   else:
     model(features)
   directory = str(tmp_path / "plain")
-  tf.saved_model.save(model, directory, signatures={"serving_default": signatures(model)[
-      "serving_default"]})
-  result = run_python(textwrap.dedent(f"""
+  tf.saved_model.save(
+    model, directory, signatures={"serving_default": signatures(model)["serving_default"]}
+  )
+  result = run_python(
+    textwrap.dedent(f"""
       import sys
       sys.modules["tpu_embedding"] = None  # importing the package would fail
       import numpy as np, tensorflow as tf
@@ -289,7 +326,8 @@ def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorfl
       ids = {{k: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
       np.save({str(tmp_path / "scores.npy")!r},
               loaded.signatures["serving_default"](**ids)["score"].numpy())
-      """))
+      """)
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   np.testing.assert_array_equal(np.load(tmp_path / "scores.npy"), model(features).numpy())
 
@@ -301,19 +339,26 @@ def saved_keys(directory):
 def test_slots_are_left_out_unless_asked_for(exported, tmp_path):
   model, directory, _ = exported
   keys = saved_keys(directory)
-  assert {k.split("/")[0] for k in keys} == {"embedding_tables", "model_variables",
-                                             "_CHECKPOINTABLE_OBJECT_GRAPH"}
-  with_slots = serving.export_for_serving(model, str(tmp_path / "slots"), signatures(model),
-                                          include_optimizer_slots=True)
+  assert {k.split("/")[0] for k in keys} == {
+    "embedding_tables",
+    "model_variables",
+    "_CHECKPOINTABLE_OBJECT_GRAPH",
+  }
+  with_slots = serving.export_for_serving(
+    model, str(tmp_path / "slots"), signatures(model), include_optimizer_slots=True
+  )
   slot_keys = {k for k in saved_keys(with_slots) if k.startswith("optimizer_slots/")}
-  assert slot_keys == {f"optimizer_slots/{s}/.ATTRIBUTES/VARIABLE_VALUE" for s in
-                       ("user/accumulators", "movie/momenta", "movie/velocities")}
+  assert slot_keys == {
+    f"optimizer_slots/{s}/.ATTRIBUTES/VARIABLE_VALUE"
+    for s in ("user/accumulators", "movie/momenta", "movie/velocities")
+  }
   size = lambda d: sum(os.path.getsize(p) for p in glob.glob(f"{d}/variables/*"))  # noqa: E731
   assert size(directory) + 4 * (100 * 4 + 2 * 50 * 8) <= size(with_slots)
   loaded = tf.saved_model.load(with_slots)
   engine = model.embedding._tpu_embedding.variables_by_table
-  np.testing.assert_array_equal(loaded.optimizer_slots["movie"]["velocities"].numpy(),
-                                engine["movie"]["velocities"].numpy())
+  np.testing.assert_array_equal(
+    loaded.optimizer_slots["movie"]["velocities"].numpy(), engine["movie"]["velocities"].numpy()
+  )
 
 
 def test_only_the_tables_the_signatures_read_are_exported(exported, tmp_path):
@@ -325,11 +370,15 @@ def test_only_the_tables_the_signatures_read_are_exported(exported, tmp_path):
   path = serving.export_for_serving(model, str(tmp_path / "all"), subset, tables="all")
   assert sorted(tf.saved_model.load(path).embedding_tables) == ["genre", "movie", "user"]
   config = model.config
-  path = serving.export_for_serving(model, str(tmp_path / "listed"), subset,
-                                    tables=[config["user"].table, "movie"])
+  path = serving.export_for_serving(
+    model, str(tmp_path / "listed"), subset, tables=[config["user"].table, "movie"]
+  )
   assert sorted(tf.saved_model.load(path).embedding_tables) == ["movie", "user"]
-  with pytest.raises(ValueError, match=r"read the table\(s\) \['movie'\], which tables= does "
-                                       r"not list \(\['user'\]\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"read the table\(s\) \['movie'\], which tables= does "
+    r"not list \(\['user'\]\)",
+  ):
     serving.export_for_serving(model, str(tmp_path / "guard"), subset, tables=["user"])
   with pytest.raises(ValueError, match="'nope', which no TPUEmbedding layer"):
     serving.export_for_serving(model, str(tmp_path / "guard"), subset, tables=["nope"])
@@ -394,19 +443,25 @@ def test_export_arguments_of_the_wrong_kind_are_refused_by_name(exported, tmp_pa
 def test_a_serving_config_table_of_another_size_is_refused(exported):
   model, _, _ = exported
   other = {"user": E.FeatureConfig(E.TableConfig(100, 5, name="user"))}
-  with pytest.raises(ValueError, match=r"serving_config feature 'user' uses table 'user' with "
-                                       r"\(vocabulary_size, dim\) = \(100, 5\), but this "
-                                       r"layer's table has \(100, 4\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"serving_config feature 'user' uses table 'user' with "
+    r"\(vocabulary_size, dim\) = \(100, 5\), but this "
+    r"layer's table has \(100, 4\)",
+  ):
     model.embedding({"user": tf.constant([1])}, serving_config=other)
 
 
-def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(exported,
-                                                                               tmp_path):
+def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(
+  exported, tmp_path
+):
   """One request must not kill the server: a huge dense_shape is an error, in TF alone."""
   model, _, _ = exported
-  spec = [tf.TensorSpec([None, 2], tf.int64, name="indices"),
-          tf.TensorSpec([None], tf.int64, name="values"),
-          tf.TensorSpec([2], tf.int64, name="dense_shape")]
+  spec = [
+    tf.TensorSpec([None, 2], tf.int64, name="indices"),
+    tf.TensorSpec([None], tf.int64, name="values"),
+    tf.TensorSpec([2], tf.int64, name="dense_shape"),
+  ]
 
   @tf.function(input_signature=spec, autograph=False)
   def sparse_users(indices, values, dense_shape):
@@ -415,7 +470,8 @@ def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting
     return {"user": model.embedding({"user": ids}, serving_config=config)["user"]}
 
   directory = serving.export_for_serving(model, str(tmp_path / "sparse"), sparse_users)
-  result = run_python(textwrap.dedent(f"""
+  result = run_python(
+    textwrap.dedent(f"""
       import tensorflow as tf
       serve = tf.saved_model.load({directory!r}).signatures["serving_default"]
       ok = serve(indices=tf.constant([[0, 0], [1, 1]], tf.int64),
@@ -426,7 +482,8 @@ def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting
               dense_shape=tf.constant([2**61, 3], tf.int64))
       except tf.errors.InvalidArgumentError as e:
         print("refused:", e.message.replace("\\n", " "))
-      """))
+      """)
+  )
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == "(2, 4)"
@@ -435,8 +492,9 @@ def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting
 
 def test_a_signature_needs_an_input_signature(exported, tmp_path):
   model, _, _ = exported
-  with pytest.raises(ValueError, match="'serving_default' must be a tf.function with an "
-                                       "input_signature"):
+  with pytest.raises(
+    ValueError, match="'serving_default' must be a tf.function with an input_signature"
+  ):
     serving.export_for_serving(model, str(tmp_path / "x"), tf.function(lambda x: model(x)))
 
 
@@ -469,8 +527,11 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
   marker = str(tmp_path / "written")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
   process = subprocess.Popen(
-      [sys.executable, "-c", f"import test_serving as t; t._export_and_hang({target!r}, "
-       f"{marker!r})"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    [sys.executable, "-c", f"import test_serving as t; t._export_and_hang({target!r}, {marker!r})"],
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+  )
   deadline = time.time() + 120
   while not os.path.exists(marker) and process.poll() is None and time.time() < deadline:
     time.sleep(0.1)
@@ -485,8 +546,9 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
     assert files_digest(target) == before
     loaded = tf.saved_model.load(target)
     ids = {k: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
-    np.testing.assert_array_equal(loaded.signatures["serving_default"](**ids)["score"].numpy(),
-                                  expected["serving_default"])
+    np.testing.assert_array_equal(
+      loaded.signatures["serving_default"](**ids)["score"].numpy(), expected["serving_default"]
+    )
   else:
     assert not os.path.exists(target)
 
@@ -498,8 +560,9 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
 def readme_section():
   with open(os.path.join(ROOT, "README.md")) as f:
     text = f.read()
-  match = re.search(r"<!-- section:checkpoints-serving -->(.*)<!-- /section:checkpoints-serving -->",
-                    text, re.S)
+  match = re.search(
+    r"<!-- section:checkpoints-serving -->(.*)<!-- /section:checkpoints-serving -->", text, re.S
+  )
   assert match, "README section checkpoints-serving is missing"
   return match.group(1)
 
@@ -513,8 +576,12 @@ def test_readme_snippets_run(tmp_path):
   """
   blocks = re.findall(r"```(\w*)\n(.*?)```", readme_section(), re.S)
   assert all(lang in ("python", "text", "bash") for lang, _ in blocks), blocks
-  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
-             PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
+  env = dict(
+    os.environ,
+    PYTHONPATH=ROOT,
+    TF_CPP_MIN_LOG_LEVEL="3",
+    PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+  )
   names = []
   for lang, code in blocks:
     if lang == "python":
@@ -526,35 +593,54 @@ def test_readme_snippets_run(tmp_path):
   assert names == ["ranker.py", "train.py", "restore.py", "export.py", "serve.py", "snippet.sh"]
   # Training, restoring and exporting share one process after train.py's (the restore in a
   # fresh process is tested above); serve.py runs alone, without this package or tf-keras.
-  run_scripts = ("import runpy, sys\nfor name in sys.argv[1:]:\n"
-                 "  print(f'== {name}', flush=True)\n  runpy.run_path(name, run_name='__main__')")
-  commands = {"train.py": [sys.executable, "-c", run_scripts, "train.py"],
-              "restore.py+export.py": [sys.executable, "-c", run_scripts, "restore.py",
-                                       "export.py"],
-              "serve.py": [sys.executable, "-c", "import runpy, sys; runpy.run_path('serve.py'); "
-                           "assert not [m for m in sys.modules if m.startswith(('tpu_embedding', "
-                           "'tf_keras'))]"],
-              "snippet.sh": ["bash", "-euo", "pipefail", "snippet.sh"]}
+  run_scripts = (
+    "import runpy, sys\nfor name in sys.argv[1:]:\n"
+    "  print(f'== {name}', flush=True)\n  runpy.run_path(name, run_name='__main__')"
+  )
+  commands = {
+    "train.py": [sys.executable, "-c", run_scripts, "train.py"],
+    "restore.py+export.py": [sys.executable, "-c", run_scripts, "restore.py", "export.py"],
+    "serve.py": [
+      sys.executable,
+      "-c",
+      "import runpy, sys; runpy.run_path('serve.py'); "
+      "assert not [m for m in sys.modules if m.startswith(('tpu_embedding', "
+      "'tf_keras'))]",
+    ],
+    "snippet.sh": ["bash", "-euo", "pipefail", "snippet.sh"],
+  }
   output = {}
   for name, command in commands.items():
-    result = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+      command, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, f"{name}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
     output[name] = result.stdout
 
-  keys = [k for k, _ in tf.train.list_variables(str(tmp_path / "ckpt" / "ranker-1"))
-          if k.startswith("model/embedding/")]
+  keys = [
+    k
+    for k, _ in tf.train.list_variables(str(tmp_path / "ckpt" / "ranker-1"))
+    if k.startswith("model/embedding/")
+  ]
   texts = [code for lang, code in blocks if lang == "text"]
-  patterns = [re.escape(line).replace(re.escape("<layer attribute>"), "embedding")
-              .replace(re.escape("<table>"), r"\w+").replace(re.escape("<slot>"), r"\w+")
-              for line in texts[0].splitlines()]
+  patterns = [
+    re.escape(line)
+    .replace(re.escape("<layer attribute>"), "embedding")
+    .replace(re.escape("<table>"), r"\w+")
+    .replace(re.escape("<slot>"), r"\w+")
+    for line in texts[0].splitlines()
+  ]
   assert all(any(re.fullmatch(p, k) for p in patterns) for k in keys) and len(keys) == 5, keys
   assert all(any(re.fullmatch(p, k) for k in keys) for p in patterns)
   for line in texts[1].splitlines():
     if "..." not in line:
       assert line in output["restore.py+export.py"], (line, output["restore.py+export.py"])
   assert "score" in output["serve.py"]
-  for shown in ("signature_def['serving_default']", "signature_def['examples']",
-                "inputs['user_id'] tensor_info", "inputs['examples'] tensor_info",
-                "outputs['score'] tensor_info"):
+  for shown in (
+    "signature_def['serving_default']",
+    "signature_def['examples']",
+    "inputs['user_id'] tensor_info",
+    "inputs['examples'] tensor_info",
+    "outputs['score'] tensor_info",
+  ):
     assert shown in output["snippet.sh"]

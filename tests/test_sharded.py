@@ -34,9 +34,12 @@ def job(cluster, tmp_path_factory):
   out = tmp_path_factory.mktemp("sharded")
 
   def run(phase: str, *extra: str) -> pathlib.Path:
-    result = subprocess.run([sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out),
-                             *extra],
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+      [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out), *extra],
+      capture_output=True,
+      text=True,
+      timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -65,8 +68,9 @@ def test_sgd_and_adagrad_equal_a_single_process_run_exactly(trained):
   initial = np.arange(sharded_job.VOCABULARY * 2).reshape(-1, 2) / 8.0
   np.testing.assert_array_equal(sharded["sgd/parameters"], initial - 0.5 * touches[:, None])
   # Adagrad's accumulators add the squared gradient (loss weight 2) once per touch.
-  np.testing.assert_array_equal(sharded["adagrad/accumulators"],
-                                np.repeat(1.0 + 4.0 * touches[:, None], 2, axis=1))
+  np.testing.assert_array_equal(
+    sharded["adagrad/accumulators"], np.repeat(1.0 + 4.0 * touches[:, None], 2, axis=1)
+  )
 
 
 def test_no_update_is_lost_for_any_optimizer(trained):
@@ -74,8 +78,7 @@ def test_no_update_is_lost_for_any_optimizer(trained):
   reference = _load(trained, "reference.npz")
   assert sorted(sharded) == sorted(reference)
   for name in sharded:
-    np.testing.assert_allclose(sharded[name], reference[name], rtol=2e-6, atol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(sharded[name], reference[name], rtol=2e-6, atol=1e-6, err_msg=name)
 
 
 def test_rows_are_read_and_written_on_the_ps_tasks_under_their_locks(trained):
@@ -132,8 +135,9 @@ def test_two_workers_updating_every_row_at_once_lose_no_update(job):
   # Without the shard locks, this loses about a quarter of the steps (seen: -13 and -11.5).
   out = job("hammer")
   np.testing.assert_array_equal(
-      np.load(out / "hammer.npy"),
-      np.full([sharded_job.HAMMER_ROWS, 8], -0.5 * sharded_job.HAMMER_STEPS, np.float32))
+    np.load(out / "hammer.npy"),
+    np.full([sharded_job.HAMMER_ROWS, 8], -0.5 * sharded_job.HAMMER_STEPS, np.float32),
+  )
 
 
 def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, job, trained):

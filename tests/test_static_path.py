@@ -28,7 +28,9 @@ def test_compiling_is_true_exactly_while_xla_compiles_the_graph():
   probe("eager")
   tf.function(lambda: probe("function"))()
   tf.function(lambda: probe("jit"), jit_compile=True)()
-  model = tf_keras.Sequential([tf_keras.layers.Lambda(lambda x: x + tf.cast(probe("keras_jit"), x.dtype))])
+  model = tf_keras.Sequential(
+    [tf_keras.layers.Lambda(lambda x: x + tf.cast(probe("keras_jit"), x.dtype))]
+  )
   model.compile("sgd", "mse", jit_compile=True)
   model.train_on_batch(np.ones([2, 1]), np.ones([2, 1]))
   assert seen == {"eager": False, "function": False, "jit": True, "keras_jit": True}
@@ -37,8 +39,7 @@ def test_compiling_is_true_exactly_while_xla_compiles_the_graph():
 def test_compiling_is_true_inside_tensorflows_tpu_replicate_context():
   """What `TPUStrategy.run` enters around each replica's step (TF's real class; no TPU needed)."""
   with tf.Graph().as_default():
-    context = tpu_replication.TPUReplicateContext(b"replicate", num_replicas=2,
-                                                  pivot=tf.no_op())
+    context = tpu_replication.TPUReplicateContext(b"replicate", num_replicas=2, pivot=tf.no_op())
     context.Enter()
     try:
       inside = static_path.compiling()
@@ -48,29 +49,36 @@ def test_compiling_is_true_inside_tensorflows_tpu_replicate_context():
 
 
 OPTIMIZERS = {
-    "sgd": lambda: E.SGD(0.5),
-    "adagrad": lambda: E.Adagrad(0.5, initial_accumulator_value=0.2),
-    "adagrad_momentum": lambda: E.AdagradMomentum(0.5, momentum=0.9, use_nesterov=True),
-    "lazy_adam": lambda: E.Adam(0.5, lazy_adam=True),
-    "adam": lambda: E.Adam(0.5, lazy_adam=False, clip_weight_min=-0.6, clip_weight_max=0.6),
-    "ftrl": lambda: E.FTRL(0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1,
-                           beta=0.5, clipvalue=0.3),
+  "sgd": lambda: E.SGD(0.5),
+  "adagrad": lambda: E.Adagrad(0.5, initial_accumulator_value=0.2),
+  "adagrad_momentum": lambda: E.AdagradMomentum(0.5, momentum=0.9, use_nesterov=True),
+  "lazy_adam": lambda: E.Adam(0.5, lazy_adam=True),
+  "adam": lambda: E.Adam(0.5, lazy_adam=False, clip_weight_min=-0.6, clip_weight_max=0.6),
+  "ftrl": lambda: E.FTRL(
+    0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.5, clipvalue=0.3
+  ),
 }
 
 # Three features on one table: dense [B, 1] ids, a ragged and a sparse bag per sample.
 DENSE = [[1], [4], [1]]
 RAGGED = [[0, 2, 2], [], [5]]
 SPARSE = [[4, 1], [3], [1, 0]]  # ids of sample s at columns 0..; SparseTensor below
-UPSTREAM = {k: np.arange(3 * 2, dtype=np.float32).reshape(3, 2) / 4 - s
-            for s, k in enumerate(["dense", "ragged", "sparse"])}
+UPSTREAM = {
+  k: np.arange(3 * 2, dtype=np.float32).reshape(3, 2) / 4 - s
+  for s, k in enumerate(["dense", "ragged", "sparse"])
+}
 
 
 def _inputs():
   indices = [[s, c] for s, ids in enumerate(SPARSE) for c in range(len(ids))]
-  sparse = tf.sparse.SparseTensor(indices, tf.constant([i for b in SPARSE for i in b], tf.int64),
-                                  [3, 2])
-  return {"dense": tf.constant(DENSE, tf.int64),
-          "ragged": tf.ragged.constant(RAGGED, tf.int64), "sparse": sparse}
+  sparse = tf.sparse.SparseTensor(
+    indices, tf.constant([i for b in SPARSE for i in b], tf.int64), [3, 2]
+  )
+  return {
+    "dense": tf.constant(DENSE, tf.int64),
+    "ragged": tf.ragged.constant(RAGGED, tf.int64),
+    "sparse": sparse,
+  }
 
 
 def _choose(monkeypatch, formulation: str) -> None:
@@ -83,14 +91,16 @@ def _choose(monkeypatch, formulation: str) -> None:
 
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypatch, name,
-                                                                       formulation):
+def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(
+  monkeypatch, name, formulation
+):
   _choose(monkeypatch, formulation)
   rng = np.random.default_rng(0)
   values = rng.uniform(-0.5, 0.5, size=(7, 2)).astype(np.float32)  # row 6 is never looked up
   optimizer = OPTIMIZERS[name]()
-  table = E.TableConfig(7, 2, combiner="mean", name="t",
-                        initializer=tf.constant_initializer(values))
+  table = E.TableConfig(
+    7, 2, combiner="mean", name="t", initializer=tf.constant_initializer(values)
+  )
   layer = tpu_embedding.TPUEmbedding({k: E.FeatureConfig(table) for k in UPSTREAM}, optimizer)
   upstream = {k: tf.constant(v) for k, v in UPSTREAM.items()}
 
@@ -113,7 +123,8 @@ def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(monkeypat
     got = np.concatenate([out[k].numpy() for k in ("dense", "ragged", "sparse")])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     row_ids, grads = reference.assemble_gradients(
-        bags, np.concatenate([UPSTREAM[k] for k in ("dense", "ragged", "sparse")]), "mean")
+      bags, np.concatenate([UPSTREAM[k] for k in ("dense", "ragged", "sparse")]), "mean"
+    )
     w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
   variables = layer.variables_by_table["t"]
   np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=1e-5, atol=1e-6)
@@ -148,8 +159,9 @@ def test_under_xla_an_out_of_range_id_changes_no_row(monkeypatch, formulation):
 
 def test_pipelining_under_jit_compile_is_refused_with_the_reason():
   table = E.TableConfig(4, 2, name="t")
-  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table), E.SGD(0.1),
-                                     pipeline_execution_with_tensor_core=True)
+  layer = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(table), E.SGD(0.1), pipeline_execution_with_tensor_core=True
+  )
 
   @tf.function(jit_compile=True)
   def step(ids):

@@ -42,8 +42,9 @@ class Probe(tf.Module):
 
 def test_checked_tf_version_is_the_installed_one():
   assert tf.__version__ in tf_restore.CHECKED_AGAINST, (
-      f"tpu_embedding.tf_restore was checked against TF {tf_restore.CHECKED_AGAINST}, this is "
-      f"{tf.__version__}: re-check every internal it reads, then add the version.")
+    f"tpu_embedding.tf_restore was checked against TF {tf_restore.CHECKED_AGAINST}, this is "
+    f"{tf.__version__}: re-check every internal it reads, then add the version."
+  )
 
 
 def test_tf_restore_hook_caller_has_the_position_local():
@@ -101,7 +102,9 @@ def test_restore_refused_when_tf_moves_the_position(tmp_path, monkeypatch):
 
   # As if TF renamed the local of its restore code that holds the position being expanded.
   monkeypatch.setattr(tf_restore, "POSITION_LOCAL", "renamed_by_a_tf_upgrade")
-  with pytest.raises(tf_restore.RestoreMachineryChanged,
-                     match=f"TensorFlow {tf.__version__}'s restore machinery changed"):
+  with pytest.raises(
+    tf_restore.RestoreMachineryChanged,
+    match=f"TensorFlow {tf.__version__}'s restore machinery changed",
+  ):
     tf.train.Checkpoint(layer=layer).read(path)
   np.testing.assert_array_equal(table.numpy(), np.full([6, 2], 7.0))

@@ -29,18 +29,18 @@ BATCH = 4
 VIDEO = np.arange(8.0).reshape(2, 4)  # sum combiner; features watched, favorited
 USER = np.arange(8.0).reshape(4, 2)  # mean combiner; feature friends
 BAGS = {
-    "watched": [[0], [0, 1], [0, 1], [1]],
-    "favorited": [[0, 1], [1], [0], [0, 1]],
-    "friends": [[3], [0, 1, 2], [3], [0, 1, 2]],
+  "watched": [[0], [0, 1], [0, 1], [1]],
+  "favorited": [[0, 1], [1], [0], [0, 1]],
+  "friends": [[3], [0, 1, 2], [3], [0, 1, 2]],
 }
 TABLE = {"watched": "video", "favorited": "video", "friends": "user"}
 COMBINER = {"video": "sum", "user": "mean"}
 
 # First step, by hand: sums of video rows, means of user rows.
 FIRST_ACTIVATIONS = {
-    "watched": np.array([[0, 1, 2, 3], [4, 6, 8, 10], [4, 6, 8, 10], [4, 5, 6, 7]], float),
-    "favorited": np.array([[4, 6, 8, 10], [4, 5, 6, 7], [0, 1, 2, 3], [4, 6, 8, 10]], float),
-    "friends": np.array([[6, 7], [2, 3], [6, 7], [2, 3]], float),
+  "watched": np.array([[0, 1, 2, 3], [4, 6, 8, 10], [4, 6, 8, 10], [4, 5, 6, 7]], float),
+  "favorited": np.array([[4, 6, 8, 10], [4, 5, 6, 7], [0, 1, 2, 3], [4, 6, 8, 10]], float),
+  "friends": np.array([[6, 7], [2, 3], [6, 7], [2, 3]], float),
 }
 # loss = sum over features of mean over the batch of |activation|^2:
 # watched (14 + 216 + 216 + 126) / 4 = 143, favorited 143, friends (85 + 13 + 85 + 13) / 4 = 49.
@@ -68,7 +68,7 @@ def row_gradients(tables):
 
 
 def tpu_update(optimizer, table, g):
-  """One step of the mid-level optimizer the layer translates the Keras one to (SPEC 2.3-2.6).
+  """One step of the mid-level optimizer the layer translates the Keras one to (SPEC §2.3-2.6).
 
   Every row of both tables is touched here, so lazy and dense Adam coincide.
   """
@@ -93,16 +93,26 @@ def report(tmp_path_factory):
   out = tmp_path_factory.mktemp("tfrs_compat") / "report.json"
   env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-  proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, cwd=HERE.parent,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, str(SCRIPT), str(out)],
+    env=env,
+    cwd=HERE.parent,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(out.read_text())
 
 
 def scenario(report, implementation, optimizer, training, sparse):
   for entry in report["scenarios"]:
-    if (entry["implementation"], entry["optimizer"], entry["training"],
-        entry["sparse"]) == (implementation, optimizer, training, sparse):
+    if (entry["implementation"], entry["optimizer"], entry["training"], entry["sparse"]) == (
+      implementation,
+      optimizer,
+      training,
+      sparse,
+    ):
       assert "error" not in entry, entry["error"]
       return entry["steps"]
   raise AssertionError(f"scenario {implementation, optimizer, training, sparse} did not run")
@@ -145,13 +155,13 @@ def test_activations_before_training_are_identical_to_tfrs(report, optimizer, sp
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "ragged"])
-def test_one_update_agrees_with_tfrs_where_keras_and_tpu_rules_coincide(report, optimizer,
-                                                                        sparse):
+def test_one_update_agrees_with_tfrs_where_keras_and_tpu_rules_coincide(report, optimizer, sparse):
   # Keras SGD is the TPU's SGD; legacy Adagrad differs only by epsilon=1e-7 outside the root
   # (relative effect < 1e-7 / sqrt(10)). Adam is left out on purpose: the TPU has no bias
   # correction, so the translated Adam steps differently (see tpu_embedding.optimizers).
   ours = scenario(report, "tpu_embedding", optimizer, True, sparse)[1]
   theirs = scenario(report, "tfrs", optimizer, True, sparse)[1]
   for key in KEYS:
-    np.testing.assert_allclose(np.array(ours[key]), np.array(theirs[key]), rtol=1e-5,
-                               atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+      np.array(ours[key]), np.array(theirs[key]), rtol=1e-5, atol=1e-6, err_msg=key
+    )

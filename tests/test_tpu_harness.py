@@ -20,8 +20,11 @@ from tpu_embedding import hardware
 emb = tf.tpu.experimental.embedding
 
 
-@pytest.mark.parametrize("module,name,_", tpu_harness.runtime_stubs(tpu_harness.Recorded()),
-                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+  "module,name,_",
+  tpu_harness.runtime_stubs(tpu_harness.Recorded()),
+  ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_every_stubbed_name_is_still_where_tf_keeps_it(module, name, _):
   assert callable(getattr(module, name, None)), f"{module.__name__}.{name} moved"
 
@@ -53,8 +56,9 @@ def test_the_stand_in_is_a_real_tpu_strategy_for_tf_and_for_us(monkeypatch):
 def test_the_private_members_backends_reads_are_still_set_by_tf(cls):
   """backends.tf_variables_by_table reads `_variables`, backends.retrieve_from_tpu calls V1's
   `_retrieve_variables`: TF must still define them."""
-  sources = [inspect.getsource(c) for c in cls.__mro__
-             if c.__module__.startswith("tensorflow.python.tpu")]
+  sources = [
+    inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("tensorflow.python.tpu")
+  ]
   assert any("self._variables = " in source for source in sources), cls
   if cls is emb.TPUEmbedding:
     assert callable(cls._retrieve_variables)  # pylint: disable=protected-access

@@ -26,20 +26,32 @@ def v0(monkeypatch):
 
 
 def _config():
-  video = emb.TableConfig(vocabulary_size=3, dim=4, combiner="sum", name="video",
-                          initializer=tf.constant_initializer(np.arange(12.0) / 10))
-  user = emb.TableConfig(vocabulary_size=4, dim=2, combiner="mean", name="user",
-                         initializer=tf.constant_initializer(np.arange(8.0) / 10))
-  return {"watched": emb.FeatureConfig(video, name="watched"),
-          "friends": emb.FeatureConfig(user, name="friends"),
-          "query": emb.FeatureConfig(video, name="query")}
+  video = emb.TableConfig(
+    vocabulary_size=3,
+    dim=4,
+    combiner="sum",
+    name="video",
+    initializer=tf.constant_initializer(np.arange(12.0) / 10),
+  )
+  user = emb.TableConfig(
+    vocabulary_size=4,
+    dim=2,
+    combiner="mean",
+    name="user",
+    initializer=tf.constant_initializer(np.arange(8.0) / 10),
+  )
+  return {
+    "watched": emb.FeatureConfig(video, name="watched"),
+    "friends": emb.FeatureConfig(user, name="friends"),
+    "query": emb.FeatureConfig(video, name="query"),
+  }
 
 
 def _inputs():
   return {
-      "watched": tf.RaggedTensor.from_row_lengths(tf.constant([0, 2, 1, 0, 1, 1]), [1, 2, 2, 1]),
-      "friends": tf.sparse.from_dense(tf.constant([[3, 1], [1, 0], [2, 0], [1, 2]])),
-      "query": tf.constant([[2], [0], [1], [2]]),  # dense [B, 1]: one id per sample
+    "watched": tf.RaggedTensor.from_row_lengths(tf.constant([0, 2, 1, 0, 1, 1]), [1, 2, 2, 1]),
+    "friends": tf.sparse.from_dense(tf.constant([[3, 1], [1, 0], [2, 0], [1, 2]])),
+    "query": tf.constant([[2], [0], [1], [2]]),  # dense [B, 1]: one id per sample
   }
 
 
@@ -68,8 +80,8 @@ def test_v0_matches_the_cpu_engine_in_keras_mode(v0):
     assert layer.path is hardware.Path.TPU_V0
     tpu_activations, tpu_tables = _train(layer)
   cpu_activations, cpu_tables = _train(
-      TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.5),
-                   table_updates="keras"))
+    TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.5), table_updates="keras")
+  )
   assert tpu_activations["query"].shape == (4, 4)
   for key in UPSTREAM:
     np.testing.assert_allclose(tpu_activations[key], cpu_activations[key], rtol=1e-6, err_msg=key)
@@ -91,10 +103,11 @@ def test_v0_tables_are_the_layers_trainable_variables_without_unused_slots(v0):
   with v0.scope():
     layer = TPUEmbedding(_config(), optimizer="adagrad")
     layer(_inputs())
-  assert sorted(v.name.split("/")[-1] for v in layer.trainable_variables) == ["user:0",
-                                                                              "video:0"]
+  assert sorted(v.name.split("/")[-1] for v in layer.trainable_variables) == ["user:0", "video:0"]
   assert {name: sorted(slots) for name, slots in layer.variables_by_table.items()} == {
-      "video": ["parameters"], "user": ["parameters"]}
+    "video": ["parameters"],
+    "user": ["parameters"],
+  }
 
 
 @pytest.mark.parametrize("where", ["layer", "table"])
@@ -119,15 +132,25 @@ def test_v0_weighted_bags_and_sequences_match_the_cpu_engine(v0, sequence_kind):
   """Forward only: weighted ragged bags (mean) and a sequence feature (padded/truncated to
   max_sequence_length) as the CPU engine computes them. TF's V0 class looks a short sequence's
   padding up as id 0; the layer gives zeros there, as every other path does."""
-  user = emb.TableConfig(vocabulary_size=4, dim=2, combiner="mean", name="user",
-                         initializer=tf.constant_initializer(np.arange(8.0) / 10))
-  config = lambda: {"bags": emb.FeatureConfig(user, name="bags"),
-                    "seq": emb.FeatureConfig(user, name="seq", max_sequence_length=2)}
-  ids = {"bags": tf.RaggedTensor.from_row_lengths(tf.constant([3, 1, 0, 2, 1]), [2, 1, 2]),
-         "seq": tf.RaggedTensor.from_row_lengths(tf.constant([1, 2, 3, 0]), [3, 0, 1])}
-  weights = {"bags": tf.RaggedTensor.from_row_lengths(tf.constant([1.0, 3.0, 2.0, 0.5, 1.5]),
-                                                      [2, 1, 2]),
-             "seq": None}
+  user = emb.TableConfig(
+    vocabulary_size=4,
+    dim=2,
+    combiner="mean",
+    name="user",
+    initializer=tf.constant_initializer(np.arange(8.0) / 10),
+  )
+  config = lambda: {
+    "bags": emb.FeatureConfig(user, name="bags"),
+    "seq": emb.FeatureConfig(user, name="seq", max_sequence_length=2),
+  }
+  ids = {
+    "bags": tf.RaggedTensor.from_row_lengths(tf.constant([3, 1, 0, 2, 1]), [2, 1, 2]),
+    "seq": tf.RaggedTensor.from_row_lengths(tf.constant([1, 2, 3, 0]), [3, 0, 1]),
+  }
+  weights = {
+    "bags": tf.RaggedTensor.from_row_lengths(tf.constant([1.0, 3.0, 2.0, 0.5, 1.5]), [2, 1, 2]),
+    "seq": None,
+  }
   if sequence_kind == "sparse":
     ids["seq"] = ids["seq"].to_sparse()
   with v0.scope():

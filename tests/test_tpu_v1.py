@@ -28,9 +28,10 @@ def v1(monkeypatch):
 
 def _config(sequence_length=0):
   video, user = tpu_harness.video_and_user_tables()
-  return {"watched": emb.FeatureConfig(video, name="watched"),
-          "friends": emb.FeatureConfig(user, name="friends",
-                                       max_sequence_length=sequence_length)}
+  return {
+    "watched": emb.FeatureConfig(video, name="watched"),
+    "friends": emb.FeatureConfig(user, name="friends", max_sequence_length=sequence_length),
+  }
 
 
 def _ragged(values, lengths, dtype=tf.int32):
@@ -38,13 +39,15 @@ def _ragged(values, lengths, dtype=tf.int32):
 
 
 INPUTS = {
-    "dense": lambda: {"watched": tf.constant([0, 1, 1, 0]), "friends": tf.constant([3, 0, 2, 1])},
-    "ragged": lambda: {"watched": _ragged([0, 0, 1, 0, 1, 1], [1, 2, 2, 1]),
-                       "friends": _ragged([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3])},
-    "sparse": lambda: {"watched": tf.sparse.from_dense(tf.constant([[1, 0], [0, 1], [1, 1],
-                                                                    [0, 0]])),
-                       "friends": tf.sparse.from_dense(tf.constant([[3, 1], [1, 0], [2, 0],
-                                                                    [1, 2]]))},
+  "dense": lambda: {"watched": tf.constant([0, 1, 1, 0]), "friends": tf.constant([3, 0, 2, 1])},
+  "ragged": lambda: {
+    "watched": _ragged([0, 0, 1, 0, 1, 1], [1, 2, 2, 1]),
+    "friends": _ragged([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3]),
+  },
+  "sparse": lambda: {
+    "watched": tf.sparse.from_dense(tf.constant([[1, 0], [0, 1], [1, 1], [0, 0]])),
+    "friends": tf.sparse.from_dense(tf.constant([[3, 1], [1, 0], [2, 0], [1, 2]])),
+  },
 }
 
 
@@ -79,14 +82,18 @@ def test_build_writes_a_config_proto_protobuf_accepts(v1):
   (proto,) = recorded.config_protos
   assert recorded.loads == 1  # the tables were loaded once (traced, not run)
   assert [(t.name, t.vocabulary_size, t.dimension) for t in proto.table_descriptor] == [
-      ("user", 4, 2), ("video", 2, 4)]  # order of first use in flatten order
+    ("user", 4, 2),
+    ("video", 2, 4),
+  ]  # order of first use in flatten order
   for table in proto.table_descriptor:
     parameters = table.optimization_parameters
     assert parameters.WhichOneof("parameters") == "stochastic_gradient_descent"
     assert parameters.learning_rate.constant == pytest.approx(0.25)
     assert parameters.low_dimensional_packing_status == PACKING.UNSPECIFIED
   assert [(f.name, f.table_id, list(f.input_shape)) for f in proto.feature_descriptor] == [
-      ("friends", 0, [BATCH]), ("watched", 1, [BATCH])]
+    ("friends", 0, [BATCH]),
+    ("watched", 1, [BATCH]),
+  ]
   assert proto.num_tensor_cores == 1 and proto.num_hosts == 1
   assert user_sgd.low_dimensional_packing_status is False  # the user's optimizer is untouched
 
@@ -97,8 +104,9 @@ def test_a_requested_packing_keeps_its_meaning(v1):
     layer = TPUEmbedding(_config(), optimizer=emb.Adagrad(0.1, low_dimensional_packing_status=True))
     layer.build({"watched": tf.TensorShape([BATCH]), "friends": tf.TensorShape([BATCH])})
   (proto,) = recorded.config_protos
-  assert {t.optimization_parameters.low_dimensional_packing_status
-          for t in proto.table_descriptor} == {PACKING.ENABLED}
+  assert {
+    t.optimization_parameters.low_dimensional_packing_status for t in proto.table_descriptor
+  } == {PACKING.ENABLED}
 
 
 @pytest.mark.parametrize("kind", sorted(INPUTS))
@@ -126,10 +134,14 @@ def test_a_training_step_enqueues_receives_and_sends_once_under_one_name(v1, kin
 def test_weighted_and_sequence_features_reach_the_enqueue(v1):
   strategy, recorded = v1
   inputs = INPUTS["sparse"]()
-  weights = {"watched": tf.SparseTensor(inputs["watched"].indices,
-                                        tf.ones_like(inputs["watched"].values, tf.float32),
-                                        inputs["watched"].dense_shape),
-             "friends": None}
+  weights = {
+    "watched": tf.SparseTensor(
+      inputs["watched"].indices,
+      tf.ones_like(inputs["watched"].values, tf.float32),
+      inputs["watched"].dense_shape,
+    ),
+    "friends": None,
+  }
   with strategy.scope():
     layer = TPUEmbedding(_config(sequence_length=2), optimizer="sgd")
     graph = _traced_training_step(layer, inputs, weights)
@@ -176,15 +188,18 @@ def test_a_serving_lookup_reads_the_tpu_tables(v1):
   serving = {"watched": emb.FeatureConfig(video, name="watched")}
   with strategy.scope():
     out = layer({"watched": _ragged([1, 0, 1], [2, 1])}, serving_config=serving)
-  np.testing.assert_array_equal(out["watched"].numpy(), [[4.0, 6.0, 8.0, 10.0],
-                                                         [4.0, 5.0, 6.0, 7.0]])
+  np.testing.assert_array_equal(
+    out["watched"].numpy(), [[4.0, 6.0, 8.0, 10.0], [4.0, 5.0, 6.0, 7.0]]
+  )
 
 
 def test_wide_dense_ids_of_a_non_sequence_feature_are_refused_by_name(v1):
   """Failure 7: dense [B, L>1] ids are L samples per row on CPU; V1 cannot take them."""
   strategy, _ = v1
-  inputs = {"watched": tf.constant([[0, 1], [1, 0], [1, 1], [0, 0]]),
-            "friends": tf.constant([3, 0, 2, 1])}
+  inputs = {
+    "watched": tf.constant([[0, 1], [1, 0], [1, 1], [0, 0]]),
+    "friends": tf.constant([3, 0, 2, 1]),
+  }
   with strategy.scope():
     layer = TPUEmbedding(_config(), optimizer="sgd")
     with pytest.raises(ValueError, match=r"'watched'.*\[4, 2\].*max_sequence_length") as error:

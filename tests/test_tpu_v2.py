@@ -23,10 +23,14 @@ SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, va
 
 
 def _config():
-  tables = {name: emb.TableConfig(vocabulary, dim, name=name, initializer=pattern(offset))
-            for name, (vocabulary, dim, offset) in SIZES.items()}
-  return {"x": emb.FeatureConfig(tables["video"], output_shape=[BATCH]),
-          "y": emb.FeatureConfig(tables["user"], output_shape=[BATCH])}
+  tables = {
+    name: emb.TableConfig(vocabulary, dim, name=name, initializer=pattern(offset))
+    for name, (vocabulary, dim, offset) in SIZES.items()
+  }
+  return {
+    "x": emb.FeatureConfig(tables["video"], output_shape=[BATCH]),
+    "y": emb.FeatureConfig(tables["user"], output_shape=[BATCH]),
+  }
 
 
 def _layer(strategy, stacking=True):
@@ -51,22 +55,27 @@ def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
   stacked = layer._tpu_embedding.embedding_tables
   for name, (vocabulary, dim, offset) in SIZES.items():
-    want = logical_by_hand(stacked_by_hand(stacked[layouts[name].stacked_table_name]),
-                           layouts[name])
+    want = logical_by_hand(
+      stacked_by_hand(stacked[layouts[name].stacked_table_name]), layouts[name]
+    )
     np.testing.assert_array_equal(tables[name], want, err_msg=name)
     # Only this table's columns and rows: TF's initializer wrote offset + 100 * row + column.
     np.testing.assert_array_equal(tables[name] % 100, np.tile(np.arange(dim), (vocabulary, 1)))
     assert ((tables[name] >= offset) & (tables[name] < offset + 10000)).all(), name
 
 
-@pytest.mark.parametrize("setting,optimizer", [
+@pytest.mark.parametrize(
+  "setting,optimizer",
+  [
     ("clipvalue", lambda: emb.SGD(0.1, use_gradient_accumulation=True, clipvalue=1.0)),
     ("clip_weight_min", lambda: emb.Adagrad(0.1, clip_weight_min=-1.0)),
     ("clip_weight_max", lambda: emb.SGD(0.1, clip_weight_max=1.0)),
     ("weight_decay_factor", lambda: emb.Adam(0.1, weight_decay_factor=0.01)),
-])
-def test_what_sparse_core_does_not_apply_is_refused_by_table_and_setting(monkeypatch, setting,
-                                                                          optimizer):
+  ],
+)
+def test_what_sparse_core_does_not_apply_is_refused_by_table_and_setting(
+  monkeypatch, setting, optimizer
+):
   """Failure 8: TF's SparseCore update silently skips clipping (and raises NotImplementedError
   deep inside for weight decay)."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
@@ -121,8 +130,7 @@ def _written_layer(monkeypatch, tmp_path, seed):
   return strategy, layer, tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
 
 
-def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch,
-                                                                           tmp_path):
+def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch, tmp_path):
   """TF re-shards a per-table checkpoint only while it creates the SparseCore variables; read
   into a built layer it would change nothing in silence. Refused instead, before any value is
   assigned."""
@@ -132,8 +140,10 @@ def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkey
   path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   layer = _layer(strategy)
-  before = {name: {slot: stacked_by_hand(v) for slot, v in slots.items()}
-            for name, slots in layer.variables_by_table.items()}
+  before = {
+    name: {slot: stacked_by_hand(v) for slot, v in slots.items()}
+    for name, slots in layer.variables_by_table.items()
+  }
   with pytest.raises(ValueError, match=r"(?s)before the layer is built.*first call"):
     tf.train.Checkpoint(layer=layer).read(path)
   for name, slots in layer.variables_by_table.items():
@@ -165,11 +175,14 @@ def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_p
       np.testing.assert_array_equal(variables[slot].numpy(), want, err_msg=f"{name} {slot}")
 
 
-@pytest.mark.parametrize("feature,optimizer", [(hardware.EmbeddingFeature.V1, "adagrad"),
-                                               (hardware.EmbeddingFeature.UNSUPPORTED, "sgd")],
-                         ids=["V1", "V0"])
-def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(monkeypatch, tmp_path, feature,
-                                                                optimizer):
+@pytest.mark.parametrize(
+  "feature,optimizer",
+  [(hardware.EmbeddingFeature.V1, "adagrad"), (hardware.EmbeddingFeature.UNSUPPORTED, "sgd")],
+  ids=["V1", "V0"],
+)
+def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(
+  monkeypatch, tmp_path, feature, optimizer
+):
   """V1 and V0 keep per-table variables: a SparseCore checkpoint names only its stacks, so
   they would keep their values in silence."""
   _, _, path = _written_layer(monkeypatch, tmp_path, seed=6)
@@ -179,8 +192,11 @@ def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(monkeypatch, tmp
     layer = TPUEmbedding(_config(), optimizer=optimizer)
     layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
   before = {name: value.copy() for name, value in _by_name(layer.embedding_tables).items()}
-  with pytest.raises(ValueError, match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
-                                       r"restore_from_checkpoint.*Nothing"):
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
+    r"restore_from_checkpoint.*Nothing",
+  ):
     tf.train.Checkpoint(layer=layer).read(path)
   for name, value in _by_name(layer.embedding_tables).items():
     np.testing.assert_array_equal(value, before[name], err_msg=name)
@@ -192,10 +208,12 @@ def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, t
   extra = emb.TableConfig(8, 2, name="extra")
   config = dict(_config(), z=emb.FeatureConfig(extra))
   cpu = TPUEmbedding(config, optimizer="adagrad")
-  cpu.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH]),
-             "z": tf.TensorShape([BATCH])})
-  before = {name: {s: v.numpy() for s, v in slots.items()}
-            for name, slots in cpu.variables_by_table.items()}
+  cpu.build(
+    {"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH]), "z": tf.TensorShape([BATCH])}
+  )
+  before = {
+    name: {s: v.numpy() for s, v in slots.items()} for name, slots in cpu.variables_by_table.items()
+  }
   with pytest.raises(ValueError, match=r"no table \['extra'\]"):
     sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   for name, slots in cpu.variables_by_table.items():
@@ -204,7 +222,8 @@ def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, t
 
 
 def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoint(
-    monkeypatch, tmp_path):
+  monkeypatch, tmp_path
+):
   """Cross-check of sparse_core.restore_from_checkpoint with TF's TPUEmbeddingForServing,
   which restores SparseCore checkpoints its own way (a restore issued before it is built)."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
@@ -238,7 +257,9 @@ def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking)
   ops = [op.type for op in concrete.graph.get_operations()]
   assert ops.count("XlaSparseDenseMatmulWithStaticBufferSize") == (1 if stacking else 2)
   assert {k: v.shape.as_list() for k, v in concrete.structured_outputs.items()} == {
-      "x": [BATCH, 4], "y": [BATCH, 2]}
+    "x": [BATCH, 4],
+    "y": [BATCH, 2],
+  }
 
 
 def _serving_signature(layer):
@@ -251,8 +272,9 @@ def _serving_signature(layer):
   return serve
 
 
-def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing(monkeypatch,
-                                                                                  tmp_path):
+def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing(
+  monkeypatch, tmp_path
+):
   """The export would hold TF's stacked, padded variables, not the tables by name (its
   `embedding_tables` and `tables=` are by table name): refused with the way that works."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)

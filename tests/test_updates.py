@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from typing import Dict, List, Optional, Sequence, Tuple  # pylint: disable=g-import-not-at-top
+from typing import Dict, List, Sequence, Tuple  # pylint: disable=g-import-not-at-top
 
 import hypothesis  # pylint: disable=g-import-not-at-top
 from hypothesis import strategies as st  # pylint: disable=g-import-not-at-top
@@ -31,27 +31,34 @@ def assert_close(actual, expected, what: str = "") -> None:
   """rtol 1e-5 / atol 1e-6 (SPEC §2.2), atol scaled down for tiny values like Adam's v."""
   expected = np.asarray(expected, np.float64)
   scale = min(1.0, float(np.max(np.abs(expected)))) if expected.size else 1.0
-  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6 * max(scale, 1e-3),
-                             err_msg=what)
+  np.testing.assert_allclose(
+    actual, expected, rtol=1e-5, atol=1e-6 * max(scale, 1e-3), err_msg=what
+  )
 
 
 def make_variables(optimizer, table: np.ndarray) -> Tuple[tf.Variable, Dict[str, tf.Variable]]:
   params = reference.params_from_optimizer(optimizer)
   slots = reference.initial_slots(params, table.shape)
-  return (tf.Variable(table, dtype=tf.float32),
-          {k: tf.Variable(v, dtype=tf.float32) for k, v in slots.items()})
+  return (
+    tf.Variable(table, dtype=tf.float32),
+    {k: tf.Variable(v, dtype=tf.float32) for k, v in slots.items()},
+  )
 
 
 def updater(optimizer, table, slots, mode: str, lr: float = LR):
   """A (row_ids, grads) -> None step, eager or inside one tf.function."""
+
   def step(row_ids, grads):
-    updates.apply_sparse_update(optimizer, table, slots, row_ids, grads,
-                                tf.constant(lr, tf.float32))
+    updates.apply_sparse_update(
+      optimizer, table, slots, row_ids, grads, tf.constant(lr, tf.float32)
+    )
+
   return step if mode == "eager" else tf.function(step, reduce_retracing=True)
 
 
-def run_one_row(optimizer, grads: Sequence[Sequence[float]], mode: str, lr: float = LR,
-                w0: Sequence[float] = W0) -> List[Tuple[np.ndarray, Dict[str, np.ndarray]]]:
+def run_one_row(
+  optimizer, grads: Sequence[Sequence[float]], mode: str, lr: float = LR, w0: Sequence[float] = W0
+) -> List[Tuple[np.ndarray, Dict[str, np.ndarray]]]:
   """Engine states (W, slots) of the one-row example after each step."""
   table, slots = make_variables(optimizer, np.array([w0], np.float64))
   step = updater(optimizer, table, slots, mode, lr)
@@ -85,53 +92,89 @@ def reference_one_row(optimizer, grads, lr: float = LR, w0=W0):
 
 # (optimizer factory, steps of (W, slots)) from SPEC §2.3-2.7, inputs of §2.2.
 WORKED = {
-    "sgd": (lambda: E.SGD(learning_rate=LR),
-            [([0.49, -0.48], {}), ([0.50, -0.52], {})]),
-    "adagrad": (lambda: E.Adagrad(learning_rate=LR),
-                [([0.46984887, -0.44654775], {"accumulators": [0.11, 0.14]}),
-                 ([0.49871638, -0.51957743], {"accumulators": [0.12, 0.30]})]),
-    "adagrad_momentum_plain": (
-        lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9),
-        [([0.4, -0.4], {"accumulators": [0.01, 0.04], "momenta": [1, -1]}),
-         ([0.38071068, -0.39944272],
-          {"accumulators": [0.02, 0.20], "momenta": [0.19289322, -0.00557281]})]),
-    "adagrad_momentum_nesterov": (
-        lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9, use_nesterov=True),
-        [([0.31, -0.31], {"accumulators": [0.01, 0.04], "momenta": [1, -1]}),
-         ([0.36335029, -0.39894117],
-          {"accumulators": [0.02, 0.20], "momenta": [0.19289322, -0.00557281]})]),
-    "adagrad_momentum_beta2": (
-        lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9, beta2=0.9),
-        [([0.18377225, -0.18377224],
-          {"accumulators": [0.001, 0.004], "momenta": [3.1622775, -3.1622776]}),
-         ([0.12858300, -0.18488154],
-          {"accumulators": [0.0019, 0.0196], "momenta": [0.55189247, 0.01109299]})]),
-    "adam_sum_inside_sqrt": (
-        lambda: E.Adam(learning_rate=LR),
-        [([0.18377223, -0.18377223], {"momenta": [0.01, -0.02], "velocities": [1e-5, 4e-5]}),
-         ([0.20613851, -0.33935128],
-          {"momenta": [-0.001, 0.022], "velocities": [1.999e-5, 1.9996e-4]})]),
-    "adam_eps_outside": (
-        lambda: E.Adam(learning_rate=LR, sum_inside_sqrt=False),
-        [([0.18378223, -0.18377723], {"momenta": [0.01, -0.02], "velocities": [1e-5, 4e-5]}),
-         ([0.20614801, -0.33935518],
-          {"momenta": [-0.001, 0.022], "velocities": [1.999e-5, 1.9996e-4]})]),
+  "sgd": (lambda: E.SGD(learning_rate=LR), [([0.49, -0.48], {}), ([0.50, -0.52], {})]),
+  "adagrad": (
+    lambda: E.Adagrad(learning_rate=LR),
+    [
+      ([0.46984887, -0.44654775], {"accumulators": [0.11, 0.14]}),
+      ([0.49871638, -0.51957743], {"accumulators": [0.12, 0.30]}),
+    ],
+  ),
+  "adagrad_momentum_plain": (
+    lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9),
+    [
+      ([0.4, -0.4], {"accumulators": [0.01, 0.04], "momenta": [1, -1]}),
+      (
+        [0.38071068, -0.39944272],
+        {"accumulators": [0.02, 0.20], "momenta": [0.19289322, -0.00557281]},
+      ),
+    ],
+  ),
+  "adagrad_momentum_nesterov": (
+    lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9, use_nesterov=True),
+    [
+      ([0.31, -0.31], {"accumulators": [0.01, 0.04], "momenta": [1, -1]}),
+      (
+        [0.36335029, -0.39894117],
+        {"accumulators": [0.02, 0.20], "momenta": [0.19289322, -0.00557281]},
+      ),
+    ],
+  ),
+  "adagrad_momentum_beta2": (
+    lambda: E.AdagradMomentum(learning_rate=LR, momentum=0.9, beta2=0.9),
+    [
+      (
+        [0.18377225, -0.18377224],
+        {"accumulators": [0.001, 0.004], "momenta": [3.1622775, -3.1622776]},
+      ),
+      (
+        [0.12858300, -0.18488154],
+        {"accumulators": [0.0019, 0.0196], "momenta": [0.55189247, 0.01109299]},
+      ),
+    ],
+  ),
+  "adam_sum_inside_sqrt": (
+    lambda: E.Adam(learning_rate=LR),
+    [
+      ([0.18377223, -0.18377223], {"momenta": [0.01, -0.02], "velocities": [1e-5, 4e-5]}),
+      (
+        [0.20613851, -0.33935128],
+        {"momenta": [-0.001, 0.022], "velocities": [1.999e-5, 1.9996e-4]},
+      ),
+    ],
+  ),
+  "adam_eps_outside": (
+    lambda: E.Adam(learning_rate=LR, sum_inside_sqrt=False),
+    [
+      ([0.18378223, -0.18377723], {"momenta": [0.01, -0.02], "velocities": [1e-5, 4e-5]}),
+      (
+        [0.20614801, -0.33935518],
+        {"momenta": [-0.001, 0.022], "velocities": [1.999e-5, 1.9996e-4]},
+      ),
+    ],
+  ),
 }
 _FTRL_W_PLAIN = ([-0.00688243, -0.02397062], [0.02198508, -0.09700030])
 _FTRL_W_REG = ([-0.00150605, -0.00891220], [0.00772746, -0.04637512])
 for _reg, _multiply, _w, _lin in [
-    (False, False, _FTRL_W_PLAIN, ([0.02282643, 0.08968986], [-0.07615857, 0.53129252])),
-    (False, True, _FTRL_W_PLAIN, ([0.00228264, 0.00896899], [-0.00761586, 0.05312925])),
-    (True, False, _FTRL_W_REG, ([0.02282643, 0.08968986], [-0.07695146, 0.50515760])),
-    (True, True, _FTRL_W_REG, ([0.00228264, 0.00896899], [-0.00769515, 0.05051576])),
+  (False, False, _FTRL_W_PLAIN, ([0.02282643, 0.08968986], [-0.07615857, 0.53129252])),
+  (False, True, _FTRL_W_PLAIN, ([0.00228264, 0.00896899], [-0.00761586, 0.05312925])),
+  (True, False, _FTRL_W_REG, ([0.02282643, 0.08968986], [-0.07695146, 0.50515760])),
+  (True, True, _FTRL_W_REG, ([0.00228264, 0.00896899], [-0.00769515, 0.05051576])),
 ]:
   WORKED[f"ftrl_reg{int(_reg)}_multiply{int(_multiply)}"] = (
-      lambda reg=_reg, multiply=_multiply: E.FTRL(
-          learning_rate=LR, l1_regularization_strength=0.01 if reg else 0.0,
-          l2_regularization_strength=0.1 if reg else 0.0, beta=0.5 if reg else 0.0,
-          multiply_linear_by_learning_rate=multiply),
-      [(_w[0], {"accumulators": [0.11, 0.14], "linears": _lin[0]}),
-       (_w[1], {"accumulators": [0.12, 0.30], "linears": _lin[1]})])
+    lambda reg=_reg, multiply=_multiply: E.FTRL(
+      learning_rate=LR,
+      l1_regularization_strength=0.01 if reg else 0.0,
+      l2_regularization_strength=0.1 if reg else 0.0,
+      beta=0.5 if reg else 0.0,
+      multiply_linear_by_learning_rate=multiply,
+    ),
+    [
+      (_w[0], {"accumulators": [0.11, 0.14], "linears": _lin[0]}),
+      (_w[1], {"accumulators": [0.12, 0.30], "linears": _lin[1]}),
+    ],
+  )
 
 
 @pytest.mark.usefixtures("engine_path")
@@ -151,7 +194,7 @@ def test_reference_reproduces_worked_example(name):
 @pytest.mark.usefixtures("engine_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_clipping_example(mode):
-  (w, _), = run_one_row(E.SGD(learning_rate=LR, clipvalue=0.15), [G1], mode)
+  ((w, _),) = run_one_row(E.SGD(learning_rate=LR, clipvalue=0.15), [G1], mode)
   assert_close(w, [0.49, -0.485])
 
 
@@ -159,7 +202,7 @@ def test_gradient_clipping_example(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_weight_clipping_example(mode):
   opt = E.SGD(learning_rate=1.0, clip_weight_min=-1.0, clip_weight_max=1.0)
-  (w, _), = run_one_row(opt, [[-1.0, 1.0]], mode, lr=1.0)
+  ((w, _),) = run_one_row(opt, [[-1.0, 1.0]], mode, lr=1.0)
   assert_close(w, [1.0, -1.0])
 
 
@@ -167,13 +210,15 @@ def test_weight_clipping_example(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_weight_decay_example(mode):
   # SPEC §2.9 (provisional): [0.5, -0.5] -> decay [0.495, -0.495] -> SGD [0.485, -0.475].
-  opt = E.SGD(learning_rate=LR, weight_decay_factor=0.01,
-              multiply_weight_decay_factor_by_learning_rate=False)
-  (w, _), = run_one_row(opt, [G1], mode)
+  opt = E.SGD(
+    learning_rate=LR, weight_decay_factor=0.01, multiply_weight_decay_factor_by_learning_rate=False
+  )
+  ((w, _),) = run_one_row(opt, [G1], mode)
   assert_close(w, [0.485, -0.475])
-  opt = E.SGD(learning_rate=LR, weight_decay_factor=0.1,
-              multiply_weight_decay_factor_by_learning_rate=True)  # lambda = 0.1 * 0.1
-  (w, _), = run_one_row(opt, [G1], mode)
+  opt = E.SGD(
+    learning_rate=LR, weight_decay_factor=0.1, multiply_weight_decay_factor_by_learning_rate=True
+  )  # lambda = 0.1 * 0.1
+  ((w, _),) = run_one_row(opt, [G1], mode)
   assert_close(w, [0.485, -0.475])
 
 
@@ -204,8 +249,10 @@ def test_duplicates_example(mode):
   rows, grads = reference.assemble_gradients(bags, [[1.0, 0.0], [0.0, 1.0]], "mean")
   np.testing.assert_array_equal(rows, [1])
   assert_close(grads, [[1.0, 1.0]])
-  for opt, want in [(E.SGD(learning_rate=0.1), [1.9, 2.9]),
-                    (E.Adagrad(learning_rate=0.1), [1.9046537, 2.9046537])]:
+  for opt, want in [
+    (E.SGD(learning_rate=0.1), [1.9, 2.9]),
+    (E.Adagrad(learning_rate=0.1), [1.9046537, 2.9046537]),
+  ]:
     table, slots = make_variables(opt, np.array([[0, 0], [2, 3]], np.float64))
     updater(opt, table, slots, mode)(tf.constant(rows), tf.constant(grads, tf.float32))
     assert_close(table.numpy()[1], want)
@@ -227,7 +274,7 @@ def test_adagrad_momentum_zero_gradient_touch(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_ftrl_first_touch_with_zero_gradient_zeroes_row(mode):
   """SPEC §2.7 edge case: W is recomputed from the slots, so the initial value is lost."""
-  (w, slots), = run_one_row(E.FTRL(learning_rate=LR), [[0.0, 0.0]], mode)
+  ((w, slots),) = run_one_row(E.FTRL(learning_rate=LR), [[0.0, 0.0]], mode)
   np.testing.assert_array_equal(w, [0.0, 0.0])
   np.testing.assert_array_equal(slots["linears"], [0.0, 0.0])
 
@@ -235,11 +282,14 @@ def test_ftrl_first_touch_with_zero_gradient_zeroes_row(mode):
 # ------------------------------------------------------------------ reference: combiners
 
 
-@pytest.mark.parametrize("combiner,a0,grad1,grad3", [
+@pytest.mark.parametrize(
+  "combiner,a0,grad1,grad3",
+  [
     ("sum", [7.0, 9.5], [2.5, -1.5], [0.5, -0.5]),
     ("mean", [2.8, 3.8], [1.3, -0.3], [0.2, -0.2]),
     ("sqrtn", [3.3954988, 4.6081772], [1.4701426, -0.4701425], [0.2425356, -0.2425356]),
-])
+  ],
+)
 def test_reference_combiner_example(combiner, a0, grad1, grad3):
   """SPEC §3.2 worked example."""
   table = np.zeros([5, 2])
@@ -260,7 +310,8 @@ def test_reference_empty_bag_and_zero_weight_sum():
   assert_close(reference.combine_bag(table, [1, 2], [1.0, -1.0], "mean"), [0, 0])
   assert_close(reference.combine_bag(table, [1], [0.0], "sqrtn"), [0, 0])
   rows, grads = reference.assemble_gradients(
-      [([], None), ([1, 2], [1.0, -1.0])], [[5, 5], [1, 1]], "mean")
+    [([], None), ([1, 2], [1.0, -1.0])], [[5, 5], [1, 1]], "mean"
+  )
   np.testing.assert_array_equal(rows, [1, 2])
   np.testing.assert_array_equal(grads, np.zeros([2, 2]))
 
@@ -278,22 +329,28 @@ def test_unknown_optimizer_is_rejected_and_subclasses_are_found():
   assert isinstance(updates.rule_for(MySGD(learning_rate=0.1)), updates.SGDRule)
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: E.SGD(learning_rate=0.1, clipvalue=1.0, weight_decay_factor=0.1),
     lambda: E.Adagrad(learning_rate=0.1, clip_weight_min=-1.0),
     lambda: E.AdagradMomentum(learning_rate=0.1, momentum=0.5),
     lambda: E.Adam(learning_rate=0.1),
     lambda: E.FTRL(learning_rate=0.1, beta=0.1),
-], ids=["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl"])
+  ],
+  ids=["sgd", "adagrad", "adagrad_momentum", "adam", "ftrl"],
+)
 def test_lazy_update_builds_no_table_sized_tensor(make):
   """The cost must follow the touched rows: no op may output a [V, ...] tensor."""
   vocab, dim = 9973, 3
   opt = make()
   table, slots = make_variables(opt, np.zeros([vocab, dim]))
-  fn = tf.function(lambda ids, g: updates.apply_sparse_update(
-      opt, table, slots, ids, g, tf.constant(0.1)))
-  graph = fn.get_concrete_function(tf.TensorSpec([None], tf.int32),
-                                   tf.TensorSpec([None, dim], tf.float32)).graph
+  fn = tf.function(
+    lambda ids, g: updates.apply_sparse_update(opt, table, slots, ids, g, tf.constant(0.1))
+  )
+  graph = fn.get_concrete_function(
+    tf.TensorSpec([None], tf.int32), tf.TensorSpec([None, dim], tf.float32)
+  ).graph
   for op in graph.get_operations():
     for out in op.outputs:
       if out.dtype != tf.resource and out.shape.rank:
@@ -314,22 +371,28 @@ def _custom_momentum(grads, rows, slot_rows, learning_rate, hyperparameters):
 
 def _custom_optimizer(lr: float, mu: float):
   return E.CustomOptimizer(
-      _custom_momentum, learning_rate=lr, slot_names=["momenta", "counts"],
-      slot_initializers=[tf.zeros_initializer(), tf.zeros_initializer()],
-      hyperparameters=[lambda: mu], slot_dims=[2, 1])
+    _custom_momentum,
+    learning_rate=lr,
+    slot_names=["momenta", "counts"],
+    slot_initializers=[tf.zeros_initializer(), tf.zeros_initializer()],
+    hyperparameters=[lambda: mu],
+    slot_dims=[2, 1],
+  )
 
 
 def _custom_variables(table: np.ndarray):
   vocab, dim = table.shape
-  return (tf.Variable(table, dtype=tf.float32),
-          {"momenta": tf.Variable(tf.zeros([vocab, dim])),
-           "counts": tf.Variable(tf.zeros([vocab]))})
+  return (
+    tf.Variable(table, dtype=tf.float32),
+    {"momenta": tf.Variable(tf.zeros([vocab, dim])), "counts": tf.Variable(tf.zeros([vocab]))},
+  )
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_custom_optimizer_single_table_row_result(mode):
-  opt = E.CustomOptimizer(lambda g, w, s, lr, h: w - lr * h[0] * g, learning_rate=0.5,
-                          hyperparameters=[2.0])
+  opt = E.CustomOptimizer(
+    lambda g, w, s, lr, h: w - lr * h[0] * g, learning_rate=0.5, hyperparameters=[2.0]
+  )
   table = tf.Variable([[1.0, 1.0], [2.0, 2.0]])
   step = updater(opt, table, {}, mode, lr=0.5)
   step(tf.constant([1]), tf.constant([[1.0, -1.0]]))
@@ -344,17 +407,24 @@ _POSITIVE = st.floats(0.01, 1.0)
 
 @st.composite
 def _common(draw) -> Dict:
-  clip = draw(st.one_of(
-      st.none(), _POSITIVE,
-      st.tuples(st.one_of(st.none(), st.floats(-1.0, 0.0)),
-                st.one_of(st.none(), st.floats(0.0, 1.0)))))
+  clip = draw(
+    st.one_of(
+      st.none(),
+      _POSITIVE,
+      st.tuples(
+        st.one_of(st.none(), st.floats(-1.0, 0.0)), st.one_of(st.none(), st.floats(0.0, 1.0))
+      ),
+    )
+  )
   decay = draw(st.one_of(st.none(), st.just(0.0), st.floats(0.001, 0.3)))
   return dict(
-      learning_rate=draw(_LR), clipvalue=clip,
-      clip_weight_min=draw(st.one_of(st.none(), st.floats(-2.0, -0.05))),
-      clip_weight_max=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
-      weight_decay_factor=decay,
-      multiply_weight_decay_factor_by_learning_rate=draw(st.booleans()) if decay else None)
+    learning_rate=draw(_LR),
+    clipvalue=clip,
+    clip_weight_min=draw(st.one_of(st.none(), st.floats(-2.0, -0.05))),
+    clip_weight_max=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+    weight_decay_factor=decay,
+    multiply_weight_decay_factor_by_learning_rate=draw(st.booleans()) if decay else None,
+  )
 
 
 @st.composite
@@ -369,45 +439,72 @@ def optimizers(draw):
     return E.Adagrad(initial_accumulator_value=draw(_POSITIVE), **kwargs)
   if kind == "adagrad_momentum":
     return E.AdagradMomentum(
-        momentum=draw(st.floats(0.0, 0.95)), use_nesterov=draw(st.booleans()),
-        exponent=draw(st.sampled_from([2, 1.5, 3.0, 4])),
-        beta2=draw(st.sampled_from([1, 0.99, 0.9, 0.5])),
-        epsilon=draw(st.sampled_from([1e-10, 1e-6, 1e-3])), **kwargs)
+      momentum=draw(st.floats(0.0, 0.95)),
+      use_nesterov=draw(st.booleans()),
+      exponent=draw(st.sampled_from([2, 1.5, 3.0, 4])),
+      beta2=draw(st.sampled_from([1, 0.99, 0.9, 0.5])),
+      epsilon=draw(st.sampled_from([1e-10, 1e-6, 1e-3])),
+      **kwargs,
+    )
   if kind == "adam":
     return E.Adam(
-        beta_1=draw(st.floats(0.0, 0.95)), beta_2=draw(st.sampled_from([0.0, 0.5, 0.9, 0.999])),
-        epsilon=draw(st.sampled_from([1e-7, 1e-4, 1e-2])), lazy_adam=draw(st.booleans()),
-        sum_inside_sqrt=draw(st.booleans()), **kwargs)
+      beta_1=draw(st.floats(0.0, 0.95)),
+      beta_2=draw(st.sampled_from([0.0, 0.5, 0.9, 0.999])),
+      epsilon=draw(st.sampled_from([1e-7, 1e-4, 1e-2])),
+      lazy_adam=draw(st.booleans()),
+      sum_inside_sqrt=draw(st.booleans()),
+      **kwargs,
+    )
   return E.FTRL(
-      learning_rate_power=draw(st.sampled_from([-0.5, -0.25, -1.0, 0.0])),
-      l1_regularization_strength=draw(st.sampled_from([0.0, 0.01, 0.3])),
-      l2_regularization_strength=draw(st.sampled_from([0.0, 0.1, 1.0])),
-      beta=draw(st.sampled_from([0.0, 0.5, 1.0])),
-      initial_accumulator_value=draw(_POSITIVE),
-      multiply_linear_by_learning_rate=draw(st.booleans()), **kwargs)
+    learning_rate_power=draw(st.sampled_from([-0.5, -0.25, -1.0, 0.0])),
+    l1_regularization_strength=draw(st.sampled_from([0.0, 0.01, 0.3])),
+    l2_regularization_strength=draw(st.sampled_from([0.0, 0.1, 1.0])),
+    beta=draw(st.sampled_from([0.0, 0.5, 1.0])),
+    initial_accumulator_value=draw(_POSITIVE),
+    multiply_linear_by_learning_rate=draw(st.booleans()),
+    **kwargs,
+  )
 
 
 @st.composite
 def problems(draw):
   vocab = draw(st.integers(1, 12))
   dim = draw(st.integers(1, 4))
-  table = np.array(draw(st.lists(st.integers(-16, 16), min_size=vocab * dim,
-                                 max_size=vocab * dim)), np.float64).reshape(vocab, dim) / 16
+  table = (
+    np.array(
+      draw(st.lists(st.integers(-16, 16), min_size=vocab * dim, max_size=vocab * dim)), np.float64
+    ).reshape(vocab, dim)
+    / 16
+  )
   steps = []
   for _ in range(draw(st.integers(2, 3))):
     ids = draw(st.lists(st.integers(0, vocab - 1), unique=True, max_size=vocab))
-    grads = np.array(draw(st.lists(st.integers(-40, 40), min_size=len(ids) * dim,
-                                   max_size=len(ids) * dim)), np.float64) / 16
+    grads = (
+      np.array(
+        draw(st.lists(st.integers(-40, 40), min_size=len(ids) * dim, max_size=len(ids) * dim)),
+        np.float64,
+      )
+      / 16
+    )
     steps.append((np.array(ids, np.int64), grads.reshape(len(ids), dim)))
   return table, steps
 
 
 @pytest.mark.usefixtures("engine_path")  # the same for every example: only sets the path
-@hypothesis.settings(max_examples=60, deadline=None,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                                            hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(optimizer=optimizers(), problem=problems(),
-                  mode=st.sampled_from(MODES), id_dtype=st.sampled_from([tf.int32, tf.int64]))
+@hypothesis.settings(
+  max_examples=60,
+  deadline=None,
+  suppress_health_check=[
+    hypothesis.HealthCheck.too_slow,
+    hypothesis.HealthCheck.function_scoped_fixture,
+  ],
+)
+@hypothesis.given(
+  optimizer=optimizers(),
+  problem=problems(),
+  mode=st.sampled_from(MODES),
+  id_dtype=st.sampled_from([tf.int32, tf.int64]),
+)
 def test_matches_reference(optimizer, problem, mode, id_dtype):
   table0, steps = problem
   params = reference.params_from_optimizer(optimizer)
@@ -426,8 +523,7 @@ def test_matches_reference(optimizer, problem, mode, id_dtype):
     ref_table, ref_slots = reference.apply_step(ref_table, ref_slots, ids, grads, lr, params)
     np.testing.assert_allclose(table.numpy(), ref_table, rtol=1e-4, atol=1e-5)
     for name, var in slots.items():
-      np.testing.assert_allclose(var.numpy(), ref_slots[name], rtol=1e-4, atol=1e-5,
-                                 err_msg=name)
+      np.testing.assert_allclose(var.numpy(), ref_slots[name], rtol=1e-4, atol=1e-5, err_msg=name)
     if not every_row:
       untouched = np.setdiff1d(np.arange(table0.shape[0]), ids)
       after = [table.numpy()] + [v.numpy() for v in slots.values()]
@@ -438,13 +534,17 @@ def test_matches_reference(optimizer, problem, mode, id_dtype):
     ref_slots = {k: v.numpy().astype(np.float64) for k, v in slots.items()}
 
 
-@pytest.mark.parametrize("make_optimizer,locked_op", [
+@pytest.mark.parametrize(
+  "make_optimizer,locked_op",
+  [
     (lambda: E.SGD(learning_rate=0.25), "ResourceScatterSub"),
     (lambda: E.Adagrad(learning_rate=0.25), "ResourceSparseApplyAdagradV2"),
     (lambda: E.Adagrad(learning_rate=0.25, clipvalue=0.5), None),  # no locked kernel clips
-])
-def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(make_optimizer, locked_op,
-                                                                    monkeypatch):
+  ],
+)
+def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(
+  make_optimizer, locked_op, monkeypatch
+):
   """What parameter-server workers get when the compiled kernel may not run on the ps."""
   monkeypatch.setenv("TPU_EMBEDDING_NATIVE_KERNELS", "0")
   optimizer = make_optimizer()
@@ -456,8 +556,9 @@ def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(make_optimiz
 
     @tf.function
     def step(atomic=atomic, table=table, slots=slots):
-      updates.apply_sparse_update(optimizer, table, slots, ids, grads, tf.constant(0.25),
-                                  atomic=atomic)
+      updates.apply_sparse_update(
+        optimizer, table, slots, ids, grads, tf.constant(0.25), atomic=atomic
+      )
 
     step()
     results.append([table.numpy()] + [v.numpy() for v in slots.values()])
@@ -467,6 +568,12 @@ def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(make_optimiz
   for locked, unlocked in zip(*results):
     np.testing.assert_allclose(locked, unlocked, rtol=1e-6)
   params = reference.params_from_optimizer(optimizer)
-  want, _ = reference.apply_step(table0, reference.initial_slots(params, table0.shape),
-                                 ids.numpy(), grads.numpy().astype(np.float64), 0.25, params)
+  want, _ = reference.apply_step(
+    table0,
+    reference.initial_slots(params, table0.shape),
+    ids.numpy(),
+    grads.numpy().astype(np.float64),
+    0.25,
+    params,
+  )
   np.testing.assert_allclose(results[0][0], want, rtol=1e-6, atol=1e-7)

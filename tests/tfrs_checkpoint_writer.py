@@ -19,7 +19,8 @@ import tensorflow as tf
 E = tf.tpu.experimental.embedding
 OPTIMIZERS = ("sgd", "adagrad", "adam", "ftrl")
 CASES = [("TPUEmbedding", name) for name in OPTIMIZERS] + [
-    ("PartialTPUEmbedding", name) for name in ("adagrad", "adam")]
+  ("PartialTPUEmbedding", name) for name in ("adagrad", "adam")
+]
 # PartialTPUEmbedding threshold: "small" (8 rows, shared by two features) is replicated and
 # "large" (30 rows) sharded.
 SIZE_THRESHOLD = 10
@@ -30,26 +31,27 @@ LABELS = [[1.0], [0.0], [2.0], [1.0]]
 def feature_config():
   small = E.TableConfig(8, 4, name="small", initializer=tf.constant_initializer(0.1))
   large = E.TableConfig(30, 2, name="large", initializer=tf.constant_initializer(-0.2))
-  return {"a": E.FeatureConfig(small), "b": E.FeatureConfig(small),
-          "c": E.FeatureConfig(large)}
+  return {"a": E.FeatureConfig(small), "b": E.FeatureConfig(small), "c": E.FeatureConfig(large)}
 
 
 def keras_optimizer(name, optimizers):
   """The same Keras optimizer in either process (`optimizers` is its legacy namespace)."""
-  return {"sgd": lambda: optimizers.SGD(0.1), "adagrad": lambda: optimizers.Adagrad(0.5),
-          "adam": lambda: optimizers.Adam(0.1), "ftrl": lambda: optimizers.Ftrl(0.3)}[name]()
+  return {
+    "sgd": lambda: optimizers.SGD(0.1),
+    "adagrad": lambda: optimizers.Adagrad(0.5),
+    "adam": lambda: optimizers.Adam(0.1),
+    "ftrl": lambda: optimizers.Ftrl(0.3),
+  }[name]()
 
 
 def build_model(layer, optimizer, keras):
   """A ranking model around `layer`, built with the Keras namespace `keras`."""
 
   class Model(keras.Model):
-
     def __init__(self):
       super().__init__()
       self.embedding = layer
-      self.dense = keras.layers.Dense(
-          1, kernel_initializer=keras.initializers.Constant(0.5))
+      self.dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(0.5))
 
     def call(self, features):
       activations = self.embedding(features)
@@ -67,6 +69,7 @@ def inputs():
 def main(out_dir):
   from tensorflow_recommenders.experimental.layers.embedding import PartialTPUEmbedding
   from tensorflow_recommenders.layers.embedding import TPUEmbedding
+
   for layer_name, optimizer_name in CASES:
     tf.keras.utils.set_random_seed(0)
     optimizer = keras_optimizer(optimizer_name, tf.keras.optimizers.legacy)
@@ -78,7 +81,8 @@ def main(out_dir):
     data = tf.data.Dataset.from_tensors((inputs(), tf.constant(LABELS))).repeat(2)
     model.fit(data, verbose=0)
     tf.train.Checkpoint(model=model, optimizer=optimizer).write(
-        os.path.join(out_dir, f"{layer_name}-{optimizer_name}", "ckpt"))
+      os.path.join(out_dir, f"{layer_name}-{optimizer_name}", "ckpt")
+    )
 
 
 def read(path, out, layer_name):
@@ -86,6 +90,7 @@ def read(path, out, layer_name):
   saves, by table, the table and Keras accumulator it ended with (NaN: none) to `out`."""
   from tensorflow_recommenders.experimental.layers.embedding import PartialTPUEmbedding
   from tensorflow_recommenders.layers.embedding import TPUEmbedding
+
   optimizer = keras_optimizer("adagrad", tf.keras.optimizers.legacy)
   if layer_name == "TPUEmbedding":
     layer = TPUEmbedding(feature_config(), optimizer)

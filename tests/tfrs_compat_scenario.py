@@ -28,9 +28,9 @@ KEYS = ["watched", "favorited", "friends"]
 BATCH = 4
 # The ids of tf-recommenders' test, one bag per row.
 IDS = {
-    "watched": ([0, 0, 1, 0, 1, 1], [1, 2, 2, 1], 2),
-    "favorited": ([0, 1, 1, 0, 0, 1], [2, 1, 1, 2], 2),
-    "friends": ([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3], 3),
+  "watched": ([0, 0, 1, 0, 1, 1], [1, 2, 2, 1], 2),
+  "favorited": ([0, 1, 1, 0, 0, 1], [2, 1, 1, 2], 2),
+  "friends": ([3, 0, 1, 2, 3, 0, 1, 2], [1, 3, 1, 3], 3),
 }
 DENSE = [10.7, 11.4, 10.7, 11.4]
 
@@ -46,13 +46,15 @@ def layer_class(implementation):
 def feature_config():
   initializer = tf.constant_initializer(np.array(list(range(8)), dtype=np.float64))
   video = tf.tpu.experimental.embedding.TableConfig(
-      vocabulary_size=2, dim=4, initializer=initializer, combiner="sum", name="video_table")
+    vocabulary_size=2, dim=4, initializer=initializer, combiner="sum", name="video_table"
+  )
   user = tf.tpu.experimental.embedding.TableConfig(
-      vocabulary_size=4, dim=2, initializer=initializer, combiner="mean", name="user_table")
+    vocabulary_size=4, dim=2, initializer=initializer, combiner="mean", name="user_table"
+  )
   return {
-      "watched": tf.tpu.experimental.embedding.FeatureConfig(table=video, name="watched"),
-      "favorited": tf.tpu.experimental.embedding.FeatureConfig(table=video, name="favorited"),
-      "friends": tf.tpu.experimental.embedding.FeatureConfig(table=user, name="friends"),
+    "watched": tf.tpu.experimental.embedding.FeatureConfig(table=video, name="watched"),
+    "favorited": tf.tpu.experimental.embedding.FeatureConfig(table=video, name="favorited"),
+    "friends": tf.tpu.experimental.embedding.FeatureConfig(table=user, name="friends"),
   }
 
 
@@ -62,8 +64,9 @@ def create_optimizer(name):
   if name == "adagrad":
     return tf.keras.optimizers.legacy.Adagrad(learning_rate=0.1, initial_accumulator_value=10)
   if name == "adam":
-    return tf.keras.optimizers.legacy.Adam(learning_rate=0.1, beta_1=0.9, beta_2=0.999,
-                                           epsilon=1e-08)
+    return tf.keras.optimizers.legacy.Adam(
+      learning_rate=0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-08
+    )
   raise ValueError(name)
 
 
@@ -72,8 +75,12 @@ def create_model(embedding_class, optimizer_name, sparse):
   with strategy.scope():
     optimizer = create_optimizer(optimizer_name)
     embedding_layer = embedding_class(feature_config=feature_config(), optimizer=optimizer)
-    input_args = {"batch_size": BATCH, "shape": (), "sparse" if sparse else "ragged": True,
-                  "dtype": tf.int32}
+    input_args = {
+      "batch_size": BATCH,
+      "shape": (),
+      "sparse" if sparse else "ragged": True,
+      "dtype": tf.int32,
+    }
     embedding_inputs = {key: tf.keras.Input(**input_args, name=key) for key in KEYS}
     activations = embedding_layer(embedding_inputs)
     dense_input = tf.keras.Input(shape=())
@@ -88,27 +95,30 @@ def create_dataset(sparse):
   for key, (values, lengths, width) in IDS.items():
     if sparse:
       indices = [[row, i] for row, n in enumerate(lengths) for i in range(n)]
-      features[key] = tf.SparseTensor(indices=indices,
-                                      values=tf.constant(values, dtype=tf.int32),
-                                      dense_shape=[BATCH, width])
+      features[key] = tf.SparseTensor(
+        indices=indices, values=tf.constant(values, dtype=tf.int32), dense_shape=[BATCH, width]
+      )
     else:
       features[key] = tf.RaggedTensor.from_row_lengths(
-          row_lengths=lengths, values=tf.constant(values, dtype=tf.int32))
+        row_lengths=lengths, values=tf.constant(values, dtype=tf.int32)
+      )
   features["dense"] = tf.constant(DENSE, dtype=tf.float32)
   return tf.data.Dataset.from_tensors(features).repeat()
 
 
 def total_loss_tensor(activations):
-  losses = [tf.reduce_mean(tf.reduce_sum(tf.math.squared_difference(activations[key], 0), 1))
-            for key in activations]
+  losses = [
+    tf.reduce_mean(tf.reduce_sum(tf.math.squared_difference(activations[key], 0), 1))
+    for key in activations
+  ]
   return tf.expand_dims(sum(losses), 0)
 
 
 def run_scenario(embedding_class, optimizer_name, training, sparse, steps=2):
   model, strategy, optimizer = create_model(embedding_class, optimizer_name, sparse)
   dist = strategy.experimental_distribute_dataset(
-      create_dataset(sparse),
-      options=tf.distribute.InputOptions(experimental_fetch_to_device=False))
+    create_dataset(sparse), options=tf.distribute.InputOptions(experimental_fetch_to_device=False)
+  )
   dist_iter = iter(dist)
 
   @tf.function
@@ -133,8 +143,12 @@ def run_scenario(embedding_class, optimizer_name, training, sparse, steps=2):
   for _ in range(steps):
     out = test_fn()
     assert len(out) == 4, out  # upstream's only check: the loss and three activations
-    results.append({"loss": out[0].numpy().tolist(),
-                    **{key: value.numpy().tolist() for key, value in zip(KEYS, out[1:])}})
+    results.append(
+      {
+        "loss": out[0].numpy().tolist(),
+        **{key: value.numpy().tolist() for key, value in zip(KEYS, out[1:])},
+      }
+    )
   return results
 
 
@@ -144,13 +158,18 @@ def main(out_path):
   for implementation in ("tpu_embedding", "tfrs"):
     embedding_class = layer_class(implementation)
     for optimizer_name, training, sparse in itertools.product(
-        ["sgd", "adagrad", "adam"], [True, False], [True, False]):
+      ["sgd", "adagrad", "adam"], [True, False], [True, False]
+    ):
       if implementation == "tfrs" and (not training or optimizer_name == "adam"):
         # tf-recommenders is the reference: its lookups do not depend on the optimizer or on
         # training, and its Adam (Keras, bias-corrected) is not the TPU's, so nothing to compare.
         continue
-      entry = {"implementation": implementation, "optimizer": optimizer_name,
-               "training": training, "sparse": sparse}
+      entry = {
+        "implementation": implementation,
+        "optimizer": optimizer_name,
+        "training": training,
+        "sparse": sparse,
+      }
       start = time.perf_counter()
       try:
         entry["steps"] = run_scenario(embedding_class, optimizer_name, training, sparse)

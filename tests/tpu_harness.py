@@ -38,8 +38,14 @@ EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 # The TPU strategy's extended attributes that TF's mid-level classes read (TPUExtended sets
 # them in its __init__); the stand-in carries these and nothing more of TPUExtended.
 # `tpu_run` is what `TPUStrategy.run` calls.
-STRATEGY_ATTRIBUTES = ("tpu_hardware_feature", "_tpu_devices", "_device_assignment",
-                       "num_hosts", "worker_devices", "tpu_run")
+STRATEGY_ATTRIBUTES = (
+  "tpu_hardware_feature",
+  "_tpu_devices",
+  "_device_assignment",
+  "num_hosts",
+  "worker_devices",
+  "tpu_run",
+)
 
 
 @dataclasses.dataclass
@@ -69,8 +75,9 @@ class _StandInExtended(one_device_strategy.OneDeviceExtended):
   def __init__(self, strategy, feature: EmbeddingFeature, replicas: int, sparse_cores: int):
     super().__init__(strategy, "/cpu:0")
     self.tpu_hardware_feature = _HardwareFeature(feature, sparse_cores)
-    self._tpu_devices = np.array([[f"/job:localhost/replica:0/task:0/device:TPU:{i}"]
-                                  for i in range(replicas)], dtype=object)
+    self._tpu_devices = np.array(
+      [[f"/job:localhost/replica:0/task:0/device:TPU:{i}"] for i in range(replicas)], dtype=object
+    )
     self._device_assignment = None
 
   @property
@@ -97,11 +104,11 @@ class StandInTPUStrategy(tf.distribute.TPUStrategy):
   def __init__(self, feature: EmbeddingFeature, replicas: int = 1, sparse_cores: int = 4):
     # Skips TPUStrategy.__init__ (it connects to a TPU cluster); the generic base is enough.
     distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
-        self, _StandInExtended(self, feature, replicas, sparse_cores))
+      self, _StandInExtended(self, feature, replicas, sparse_cores)
+    )
 
 
-def _traced_instead_of_run(recorded: Recorded, counter: str,
-                           function: Callable) -> Callable:
+def _traced_instead_of_run(recorded: Recorded, counter: str, function: Callable) -> Callable:
   """A stand-in for a tf.function that loads/retrieves: traces its graph, runs nothing."""
 
   def stub(*args, **kwargs):
@@ -124,16 +131,25 @@ def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
   """(module, TF-internal name, replacement) for every call needing a TPU."""
   # pylint: disable=protected-access
   return [
-      # V1 build: asks the TPU whether the embedding engine is initialised.
-      (tpu_ops, "is_tpu_embedding_initialized", lambda *args, **kwargs: False),
-      # V1 build: initialises the TPU embedding engine with the config proto.
-      (tpu_lib, "initialize_system_for_tpu_embedding",
-       _initialise_by_tracing(recorded, tpu_lib.initialize_system_for_tpu_embedding)),
-      # V1 build / restore and save: copy tables into and out of TPU memory.
-      (tpu_embedding_v2, "_load_variables_impl",
-       _traced_instead_of_run(recorded, "loads", tpu_embedding_v2._load_variables_impl)),
-      (tpu_embedding_v2, "_retrieve_variables_impl",
-       _traced_instead_of_run(recorded, "retrieves", tpu_embedding_v2._retrieve_variables_impl)),
+    # V1 build: asks the TPU whether the embedding engine is initialised.
+    (tpu_ops, "is_tpu_embedding_initialized", lambda *args, **kwargs: False),
+    # V1 build: initialises the TPU embedding engine with the config proto.
+    (
+      tpu_lib,
+      "initialize_system_for_tpu_embedding",
+      _initialise_by_tracing(recorded, tpu_lib.initialize_system_for_tpu_embedding),
+    ),
+    # V1 build / restore and save: copy tables into and out of TPU memory.
+    (
+      tpu_embedding_v2,
+      "_load_variables_impl",
+      _traced_instead_of_run(recorded, "loads", tpu_embedding_v2._load_variables_impl),
+    ),
+    (
+      tpu_embedding_v2,
+      "_retrieve_variables_impl",
+      _traced_instead_of_run(recorded, "retrieves", tpu_embedding_v2._retrieve_variables_impl),
+    ),
   ]
 
 
@@ -141,8 +157,9 @@ def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
 TPU_STRATEGY_CLASSES = (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)
 
 
-def tpu_strategy(monkeypatch, feature: EmbeddingFeature, replicas: int = 1
-                 ) -> tuple[StandInTPUStrategy, Recorded]:
+def tpu_strategy(
+  monkeypatch, feature: EmbeddingFeature, replicas: int = 1
+) -> tuple[StandInTPUStrategy, Recorded]:
   """A stand-in TPU strategy, with the TPU runtime stubbed for the rest of the test."""
   recorded = Recorded()
   for module, name, replacement in runtime_stubs(recorded):
@@ -154,12 +171,17 @@ def tpu_strategy(monkeypatch, feature: EmbeddingFeature, replicas: int = 1
 # Two small tables for the V0 / V1 tests, holding 0, 1, ..., 7 row by row
 
 
-def video_and_user_tables(video: str = "video", user: str = "user"
-                          ) -> tuple[tf.tpu.experimental.embedding.TableConfig, ...]:
+def video_and_user_tables(
+  video: str = "video", user: str = "user"
+) -> tuple[tf.tpu.experimental.embedding.TableConfig, ...]:
   """A [2, 4] "sum" table and a [4, 2] "mean" table, both 0..7 in row-major order."""
   make = lambda vocabulary, dim, combiner, name: tf.tpu.experimental.embedding.TableConfig(
-      vocabulary_size=vocabulary, dim=dim, combiner=combiner, name=name,
-      initializer=tf.constant_initializer(np.arange(8.0)))
+    vocabulary_size=vocabulary,
+    dim=dim,
+    combiner=combiner,
+    name=name,
+    initializer=tf.constant_initializer(np.arange(8.0)),
+  )
   return make(2, 4, "sum", video), make(4, 2, "mean", user)
 
 
@@ -182,7 +204,8 @@ def pattern(offset: float) -> Callable:
 def pattern_table(vocabulary: int, dim: int, offset: float) -> np.ndarray:
   """The logical table `pattern(offset)` gives a [vocabulary, dim] table, computed in NumPy."""
   return (offset + 100.0 * np.arange(vocabulary)[:, None] + np.arange(dim)[None, :]).astype(
-      np.float32)
+    np.float32
+  )
 
 
 def logical_by_hand(stacked: np.ndarray, layout: Any) -> np.ndarray:
@@ -192,8 +215,12 @@ def logical_by_hand(stacked: np.ndarray, layout: Any) -> np.ndarray:
   n = layout.num_sparse_cores
   rows_per_core = stacked.shape[0] // n
   vocabulary, dim = layout.unsharded_shape
-  rows = [((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
-          + layout.sparse_core_shard_row_offset + r // n for r in range(vocabulary)]
+  rows = [
+    ((r % n + layout.sparse_core_shard_rotation) % n) * rows_per_core
+    + layout.sparse_core_shard_row_offset
+    + r // n
+    for r in range(vocabulary)
+  ]
   return stacked[rows, :dim]
 
 

@@ -9,10 +9,10 @@ import importlib
 from typing import Any
 
 _MODULE_OF = {
-    "PartialTPUEmbedding": "tpu_embedding.partial",
-    "Path": "tpu_embedding.hardware",
-    "TPUEmbedding": "tpu_embedding.layer",
-    "translate_keras_optimizer": "tpu_embedding.optimizers",
+  "PartialTPUEmbedding": "tpu_embedding.partial",
+  "Path": "tpu_embedding.hardware",
+  "TPUEmbedding": "tpu_embedding.layer",
+  "translate_keras_optimizer": "tpu_embedding.optimizers",
 }
 
 __all__ = sorted(_MODULE_OF)

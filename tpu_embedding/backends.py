@@ -58,12 +58,10 @@ class Backend(abc.ABC):
     """The trackable holding the tables, stored by the layer as `_tpu_embedding`."""
 
   @abc.abstractmethod
-  def build(self, per_replica_input_shapes: Any) -> None:
-    ...
+  def build(self, per_replica_input_shapes: Any) -> None: ...
 
   @abc.abstractmethod
-  def lookup(self, features: Any, weights: Any, trap: Optional[tf.Variable]) -> Any:
-    ...
+  def lookup(self, features: Any, weights: Any, trap: Optional[tf.Variable]) -> Any: ...
 
   @property
   def embedding_tables(self) -> dict:
@@ -97,15 +95,21 @@ class CpuBackend(Backend):
 
   path = hardware.Path.CPU
 
-  def __init__(self, config, pipelining: bool = False, table_updates: str = "engine",
-               check_finite: bool = False):
+  def __init__(
+    self,
+    config,
+    pipelining: bool = False,
+    table_updates: str = "engine",
+    check_finite: bool = False,
+  ):
     super().__init__(config)
     if table_updates not in TABLE_UPDATES:
       raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
     keras_managed = table_updates == "keras"
     self.needs_trap = not keras_managed
-    self._engine = EmbeddingEngine(config, pipelining=pipelining, keras_managed=keras_managed,
-                                   check_finite=check_finite)
+    self._engine = EmbeddingEngine(
+      config, pipelining=pipelining, keras_managed=keras_managed, check_finite=check_finite
+    )
 
   @property
   def mid_level(self) -> EmbeddingEngine:
@@ -164,9 +168,15 @@ class TpuV0Backend(Backend):
 
   def lookup(self, features, weights, trap):
     activations = self._mid_level(features, weights)
-    return tf.nest.pack_sequence_as(self.config.feature_config, [
-        _as_other_paths_give(feature, ids, out) for (feature, ids), out in zip(
-            config_lib.match_structure(self.config, features), tf.nest.flatten(activations))])
+    return tf.nest.pack_sequence_as(
+      self.config.feature_config,
+      [
+        _as_other_paths_give(feature, ids, out)
+        for (feature, ids), out in zip(
+          config_lib.match_structure(self.config, features), tf.nest.flatten(activations)
+        )
+      ],
+    )
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
@@ -177,8 +187,12 @@ def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) 
   """Two differences of TF's V0 class from every other path, undone: it keeps the trailing 1 of
   dense [B, 1] ids ([B, 1, D], not [B, D]), and it looks the padding of a short ragged or sparse
   sequence up as id 0 (row 0's values, not zeros)."""
-  if (isinstance(ids, tf.Tensor) and ids.shape.rank is not None and ids.shape.rank >= 2
-      and ids.shape[-1] == 1):
+  if (
+    isinstance(ids, tf.Tensor)
+    and ids.shape.rank is not None
+    and ids.shape.rank >= 2
+    and ids.shape[-1] == 1
+  ):
     return tf.squeeze(out, -2)
   length = feature.config.max_sequence_length
   if not length or isinstance(ids, tf.Tensor):
@@ -187,24 +201,28 @@ def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) 
     present = tf.sequence_mask(ids.row_lengths(), length)
   else:
     positions = tf.SparseTensor(ids.indices, tf.ones_like(ids.values, tf.bool), ids.dense_shape)
-    present = tf.sparse.to_dense(tf.sparse.slice(
-        positions, [0, 0], tf.stack([ids.dense_shape[0], length])), default_value=False)
+    present = tf.sparse.to_dense(
+      tf.sparse.slice(positions, [0, 0], tf.stack([ids.dense_shape[0], length])),
+      default_value=False,
+    )
     present = tf.pad(present, [[0, 0], [0, length - tf.shape(present)[1]]])
   return out * tf.cast(present, out.dtype)[:, :, None]
 
 
 def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimizer: Any) -> None:
   given = [("optimizer", user_optimizer)] + [
-      (f"TableConfig {clone.name!r}.optimizer", config.user_tables[clone].optimizer)
-      for clone in config.tables]
+    (f"TableConfig {clone.name!r}.optimizer", config.user_tables[clone].optimizer)
+    for clone in config.tables
+  ]
   for where, optimizer in given:
     if isinstance(optimizer, typing.get_args(optimizers.MidLevelOptimizer)):
       raise ValueError(
-          f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
-          f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
-          "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
-          "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
-          "Keras optimizer (or its name) and apply that same optimizer to the model.")
+        f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
+        f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
+        "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
+        "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
+        "Keras optimizer (or its name) and apply that same optimizer to the model."
+      )
 
 
 class TpuV1Backend(Backend):
@@ -218,8 +236,7 @@ class TpuV1Backend(Backend):
     self._batch_size = batch_size
     _require_optimizers(config, self.path)
     _give_packing_status_as_enum(config)
-    self._mid_level = _embedding.TPUEmbedding(config.feature_config, config.optimizer,
-                                             pipelining)
+    self._mid_level = _embedding.TPUEmbedding(config.feature_config, config.optimizer, pipelining)
     self._call_ids = itertools.count(1)
 
   @property
@@ -261,7 +278,8 @@ class TpuV1Backend(Backend):
 
       def grad(*upstream):
         self._mid_level.apply_gradients(
-            tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)), name=name)
+          tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)), name=name
+        )
         return tf.zeros_like(dummy)
 
       return activations, grad
@@ -273,9 +291,10 @@ def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.Path)
   missing = [table.name for table in config.tables if table.optimizer is None]
   if missing:
     raise ValueError(
-        f"Tables {missing} have no optimizer, but on path {path.name} the TPU trains every "
-        "table with its own mid-level optimizer. optimizer=None is only for serving-only layers "
-        "off TPU: pass optimizer= (or TableConfig.optimizer).")
+      f"Tables {missing} have no optimizer, but on path {path.name} the TPU trains every "
+      "table with its own mid-level optimizer. optimizer=None is only for serving-only layers "
+      "off TPU: pass optimizer= (or TableConfig.optimizer)."
+    )
 
 
 def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) -> None:
@@ -283,13 +302,19 @@ def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) ->
   enqueue refuses them deep inside TF; refused here by feature name."""
   for feature, ids in config_lib.match_structure(config, features):
     shape = getattr(ids, "shape", None)
-    if (isinstance(ids, tf.Tensor) and shape.rank is not None and shape.rank >= 2
-        and shape[-1] not in (None, 1) and not feature.config.max_sequence_length):
+    if (
+      isinstance(ids, tf.Tensor)
+      and shape.rank is not None
+      and shape.rank >= 2
+      and shape[-1] not in (None, 1)
+      and not feature.config.max_sequence_length
+    ):
       raise ValueError(
-          f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
-          f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
-          "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
-          "FeatureConfig.max_sequence_length for a sequence feature.")
+        f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
+        f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
+        "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
+        "FeatureConfig.max_sequence_length for a sequence feature."
+      )
 
 
 def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
@@ -309,7 +334,8 @@ def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
     if id(optimizer) not in copies:
       fixed = copy.copy(optimizer)
       fixed.low_dimensional_packing_status = (
-          _PACKING.ENABLED if optimizer.low_dimensional_packing_status else _PACKING.UNSPECIFIED)
+        _PACKING.ENABLED if optimizer.low_dimensional_packing_status else _PACKING.UNSPECIFIED
+      )
       copies[id(optimizer)] = fixed
     table.optimizer = copies[id(optimizer)]
 
@@ -325,8 +351,9 @@ class TpuV2Backend(Backend):
     _require_optimizers(config, self.path)
     _require_output_shapes(config)
     _refuse_what_sparse_core_ignores(config)
-    self._mid_level = _embedding.TPUEmbeddingV2(config.feature_config, config.optimizer,
-                                               pipelining, sparse_core_embedding_config)
+    self._mid_level = _embedding.TPUEmbeddingV2(
+      config.feature_config, config.optimizer, pipelining, sparse_core_embedding_config
+    )
 
   @property
   def mid_level(self):
@@ -343,8 +370,9 @@ class TpuV2Backend(Backend):
     padded, row-dealt and rotated over the SparseCores; these are read-only copies of the
     tables as configured (write through a checkpoint restore, not through these).
     """
-    return sparse_core.logical_tables(self._mid_level.embedding_tables,
-                                      self._mid_level.embedding_layouts, self.config.tables)
+    return sparse_core.logical_tables(
+      self._mid_level.embedding_tables, self._mid_level.embedding_layouts, self.config.tables
+    )
 
   def needs_relayout(self, path: str) -> bool:
     return sparse_core.needs_relayout(path, self._mid_level)
@@ -356,8 +384,9 @@ class TpuV2Backend(Backend):
 
       def grad(*upstream):
         self._mid_level.apply_gradients(
-            tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)),
-            preserved_outputs=preserved)
+          tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)),
+          preserved_outputs=preserved,
+        )
         return tf.zeros_like(dummy)
 
       return tf.nest.flatten(activations), grad
@@ -369,9 +398,10 @@ def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
   missing = [f.name for f in config.features if not f.config.output_shape.is_fully_defined()]
   if missing:
     raise ValueError(
-        f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
-        f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
-        "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length]).")
+      f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
+      f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
+      "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length])."
+    )
 
 
 def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None:
@@ -380,38 +410,50 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
   for table in config.tables:
     optimizer = table.optimizer
     settings = {
-        "clipvalue": (optimizer.clip_gradient_min, optimizer.clip_gradient_max),
-        "clip_weight_min": (optimizer.clip_weight_min,),
-        "clip_weight_max": (optimizer.clip_weight_max,),
-        "weight_decay_factor": (optimizer.weight_decay_factor,),
-        "multiply_weight_decay_factor_by_learning_rate": (
-            optimizer.multiply_weight_decay_factor_by_learning_rate,),
+      "clipvalue": (optimizer.clip_gradient_min, optimizer.clip_gradient_max),
+      "clip_weight_min": (optimizer.clip_weight_min,),
+      "clip_weight_max": (optimizer.clip_weight_max,),
+      "weight_decay_factor": (optimizer.weight_decay_factor,),
+      "multiply_weight_decay_factor_by_learning_rate": (
+        optimizer.multiply_weight_decay_factor_by_learning_rate,
+      ),
     }
     for setting, values in settings.items():
       if any(value is not None for value in values):
         raise ValueError(
-            f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
-            f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
-            "gradient clipping, weight clipping or weight decay. Remove the setting for this "
-            "path (the CPU, V1 and Keras paths apply it).")
+          f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
+          f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
+          "gradient clipping, weight clipping or weight decay. Remove the setting for this "
+          "path (the CPU, V1 and Keras paths apply it)."
+        )
 
 
-def create(path: hardware.Path, config: config_lib.EmbeddingConfig, *, pipelining: bool,
-           batch_size: Optional[int], sparse_core_embedding_config,
-           table_updates: str, user_optimizer: Any = None,
-           check_finite: bool = False) -> Backend:
+def create(
+  path: hardware.Path,
+  config: config_lib.EmbeddingConfig,
+  *,
+  pipelining: bool,
+  batch_size: Optional[int],
+  sparse_core_embedding_config,
+  table_updates: str,
+  user_optimizer: Any = None,
+  check_finite: bool = False,
+) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
   if path is hardware.Path.CPU:
-    return CpuBackend(config, pipelining=pipelining, table_updates=table_updates,
-                      check_finite=check_finite)
+    return CpuBackend(
+      config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
+    )
   if check_finite:
     raise ValueError(
-        f"check_finite=True is an option of the CPU/GPU engine; on {path.name} the TPU updates "
-        "the tables itself and cannot stop at a non-finite value. Leave it off under a "
-        "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu)).")
+      f"check_finite=True is an option of the CPU/GPU engine; on {path.name} the TPU updates "
+      "the tables itself and cannot stop at a non-finite value. Leave it off under a "
+      "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu))."
+    )
   if path is hardware.Path.TPU_V0:
     return TpuV0Backend(config, user_optimizer)
   if path is hardware.Path.TPU_V1:
     return TpuV1Backend(config, pipelining=pipelining, batch_size=batch_size)
-  return TpuV2Backend(config, pipelining=pipelining,
-                      sparse_core_embedding_config=sparse_core_embedding_config)
+  return TpuV2Backend(
+    config, pipelining=pipelining, sparse_core_embedding_config=sparse_core_embedding_config
+  )

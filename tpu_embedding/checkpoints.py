@@ -50,8 +50,15 @@ def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[
   return shapes
 
 
-def validate(trackable: Any, config: Any, with_slots: bool, path: str, *,
-             layer: str = "TPUEmbedding", tables_key: Optional[str] = None) -> None:
+def validate(
+  trackable: Any,
+  config: Any,
+  with_slots: bool,
+  path: str,
+  *,
+  layer: str = "TPUEmbedding",
+  tables_key: Optional[str] = None,
+) -> None:
   """Raises ValueError unless the checkpoint at `path` holds every table (and slot) of `config`.
 
   Called from `trackable._checkpoint_adapter`, i.e. while TF is restoring and before it binds
@@ -74,14 +81,14 @@ def validate(trackable: Any, config: Any, with_slots: bool, path: str, *,
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
-        f"Cannot restore the checkpoint {path!r} into this {layer} layer:\n  - "
-        + "\n  - ".join(problems)
-        + "\nNo embedding table or slot was changed. Restore a checkpoint written by a layer "
-        "with the same tables (names, vocabulary sizes, dims and optimizers).")
+      f"Cannot restore the checkpoint {path!r} into this {layer} layer:\n  - "
+      + "\n  - ".join(problems)
+      + "\nNo embedding table or slot was changed. Restore a checkpoint written by a layer "
+      "with the same tables (names, vocabulary sizes, dims and optimizers)."
+    )
 
 
-def _problems(restore: tf_restore.Restore, node: Any, config: Any,
-              with_slots: bool) -> list[str]:
+def _problems(restore: tf_restore.Restore, node: Any, config: Any, with_slots: bool) -> list[str]:
   in_checkpoint = {child.local_name: child.node_id for child in node.children}
   problems = []
   for name, (table, shape) in expected_shapes(config, with_slots).items():
@@ -113,7 +120,8 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
   for other in restore.nodes:
     for reference in other.slot_variables:
       keras_slots.setdefault(reference.original_variable_node_id, {})[reference.slot_name] = (
-          reference.slot_variable_node_id)
+        reference.slot_variable_node_id
+      )
   for table in config.tables:
     table_node = in_checkpoint.get(table.name)
     if table_node is None or table.optimizer is None:
@@ -121,15 +129,17 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
     for name, _ in config_lib.slot_shapes(table):
       key = f"{table.name}/{name}"
       slot_node = keras_slots.get(table_node, {}).get(
-          optimizers.keras_slot_name(table.optimizer, name))
+        optimizers.keras_slot_name(table.optimizer, name)
+      )
       if key in in_checkpoint or slot_node is None:
         continue
       node.children.add(node_id=slot_node, local_name=key)
       restore.skip_slot_restore(table_node, slot_node)
 
 
-def _adopt_tfrs_partial_layout(restore: tf_restore.Restore, tables_key: str,
-                               config: Any) -> Optional[Any]:
+def _adopt_tfrs_partial_layout(
+  restore: tf_restore.Restore, tables_key: str, config: Any
+) -> Optional[Any]:
   """The node holding the tables under `tables_key`, built from tf-recommenders' layout if need be.
 
   tf-recommenders' `PartialTPUEmbedding` saves a replicated table as the Keras `Embedding` of
@@ -157,16 +167,19 @@ def _adopt_tfrs_partial_layout(restore: tf_restore.Restore, tables_key: str,
 
   tables_node = child(proto, tables_key)
   if tables_node is not None and any(
-      child(nodes[tables_node], table.name) is not None for table in config.tables):
+    child(nodes[tables_node], table.name) is not None for table in config.tables
+  ):
     return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
-  if (child(proto, "_keras_embedding_layers") is None and
-      follow(tables_key, "_tpu_embedding") is None):
+  if (
+    child(proto, "_keras_embedding_layers") is None and follow(tables_key, "_tpu_embedding") is None
+  ):
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:
     candidates = [(tables_key, "_tpu_embedding", table.name)] + [
-        ("_keras_embedding_layers", feature.path, "embeddings")
-        for feature in config.features_of(table)]
+      ("_keras_embedding_layers", feature.path, "embeddings")
+      for feature in config.features_of(table)
+    ]
     for names in candidates:
       node_id = follow(*names)
       if node_id is not None:

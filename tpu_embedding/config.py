@@ -63,13 +63,15 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   """Clones and validates `feature_config`; resolves table names and optimizers."""
   paths_and_leaves = tf_nest.flatten_with_joined_string_paths(feature_config)
   if not paths_and_leaves:
-    raise ValueError("feature_config is empty: pass at least one "
-                     "tf.tpu.experimental.embedding.FeatureConfig.")
+    raise ValueError(
+      "feature_config is empty: pass at least one tf.tpu.experimental.embedding.FeatureConfig."
+    )
   for path, leaf in paths_and_leaves:
     if not isinstance(leaf, FeatureConfig):
       raise ValueError(
-          f"feature_config entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
-          "tf.tpu.experimental.embedding.FeatureConfig.")
+        f"feature_config entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
+        "tf.tpu.experimental.embedding.FeatureConfig."
+      )
 
   global_optimizer = optimizers.normalize_optimizer(optimizer, where="optimizer")
   clones: dict[TableConfig, TableConfig] = {}
@@ -87,12 +89,12 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
     cloned_leaves.append(clone)
 
   return EmbeddingConfig(
-      user_feature_config=feature_config,
-      feature_config=tf.nest.pack_sequence_as(feature_config, cloned_leaves),
-      features=tuple(features),
-      tables=tuple(clones.values()),
-      user_tables={clone: user for user, clone in clones.items()},
-      optimizer=global_optimizer,
+    user_feature_config=feature_config,
+    feature_config=tf.nest.pack_sequence_as(feature_config, cloned_leaves),
+    features=tuple(features),
+    tables=tuple(clones.values()),
+    user_tables={clone: user for user, clone in clones.items()},
+    optimizer=global_optimizer,
   )
 
 
@@ -110,21 +112,27 @@ def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
   return [(name, full[:rank]) for name, rank in zip(names, ranks)]
 
 
-def _clone_table(table: TableConfig, index: int,
-                 global_optimizer: Optional[optimizers.MidLevelOptimizer]) -> TableConfig:
+def _clone_table(
+  table: TableConfig, index: int, global_optimizer: Optional[optimizers.MidLevelOptimizer]
+) -> TableConfig:
   clone = copy.copy(table)
   if clone.name is None:
     clone.name = f"table_{index}"
   combiner = getattr(table.combiner, "combiner", table.combiner)
   if not isinstance(combiner, str) or combiner not in COMBINERS:
-    raise ValueError(f"Table {clone.name!r} has combiner {table.combiner!r}; expected one of "
-                     f"{', '.join(COMBINERS)}.")
+    raise ValueError(
+      f"Table {clone.name!r} has combiner {table.combiner!r}; expected one of "
+      f"{', '.join(COMBINERS)}."
+    )
   if isinstance(table.initializer, type):
-    raise TypeError(f"Table {clone.name!r}: initializer is the class "
-                    f"{table.initializer.__name__}; pass an instance, e.g. "
-                    f"{table.initializer.__name__}().")
-  own = optimizers.normalize_optimizer(table.optimizer,
-                                       where=f"TableConfig {clone.name!r}.optimizer")
+    raise TypeError(
+      f"Table {clone.name!r}: initializer is the class "
+      f"{table.initializer.__name__}; pass an instance, e.g. "
+      f"{table.initializer.__name__}()."
+    )
+  own = optimizers.normalize_optimizer(
+    table.optimizer, where=f"TableConfig {clone.name!r}.optimizer"
+  )
   clone.optimizer = own if own is not None else global_optimizer
   return clone
 
@@ -134,13 +142,15 @@ def _check_unique_names(clones: dict[TableConfig, TableConfig]) -> None:
   for clone in clones.values():
     if clone.name in seen:
       raise ValueError(
-          f"Two different TableConfig objects are both named {clone.name!r}. Table names must be "
-          "unique; features that should share a table must reference the same TableConfig object.")
+        f"Two different TableConfig objects are both named {clone.name!r}. Table names must be "
+        "unique; features that should share a table must reference the same TableConfig object."
+      )
     seen[clone.name] = clone
 
 
-def match_structure(config: EmbeddingConfig, features: Any, what: str = "features",
-                    subset: bool = False) -> list[tuple[Feature, Any]]:
+def match_structure(
+  config: EmbeddingConfig, features: Any, what: str = "features", subset: bool = False
+) -> list[tuple[Feature, Any]]:
   """Pairs each input leaf with its Feature, or explains the mismatch with both key sets."""
   expected = tf_nest.flatten_with_joined_string_paths(config.feature_config)
   expected_by_path = {path: f for (path, _), f in zip(expected, config.features)}
@@ -156,8 +166,10 @@ def match_structure(config: EmbeddingConfig, features: Any, what: str = "feature
 
 
 def _mismatch_message(what: str, expected: Sequence[str], received: Sequence[str]) -> str:
-  return (f"The structure of {what} does not match feature_config.\n"
-          f"  expected keys: {sorted(expected)}\n  received keys: {sorted(received)}")
+  return (
+    f"The structure of {what} does not match feature_config.\n"
+    f"  expected keys: {sorted(expected)}\n  received keys: {sorted(received)}"
+  )
 
 
 def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> EmbeddingConfig:
@@ -171,25 +183,34 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   features, leaves = [], []
   for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
     if not isinstance(leaf, FeatureConfig):
-      raise ValueError(f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
-                       "expected a tf.tpu.experimental.embedding.FeatureConfig.")
+      raise ValueError(
+        f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
+        "expected a tf.tpu.experimental.embedding.FeatureConfig."
+      )
     table = by_user_object.get(leaf.table) or by_name.get(leaf.table.name)
     if table is None:
-      raise ValueError(f"serving_config feature {path or '<root>'!r} uses table "
-                       f"{leaf.table.name!r}, which this layer does not have; its tables are "
-                       f"{sorted(by_name)}.")
+      raise ValueError(
+        f"serving_config feature {path or '<root>'!r} uses table "
+        f"{leaf.table.name!r}, which this layer does not have; its tables are "
+        f"{sorted(by_name)}."
+      )
     served = (leaf.table.vocabulary_size, leaf.table.dim)
     if served != (table.vocabulary_size, table.dim):
-      raise ValueError(f"serving_config feature {path or '<root>'!r} uses table {table.name!r} "
-                       f"with (vocabulary_size, dim) = {served}, but this layer's table has "
-                       f"{(table.vocabulary_size, table.dim)}.")
+      raise ValueError(
+        f"serving_config feature {path or '<root>'!r} uses table {table.name!r} "
+        f"with (vocabulary_size, dim) = {served}, but this layer's table has "
+        f"{(table.vocabulary_size, table.dim)}."
+      )
     clone = copy.copy(leaf)
     clone.table = table
     features.append(Feature(path=path, config=clone, table=table))
     leaves.append(clone)
   tables = tuple(dict.fromkeys(f.table for f in features))
   return EmbeddingConfig(
-      user_feature_config=serving_feature_config,
-      feature_config=tf.nest.pack_sequence_as(serving_feature_config, leaves),
-      features=tuple(features), tables=tables,
-      user_tables={t: layer.user_tables[t] for t in tables}, optimizer=None)
+    user_feature_config=serving_feature_config,
+    feature_config=tf.nest.pack_sequence_as(serving_feature_config, leaves),
+    features=tuple(features),
+    tables=tables,
+    user_tables={t: layer.user_tables[t] for t in tables},
+    optimizer=None,
+  )

@@ -17,16 +17,16 @@ EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 class Path(enum.Enum):
   """An execution path; each has one backend class in `tpu_embedding.backends`."""
 
-  CPU = "cpu"        # any non-TPU strategy: our CPU/GPU engine
+  CPU = "cpu"  # any non-TPU strategy: our CPU/GPU engine
   TPU_V0 = "tpu_v0"  # TPU without embedding accelerator: replicated tables (TPUEmbeddingV0)
   TPU_V1 = "tpu_v1"  # TPU embedding engine (TPUEmbedding): enqueue/dequeue + gradient trap
   TPU_V2 = "tpu_v2"  # SparseCore (TPUEmbeddingV2)
 
 
 _PATH_OF_FEATURE = {
-    EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
-    EmbeddingFeature.V1: Path.TPU_V1,
-    EmbeddingFeature.V2: Path.TPU_V2,
+  EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
+  EmbeddingFeature.V1: Path.TPU_V1,
+  EmbeddingFeature.V2: Path.TPU_V2,
 }
 
 
@@ -45,9 +45,10 @@ def is_tpu_strategy(strategy: tf.distribute.Strategy) -> bool:
   """
   if isinstance(strategy, _TPU_STRATEGY_V1):
     raise TypeError(
-        f"{strategy_name(strategy)} (tf.compat.v1.distribute.experimental.TPUStrategy) is not "
-        "supported: TensorFlow's TPU embedding API works only under tf.distribute.TPUStrategy. "
-        "Create the model under tf.distribute.TPUStrategy(resolver) instead.")
+      f"{strategy_name(strategy)} (tf.compat.v1.distribute.experimental.TPUStrategy) is not "
+      "supported: TensorFlow's TPU embedding API works only under tf.distribute.TPUStrategy. "
+      "Create the model under tf.distribute.TPUStrategy(resolver) instead."
+    )
   return isinstance(strategy, _TPU_STRATEGY_TYPES)
 
 
@@ -58,8 +59,9 @@ def detect_embedding_feature(strategy: tf.distribute.Strategy) -> Optional[Embed
   return strategy.extended.tpu_hardware_feature.embedding_feature
 
 
-def choose_path(strategy: tf.distribute.Strategy,
-                override: Optional[EmbeddingFeature] = None) -> Path:
+def choose_path(
+  strategy: tf.distribute.Strategy, override: Optional[EmbeddingFeature] = None
+) -> Path:
   """Maps the hardware (and an optional user override) to a path.
 
   Forcing UNSUPPORTED (replicated tables) is always allowed on a TPU; forcing a feature the
@@ -73,15 +75,17 @@ def choose_path(strategy: tf.distribute.Strategy,
     return Path.TPU_V0
   if detected not in _PATH_OF_FEATURE:
     raise ValueError(
-        f"This TPU reports the embedding feature {detected!r}, which this package does not know "
-        f"(it knows {sorted(str(f) for f in _PATH_OF_FEATURE)}). Pass embedding_feature="
-        f"{EmbeddingFeature.UNSUPPORTED} to replicate the tables, or upgrade tpu_embedding.")
+      f"This TPU reports the embedding feature {detected!r}, which this package does not know "
+      f"(it knows {sorted(str(f) for f in _PATH_OF_FEATURE)}). Pass embedding_feature="
+      f"{EmbeddingFeature.UNSUPPORTED} to replicate the tables, or upgrade tpu_embedding."
+    )
   if override is None or override == detected:
     return _PATH_OF_FEATURE[detected]
   raise ValueError(
-      f"embedding_feature={override} was requested, but this TPU's embedding feature is "
-      f"{detected}. Pass embedding_feature=None (use {detected}) or "
-      f"{EmbeddingFeature.UNSUPPORTED} (replicate the tables).")
+    f"embedding_feature={override} was requested, but this TPU's embedding feature is "
+    f"{detected}. Pass embedding_feature=None (use {detected}) or "
+    f"{EmbeddingFeature.UNSUPPORTED} (replicate the tables)."
+  )
 
 
 def strategy_name(strategy: tf.distribute.Strategy) -> str:

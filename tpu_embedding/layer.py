@@ -16,12 +16,13 @@ from tpu_embedding import hardware
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 _RELOAD_REFUSAL = (
-    "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
-    "rebuilt model would no longer train its embedding tables (their feature configuration and "
-    "optimizers are not part of a Keras config). Instead, build the model in code as before and "
-    "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
-    "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
-    "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load.")
+  "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
+  "rebuilt model would no longer train its embedding tables (their feature configuration and "
+  "optimizers are not part of a Keras config). Instead, build the model in code as before and "
+  "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
+  "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
+  "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load."
+)
 
 
 @tf_keras.saving.register_keras_serializable(package="tpu_embedding")

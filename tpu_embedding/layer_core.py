@@ -27,20 +27,31 @@ TRAP_NAME = "tpu_embedding_helper_dummy"
 class TPUEmbeddingCore:
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
-  def __init__(self, feature_config: Any, optimizer: Any = None,
-               pipeline_execution_with_tensor_core: bool = False,
-               batch_size: Optional[int] = None,
-               embedding_feature: Optional[hardware.EmbeddingFeature] = None,
-               sparse_core_embedding_config: Any = None,
-               table_updates: str = "engine", check_finite: bool = False, **kwargs):
+  def __init__(
+    self,
+    feature_config: Any,
+    optimizer: Any = None,
+    pipeline_execution_with_tensor_core: bool = False,
+    batch_size: Optional[int] = None,
+    embedding_feature: Optional[hardware.EmbeddingFeature] = None,
+    sparse_core_embedding_config: Any = None,
+    table_updates: str = "engine",
+    check_finite: bool = False,
+    **kwargs,
+  ):
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
     self._strategy = tf.distribute.get_strategy()
     self._backend = backends.create(
-        hardware.choose_path(self._strategy, embedding_feature), self._config,
-        pipelining=pipeline_execution_with_tensor_core, batch_size=batch_size,
-        sparse_core_embedding_config=sparse_core_embedding_config, table_updates=table_updates,
-        user_optimizer=optimizer, check_finite=check_finite)
+      hardware.choose_path(self._strategy, embedding_feature),
+      self._config,
+      pipelining=pipeline_execution_with_tensor_core,
+      batch_size=batch_size,
+      sparse_core_embedding_config=sparse_core_embedding_config,
+      table_updates=table_updates,
+      user_optimizer=optimizer,
+      check_finite=check_finite,
+    )
     self._tpu_embedding = self._backend.mid_level  # the checkpoint key tf-recommenders uses
     self.batch_size = batch_size
     if self._backend.needs_trap:  # tables trained by their mid-level optimizers
@@ -55,8 +66,13 @@ class TPUEmbeddingCore:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
     if self._backend.needs_trap:
-      setattr(self, TRAP_NAME, self.add_weight(
-          name=TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32))
+      setattr(
+        self,
+        TRAP_NAME,
+        self.add_weight(
+          name=TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
+        ),
+      )
     else:
       # Replicated or Keras-managed tables must be trainable variables of the model.
       self._keras_trained_tables = self._backend.trainable_tables
@@ -89,19 +105,23 @@ class TPUEmbeddingCore:
     if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
       created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
       if created == called:
-        called = (f"another {called} object (two strategy objects are two different "
-                  "strategies, even of one kind)")
+        called = (
+          f"another {called} object (two strategy objects are two different "
+          "strategies, even of one kind)"
+        )
       raise RuntimeError(
-          f"This TPUEmbedding layer was created under {created} but is called under {called}. "
-          "Create the layer (the model) under the strategy you call it with, e.g. inside "
-          "strategy.scope(), and call it in strategy.run.")
+        f"This TPUEmbedding layer was created under {created} but is called under {called}. "
+        "Create the layer (the model) under the strategy you call it with, e.g. inside "
+        "strategy.scope(), and call it in strategy.run."
+      )
 
   def flush(self) -> None:
     """Applies updates held back by pipelining (also done before every checkpoint save)."""
     self._backend.flush()
 
-  def update_embedding_table(self, table: Union[TableConfig, str],
-                             embedding_table: tf.Variable) -> None:
+  def update_embedding_table(
+    self, table: Union[TableConfig, str], embedding_table: tf.Variable
+  ) -> None:
     """Replaces the variable behind `table` (a TableConfig or its name), e.g. with one restored
     elsewhere.
 
@@ -109,13 +129,17 @@ class TPUEmbeddingCore:
     """
     clone = self._clone_of(table)
     current = self.variables_by_table[clone.name]["parameters"]
-    if (not isinstance(embedding_table, tf.Variable) or
-        embedding_table.shape != current.shape or embedding_table.dtype != current.dtype):
+    if (
+      not isinstance(embedding_table, tf.Variable)
+      or embedding_table.shape != current.shape
+      or embedding_table.dtype != current.dtype
+    ):
       raise ValueError(
-          f"Table {clone.name!r}: update_embedding_table needs a tf.Variable of shape "
-          f"{current.shape.as_list()} and dtype {current.dtype.name} (the table's), got "
-          f"{type(embedding_table).__name__} {getattr(embedding_table, 'shape', '')} "
-          f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}.")
+        f"Table {clone.name!r}: update_embedding_table needs a tf.Variable of shape "
+        f"{current.shape.as_list()} and dtype {current.dtype.name} (the table's), got "
+        f"{type(embedding_table).__name__} {getattr(embedding_table, 'shape', '')} "
+        f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}."
+      )
     self._backend.replace_table(clone, embedding_table)
     if not self._backend.needs_trap and self.built:
       self._keras_trained_tables = self._backend.trainable_tables
@@ -129,13 +153,18 @@ class TPUEmbeddingCore:
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
     """The table variables, keyed by the user's own TableConfig objects."""
     tables = self._backend.embedding_tables
-    return {self._config.user_tables[clone]: tables[clone] for clone in self._config.tables
-            if clone in tables}
+    return {
+      self._config.user_tables[clone]: tables[clone]
+      for clone in self._config.tables
+      if clone in tables
+    }
 
   def _clone_of(self, table: Union[TableConfig, str]) -> TableConfig:
     if not isinstance(table, (TableConfig, str)):
-      raise TypeError(f"Expected one of this layer's TableConfigs (or its name), got "
-                      f"{type(table).__name__}: {table!r}.")
+      raise TypeError(
+        f"Expected one of this layer's TableConfigs (or its name), got "
+        f"{type(table).__name__}: {table!r}."
+      )
     for clone, user in self._config.user_tables.items():
       if user is table or clone is table:
         return clone
@@ -143,8 +172,9 @@ class TPUEmbeddingCore:
     for clone in self._config.tables:
       if clone.name == name:
         return clone
-    raise ValueError(f"Table {name!r} is not one of this layer's tables "
-                     f"({[t.name for t in self._config.tables]}).")
+    raise ValueError(
+      f"Table {name!r} is not one of this layer's tables ({[t.name for t in self._config.tables]})."
+    )
 
   def checkpoint_needs_relayout(self, path: str) -> bool:
     """Whether the checkpoint at `path` holds this layer's tables in another layout (a per-table
@@ -157,18 +187,21 @@ class TPUEmbeddingCore:
     SparseCore; one in another layout on SparseCore once the tables exist)."""
     if self.execution_path is not hardware.Path.TPU_V2:
       sparse_core.refuse_stacked_tables(
-          path, {t.name for t in self._config.tables},
-          f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
-          "_tpu_embedding")
+        path,
+        {t.name for t in self._config.tables},
+        f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
+        "_tpu_embedding",
+      )
     elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(
-          f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
-          f"(path {self.execution_path.name}) after it is built: the checkpoint holds its tables "
-          "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
-          "SparseCore stacking), and TensorFlow converts them only while it creates the "
-          "SparseCore variables. Restore before the layer is built, i.e. before its first call or "
-          "build() (create the model under the strategy, restore, then train). Nothing was "
-          "changed.")
+        f"Cannot restore the checkpoint {path!r} into the TPUEmbedding layer {self.name!r} "
+        f"(path {self.execution_path.name}) after it is built: the checkpoint holds its tables "
+        "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
+        "SparseCore stacking), and TensorFlow converts them only while it creates the "
+        "SparseCore variables. Restore before the layer is built, i.e. before its first call or "
+        "build() (create the model under the strategy, restore, then train). Nothing was "
+        "changed."
+      )
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -52,35 +52,35 @@ from absl import logging
 from tpu_embedding.engine import updates
 
 __all__ = [
-    "ADAGRAD_EPSILON_RTOL",
-    "KerasLearningRate",
-    "MidLevelOptimizer",
-    "NotAnOptimizerError",
-    "follows_keras_optimizer",
-    "keras_slot_name",
-    "learning_rate_tensor",
-    "normalize_optimizer",
-    "warn_if_bias_correction_dropped",
-    "translate_keras_optimizer",
+  "ADAGRAD_EPSILON_RTOL",
+  "KerasLearningRate",
+  "MidLevelOptimizer",
+  "NotAnOptimizerError",
+  "follows_keras_optimizer",
+  "keras_slot_name",
+  "learning_rate_tensor",
+  "normalize_optimizer",
+  "warn_if_bias_correction_dropped",
+  "translate_keras_optimizer",
 ]
 
 _embedding = tf.tpu.experimental.embedding
 
 MidLevelOptimizer = Union[
-    _embedding.SGD,
-    _embedding.Adagrad,
-    _embedding.AdagradMomentum,
-    _embedding.Adam,
-    _embedding.FTRL,
-    _embedding.CustomOptimizer,
+  _embedding.SGD,
+  _embedding.Adagrad,
+  _embedding.AdagradMomentum,
+  _embedding.Adam,
+  _embedding.FTRL,
+  _embedding.CustomOptimizer,
 ]
 _MID_LEVEL_CLASSES: Tuple[type, ...] = MidLevelOptimizer.__args__
 
 _BY_NAME: Dict[str, type] = {
-    "adagrad": _embedding.Adagrad,
-    "adam": _embedding.Adam,
-    "ftrl": _embedding.FTRL,
-    "sgd": _embedding.SGD,
+  "adagrad": _embedding.Adagrad,
+  "adam": _embedding.Adam,
+  "ftrl": _embedding.FTRL,
+  "sgd": _embedding.SGD,
 }
 
 ADAGRAD_EPSILON_RTOL = 1e-6
@@ -91,59 +91,59 @@ _Rule = Callable[[Any, Mapping[str, Any]], bool]
 
 
 def _is(*neutral: Any) -> _Rule:
-    return lambda value, _: value in neutral
+  return lambda value, _: value in neutral
 
 
 def _max_adagrad_epsilon(params: Mapping[str, Any]) -> float:
-    a0 = params["initial_accumulator_value"]
-    return min(math.sqrt(a0), 2 * a0) * ADAGRAD_EPSILON_RTOL if a0 > 0 else math.inf
+  a0 = params["initial_accumulator_value"]
+  return min(math.sqrt(a0), 2 * a0) * ADAGRAD_EPSILON_RTOL if a0 > 0 else math.inf
 
 
 @dataclasses.dataclass(frozen=True)
 class _Refused:
-    """A Keras hyperparameter with no TPU counterpart unless `allowed` holds."""
+  """A Keras hyperparameter with no TPU counterpart unless `allowed` holds."""
 
-    allowed: _Rule
-    advice: Union[str, Callable[[Mapping[str, Any]], str]]
+  allowed: _Rule
+  advice: Union[str, Callable[[Mapping[str, Any]], str]]
 
 
 _NO_WEIGHT_DECAY = _Refused(
-    _is(None, 0),
-    "the TPU has no Keras-style weight decay; pass a tf.tpu.experimental.embedding optimizer "
-    "with `weight_decay_factor` (and `multiply_weight_decay_factor_by_learning_rate=True`)",
+  _is(None, 0),
+  "the TPU has no Keras-style weight decay; pass a tf.tpu.experimental.embedding optimizer "
+  "with `weight_decay_factor` (and `multiply_weight_decay_factor_by_learning_rate=True`)",
 )
 _NO_NORM_CLIPPING = _Refused(
-    _is(None),
-    "the TPU cannot clip by norm; use `clipvalue` (element-wise gradient clipping) instead",
+  _is(None),
+  "the TPU cannot clip by norm; use `clipvalue` (element-wise gradient clipping) instead",
 )
 
 # Hyperparameters every Keras optimizer may carry; absent from a family means not applicable.
 _COMMON_REFUSED: Dict[str, _Refused] = {
-    "weight_decay": _NO_WEIGHT_DECAY,
-    "clipnorm": _NO_NORM_CLIPPING,
-    "global_clipnorm": _NO_NORM_CLIPPING,
-    "use_ema": _Refused(
-        _is(False), "the TPU keeps no moving average of embedding tables; set use_ema=False"
-    ),
-    "loss_scale_factor": _Refused(
-        _is(None),
-        "the TPU applies embedding gradients without unscaling them; leave it None",
-    ),
-    "gradient_accumulation_steps": _Refused(
-        _is(None), "the TPU applies the embedding update every step; leave it None"
-    ),
-    "decay": _Refused(
-        _is(0),
-        "use learning_rate=tf_keras.optimizers.schedules.InverseTimeDecay(lr, decay_steps=1, "
-        "decay_rate=decay), which is the same rate",
-    ),
-    "gradient_transformers": _Refused(
-        _is([]), "transform the gradients before they reach the embedding layer"
-    ),
+  "weight_decay": _NO_WEIGHT_DECAY,
+  "clipnorm": _NO_NORM_CLIPPING,
+  "global_clipnorm": _NO_NORM_CLIPPING,
+  "use_ema": _Refused(
+    _is(False), "the TPU keeps no moving average of embedding tables; set use_ema=False"
+  ),
+  "loss_scale_factor": _Refused(
+    _is(None),
+    "the TPU applies embedding gradients without unscaling them; leave it None",
+  ),
+  "gradient_accumulation_steps": _Refused(
+    _is(None), "the TPU applies the embedding update every step; leave it None"
+  ),
+  "decay": _Refused(
+    _is(0),
+    "use learning_rate=tf_keras.optimizers.schedules.InverseTimeDecay(lr, decay_steps=1, "
+    "decay_rate=decay), which is the same rate",
+  ),
+  "gradient_transformers": _Refused(
+    _is([]), "transform the gradients before they reach the embedding layer"
+  ),
 }
 # Settings with no effect on the update (or only under a setting refused above).
 _COMMON_IGNORED = frozenset(
-    {"name", "jit_compile", "is_legacy_optimizer", "ema_momentum", "ema_overwrite_frequency"}
+  {"name", "jit_compile", "is_legacy_optimizer", "ema_momentum", "ema_overwrite_frequency"}
 )
 # Read as attributes because `get_config()` leaves them out.
 _NOT_IN_CONFIG = ("adaptive_epsilon", "gradient_transformers")
@@ -151,311 +151,313 @@ _NOT_IN_CONFIG = ("adaptive_epsilon", "gradient_transformers")
 
 @dataclasses.dataclass(frozen=True)
 class _Translation:
-    """How one Keras optimizer class becomes its mid-level twin."""
+  """How one Keras optimizer class becomes its mid-level twin."""
 
-    mid_level: type
-    carried: Tuple[str, ...]  # same name on both sides
-    refused: Dict[str, _Refused]
-    fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
-    # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
-    keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
+  mid_level: type
+  carried: Tuple[str, ...]  # same name on both sides
+  refused: Dict[str, _Refused]
+  fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
+  # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
+  keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
-    "SGD": _Translation(
-        _embedding.SGD,
-        carried=(),
-        refused={
-            "momentum": _Refused(
-                _is(0),
-                "the TPU's SGD has no momentum; use momentum=0.0, or pass "
-                "tf.tpu.experimental.embedding.AdagradMomentum (a different update) yourself",
-            ),
-            "nesterov": _Refused(_is(False), "the TPU's SGD has no momentum; use nesterov=False"),
-        },
-    ),
-    "Adagrad": _Translation(
-        _embedding.Adagrad,
-        carried=("initial_accumulator_value",),
-        refused={
-            "epsilon": _Refused(
-                lambda epsilon, params: epsilon <= _max_adagrad_epsilon(params),
-                lambda params: (
-                    "the TPU's Adagrad has no epsilon, and this one changes steps by more than "
-                    f"{ADAGRAD_EPSILON_RTOL:g} relative; use epsilon <= "
-                    f"{_max_adagrad_epsilon(params):.3g} or pass "
-                    "tf.tpu.experimental.embedding.Adagrad"
-                ),
-            ),
-        },
-        keras_slots={"accumulators": "accumulator"},
-    ),
-    "Adam": _Translation(
-        _embedding.Adam,
-        carried=("beta_1", "beta_2", "epsilon"),
-        refused={
-            "amsgrad": _Refused(_is(False), "the TPU has no AMSGrad; use amsgrad=False"),
-            "adaptive_epsilon": _Refused(
-                _is(False), "the TPU's epsilon is fixed; use adaptive_epsilon=False"
-            ),
-        },
-        fixed={"sum_inside_sqrt": False},
-        keras_slots={"momenta": "m", "velocities": "v"},
-    ),
-    "Ftrl": _Translation(
-        _embedding.FTRL,
-        carried=(
-            "learning_rate_power",
-            "initial_accumulator_value",
-            "l1_regularization_strength",
-            "l2_regularization_strength",
-            "beta",
+  "SGD": _Translation(
+    _embedding.SGD,
+    carried=(),
+    refused={
+      "momentum": _Refused(
+        _is(0),
+        "the TPU's SGD has no momentum; use momentum=0.0, or pass "
+        "tf.tpu.experimental.embedding.AdagradMomentum (a different update) yourself",
+      ),
+      "nesterov": _Refused(_is(False), "the TPU's SGD has no momentum; use nesterov=False"),
+    },
+  ),
+  "Adagrad": _Translation(
+    _embedding.Adagrad,
+    carried=("initial_accumulator_value",),
+    refused={
+      "epsilon": _Refused(
+        lambda epsilon, params: epsilon <= _max_adagrad_epsilon(params),
+        lambda params: (
+          "the TPU's Adagrad has no epsilon, and this one changes steps by more than "
+          f"{ADAGRAD_EPSILON_RTOL:g} relative; use epsilon <= "
+          f"{_max_adagrad_epsilon(params):.3g} or pass "
+          "tf.tpu.experimental.embedding.Adagrad"
         ),
-        refused={
-            "l2_shrinkage_regularization_strength": _Refused(
-                _is(0),
-                "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
-            ),
-        },
-        keras_slots={"accumulators": "accumulator", "linears": "linear"},
+      ),
+    },
+    keras_slots={"accumulators": "accumulator"},
+  ),
+  "Adam": _Translation(
+    _embedding.Adam,
+    carried=("beta_1", "beta_2", "epsilon"),
+    refused={
+      "amsgrad": _Refused(_is(False), "the TPU has no AMSGrad; use amsgrad=False"),
+      "adaptive_epsilon": _Refused(
+        _is(False), "the TPU's epsilon is fixed; use adaptive_epsilon=False"
+      ),
+    },
+    fixed={"sum_inside_sqrt": False},
+    keras_slots={"momenta": "m", "velocities": "v"},
+  ),
+  "Ftrl": _Translation(
+    _embedding.FTRL,
+    carried=(
+      "learning_rate_power",
+      "initial_accumulator_value",
+      "l1_regularization_strength",
+      "l2_regularization_strength",
+      "beta",
     ),
+    refused={
+      "l2_shrinkage_regularization_strength": _Refused(
+        _is(0),
+        "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
+      ),
+    },
+    keras_slots={"accumulators": "accumulator", "linears": "linear"},
+  ),
 }
 
 
 def _imported_keras(name: str) -> Optional[ModuleType]:
-    """The Keras package `name` ("tf_keras" or "keras") if it has been imported: otherwise no
-    object of it can exist, and we never import it ourselves (each layer flavour must load only
-    its own Keras)."""
-    keras = sys.modules.get(name)
-    return keras if hasattr(keras, "optimizers") else None
+  """The Keras package `name` ("tf_keras" or "keras") if it has been imported: otherwise no
+  object of it can exist, and we never import it ourselves (each layer flavour must load only
+  its own Keras)."""
+  keras = sys.modules.get(name)
+  return keras if hasattr(keras, "optimizers") else None
 
 
 def _keras_family(optimizer: Any) -> Optional[Tuple[str, ModuleType]]:
-    """(label, module) of the Keras optimizer family `optimizer` belongs to."""
-    families = []
-    tf_keras = _imported_keras("tf_keras")
-    if tf_keras is not None:
-        families.append(("tf_keras.optimizers.legacy", tf_keras.optimizers.legacy))
-        families.append(("tf_keras.optimizers", tf_keras.optimizers))
-    keras = _imported_keras("keras")
-    if keras is not None:
-        families.append(("keras.optimizers", keras.optimizers))
-    for label, module in families:
-        if isinstance(optimizer, module.Optimizer):
-            return label, module
-    return None
+  """(label, module) of the Keras optimizer family `optimizer` belongs to."""
+  families = []
+  tf_keras = _imported_keras("tf_keras")
+  if tf_keras is not None:
+    families.append(("tf_keras.optimizers.legacy", tf_keras.optimizers.legacy))
+    families.append(("tf_keras.optimizers", tf_keras.optimizers))
+  keras = _imported_keras("keras")
+  if keras is not None:
+    families.append(("keras.optimizers", keras.optimizers))
+  for label, module in families:
+    if isinstance(optimizer, module.Optimizer):
+      return label, module
+  return None
 
 
 def _schedule_types() -> Tuple[type, ...]:
-    kerases = [_imported_keras("tf_keras"), _imported_keras("keras")]
-    return tuple(k.optimizers.schedules.LearningRateSchedule for k in kerases if k is not None)
+  kerases = [_imported_keras("tf_keras"), _imported_keras("keras")]
+  return tuple(k.optimizers.schedules.LearningRateSchedule for k in kerases if k is not None)
 
 
 class NotAnOptimizerError(TypeError, ValueError):
-    """Something that is not an optimizer was given as one.
+  """Something that is not an optimizer was given as one.
 
-    A TypeError by nature; also a ValueError because tf-recommenders raised that here and code
-    written for it catches ValueError.
-    """
+  A TypeError by nature; also a ValueError because tf-recommenders raised that here and code
+  written for it catches ValueError.
+  """
 
 
 class KerasLearningRate:
-    """Zero-argument callable giving a Keras optimizer's current learning rate as float32.
+  """Zero-argument callable giving a Keras optimizer's current learning rate as float32.
 
-    It is a mid-level `learning_rate`, so TF calls it while tracing each step and the rate
-    follows the Keras optimizer (schedule, assigned variable, callable) instead of being fixed
-    at translation time. Two instances for the same Keras optimizer are equal, so optimizers
-    translated twice from it compare equal (TF uses that to share tables and learning rates).
-    """
+  It is a mid-level `learning_rate`, so TF calls it while tracing each step and the rate
+  follows the Keras optimizer (schedule, assigned variable, callable) instead of being fixed
+  at translation time. Two instances for the same Keras optimizer are equal, so optimizers
+  translated twice from it compare equal (TF uses that to share tables and learning rates).
+  """
 
-    def __init__(self, keras_optimizer: Any):
-        self.keras_optimizer = keras_optimizer
+  def __init__(self, keras_optimizer: Any):
+    self.keras_optimizer = keras_optimizer
 
-    def __call__(self) -> tf.Tensor:
-        optimizer = self.keras_optimizer
-        # tf-keras and Keras 3 keep what the user passed in `_learning_rate` (tf-keras's public
-        # property gives the previous step's rate for a schedule); the legacy family keeps it as a
-        # hyperparameter that its `learning_rate` attribute returns.
-        rate = getattr(optimizer, "_learning_rate", None)
-        if rate is None:
-            rate = optimizer.learning_rate
-        if isinstance(rate, _schedule_types()):
-            rate = rate(optimizer.iterations)
-        elif callable(rate):
-            rate = rate()
-        return tf.cast(rate, tf.float32)
+  def __call__(self) -> tf.Tensor:
+    optimizer = self.keras_optimizer
+    # tf-keras and Keras 3 keep what the user passed in `_learning_rate` (tf-keras's public
+    # property gives the previous step's rate for a schedule); the legacy family keeps it as a
+    # hyperparameter that its `learning_rate` attribute returns.
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rate is None:
+      rate = optimizer.learning_rate
+    if isinstance(rate, _schedule_types()):
+      rate = rate(optimizer.iterations)
+    elif callable(rate):
+      rate = rate()
+    return tf.cast(rate, tf.float32)
 
-    def __eq__(self, other: Any) -> bool:
-        return (
-            isinstance(other, KerasLearningRate) and other.keras_optimizer is self.keras_optimizer
-        )
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, KerasLearningRate) and other.keras_optimizer is self.keras_optimizer
 
-    def __hash__(self) -> int:
-        return id(self.keras_optimizer)
+  def __hash__(self) -> int:
+    return id(self.keras_optimizer)
 
-    def __repr__(self) -> str:
-        return f"KerasLearningRate({type(self.keras_optimizer).__name__})"
+  def __repr__(self) -> str:
+    return f"KerasLearningRate({type(self.keras_optimizer).__name__})"
 
 
 def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> MidLevelOptimizer:
-    """Returns the mid-level twin of a Keras optimizer, or raises if there is none.
+  """Returns the mid-level twin of a Keras optimizer, or raises if there is none.
 
-    `where` names the argument in error messages.
-    """
-    family = _keras_family(optimizer)
-    if family is None:
-        raise NotAnOptimizerError(
-            f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
-        )
-    label, module = family
-    class_name = type(optimizer).__name__
-    full_name = f"{label}.{class_name}"
-    translation = _TRANSLATIONS.get(class_name)
-    if translation is None or getattr(module, class_name, None) is not type(optimizer):
-        raise ValueError(
-            f"{where}: Keras optimizer {full_name} has no TPU embedding equivalent; use a Keras "
-            f"{', '.join(sorted(_TRANSLATIONS))} or a tf.tpu.experimental.embedding optimizer "
-            "(SGD, Adagrad, AdagradMomentum, Adam, FTRL)"
-        )
+  `where` names the argument in error messages.
+  """
+  family = _keras_family(optimizer)
+  if family is None:
+    raise NotAnOptimizerError(
+      f"{where}: expected a Keras optimizer, got {type(optimizer).__name__}: {optimizer!r}"
+    )
+  label, module = family
+  class_name = type(optimizer).__name__
+  full_name = f"{label}.{class_name}"
+  translation = _TRANSLATIONS.get(class_name)
+  if translation is None or getattr(module, class_name, None) is not type(optimizer):
+    raise ValueError(
+      f"{where}: Keras optimizer {full_name} has no TPU embedding equivalent; use a Keras "
+      f"{', '.join(sorted(_TRANSLATIONS))} or a tf.tpu.experimental.embedding optimizer "
+      "(SGD, Adagrad, AdagradMomentum, Adam, FTRL)"
+    )
 
-    with warnings.catch_warnings():
-        # Keras 3 warns that a lambda learning rate cannot be reloaded; we do not serialize.
-        warnings.filterwarnings("ignore", message="The object being serialized includes a `lambda`")
-        params = dict(optimizer.get_config())
-    params.update({k: getattr(optimizer, k) for k in _NOT_IN_CONFIG if hasattr(optimizer, k)})
-    refused = {**_COMMON_REFUSED, **translation.refused}
-    known = _COMMON_IGNORED | {"learning_rate", "clipvalue"} | set(translation.carried)
-    for key, value in params.items():
-        if key in known:
-            continue
-        rule = refused.get(key)
-        if rule is None:
-            raise ValueError(
-                f"{where}: Keras optimizer {full_name} has {key}={value!r}, a hyperparameter this "
-                "translation does not know, so it cannot promise the same update; pass a "
-                f"tf.tpu.experimental.embedding.{translation.mid_level.__name__} instead"
-            )
-        if not rule.allowed(value, params):
-            advice = rule.advice(params) if callable(rule.advice) else rule.advice
-            raise ValueError(
-                f"{where}: Keras optimizer {full_name} has {key}={value!r}, which the TPU "
-                f"embedding {translation.mid_level.__name__} cannot reproduce: {advice}"
-            )
+  with warnings.catch_warnings():
+    # Keras 3 warns that a lambda learning rate cannot be reloaded; we do not serialize.
+    warnings.filterwarnings("ignore", message="The object being serialized includes a `lambda`")
+    params = dict(optimizer.get_config())
+  params.update({k: getattr(optimizer, k) for k in _NOT_IN_CONFIG if hasattr(optimizer, k)})
+  refused = {**_COMMON_REFUSED, **translation.refused}
+  known = _COMMON_IGNORED | {"learning_rate", "clipvalue"} | set(translation.carried)
+  for key, value in params.items():
+    if key in known:
+      continue
+    rule = refused.get(key)
+    if rule is None:
+      raise ValueError(
+        f"{where}: Keras optimizer {full_name} has {key}={value!r}, a hyperparameter this "
+        "translation does not know, so it cannot promise the same update; pass a "
+        f"tf.tpu.experimental.embedding.{translation.mid_level.__name__} instead"
+      )
+    if not rule.allowed(value, params):
+      advice = rule.advice(params) if callable(rule.advice) else rule.advice
+      raise ValueError(
+        f"{where}: Keras optimizer {full_name} has {key}={value!r}, which the TPU "
+        f"embedding {translation.mid_level.__name__} cannot reproduce: {advice}"
+      )
 
-    clipvalue = params.get("clipvalue")
-    kwargs = {key: float(params[key]) for key in translation.carried}
-    kwargs.update(translation.fixed)
-    try:
-        return translation.mid_level(
-            learning_rate=KerasLearningRate(optimizer),
-            clipvalue=None if clipvalue is None else float(clipvalue),
-            **kwargs,
-        )
-    except ValueError as error:
-        raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
+  clipvalue = params.get("clipvalue")
+  kwargs = {key: float(params[key]) for key in translation.carried}
+  kwargs.update(translation.fixed)
+  try:
+    return translation.mid_level(
+      learning_rate=KerasLearningRate(optimizer),
+      clipvalue=None if clipvalue is None else float(clipvalue),
+      **kwargs,
+    )
+  except ValueError as error:
+    raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
 
 
 def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
-    """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
+  """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
 
-    tf-recommenders creates the slots of its tables through the Keras optimizer, so its
-    checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
-    """
-    for translation in _TRANSLATIONS.values():
-        if type(optimizer) is translation.mid_level:
-            return translation.keras_slots.get(slot)
-    return None
+  tf-recommenders creates the slots of its tables through the Keras optimizer, so its
+  checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
+  """
+  for translation in _TRANSLATIONS.values():
+    if type(optimizer) is translation.mid_level:
+      return translation.keras_slots.get(slot)
+  return None
 
 
 def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
-    """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
-    return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
+  """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
+  return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
 
 
 def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
-    """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+  """Logs, once per process, that a Keras Adam trains these tables without bias correction.
 
-    Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
-    engine or this package's CPU engine), not by the Keras optimizer itself.
-    """
-    names = [
-        table.name
-        for table in tables
-        if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
-    ]
-    if names:
-        logging.log_first_n(
-            logging.WARNING,
-            "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
-            "from a Keras Adam; it has no bias correction. Keras scales each step by "
-            "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
-            "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
-            "which at a large learning rate changes early training. For Keras's steps, pass "
-            "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
-            "learning_rate is a callable including that factor.",
-            1,
-            names,
-        )
+  Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
+  engine or this package's CPU engine), not by the Keras optimizer itself.
+  """
+  names = [
+    table.name
+    for table in tables
+    if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
+  ]
+  if names:
+    logging.log_first_n(
+      logging.WARNING,
+      "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+      "from a Keras Adam; it has no bias correction. Keras scales each step by "
+      "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+      "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+      "which at a large learning rate changes early training. For Keras's steps, pass "
+      "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+      "learning_rate is a callable including that factor.",
+      1,
+      names,
+    )
 
 
-def normalize_optimizer(
-    optimizer: Any, *, where: str = "optimizer"
-) -> Optional[MidLevelOptimizer]:
-    """One entry point for every form a user may give: None, a name, mid-level or Keras."""
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, str):
-        cls = _BY_NAME.get(optimizer.lower())
-        if cls is None:
-            raise ValueError(
-                f"{where}: unknown optimizer name {optimizer!r}; accepted names (any case): "
-                f"{', '.join(repr(name) for name in _BY_NAME)}"
-            )
-        return cls()
-    if isinstance(optimizer, _MID_LEVEL_CLASSES):
-        rate = optimizer.learning_rate
-        if not (callable(rate) or isinstance(rate, numbers.Real)):
-            raise ValueError(
-                f"{where}: learning_rate={rate!r} of {type(optimizer).__name__} must be a number "
-                "or a zero-argument callable (the TPU would freeze anything else at its current "
-                "value); wrap a variable as `lambda: var`"
-            )
-    else:
-        optimizer = translate_keras_optimizer(optimizer, where=where)
-    _check_limits(optimizer, where)
-    return optimizer
+def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional[MidLevelOptimizer]:
+  """One entry point for every form a user may give: None, a name, mid-level or Keras."""
+  if optimizer is None:
+    return None
+  if isinstance(optimizer, str):
+    cls = _BY_NAME.get(optimizer.lower())
+    if cls is None:
+      raise ValueError(
+        f"{where}: unknown optimizer name {optimizer!r}; accepted names (any case): "
+        f"{', '.join(repr(name) for name in _BY_NAME)}"
+      )
+    return cls()
+  if isinstance(optimizer, _MID_LEVEL_CLASSES):
+    rate = optimizer.learning_rate
+    if not (callable(rate) or isinstance(rate, numbers.Real)):
+      raise ValueError(
+        f"{where}: learning_rate={rate!r} of {type(optimizer).__name__} must be a number "
+        "or a zero-argument callable (the TPU would freeze anything else at its current "
+        "value); wrap a variable as `lambda: var`"
+      )
+  else:
+    optimizer = translate_keras_optimizer(optimizer, where=where)
+  _check_limits(optimizer, where)
+  return optimizer
 
 
 def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:
-    """Refuses clipping limits whose minimum exceeds their maximum (they would clip to max)."""
-    for what, hint, (low, high) in (
-        ("clipvalue", " (a single clipvalue c means (-c, c), so c must be >= 0)",
-         updates.gradient_limits(optimizer)),
-        ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
-    ):
-        if low is not None and high is not None and low > high:
-            raise ValueError(
-                f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
-            )
+  """Refuses clipping limits whose minimum exceeds their maximum (they would clip to max)."""
+  for what, hint, (low, high) in (
+    (
+      "clipvalue",
+      " (a single clipvalue c means (-c, c), so c must be >= 0)",
+      updates.gradient_limits(optimizer),
+    ),
+    ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
+  ):
+    if low is not None and high is not None and low > high:
+      raise ValueError(
+        f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
+      )
 
 
 def learning_rate_tensor(optimizer: MidLevelOptimizer, where: str = "optimizer") -> tf.Tensor:
-    """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
+  """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
 
-    Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
-    TF ops, which would broadcast a vector) accept exactly the same rates.
-    """
-    rate = optimizer.learning_rate
-    value = rate() if callable(rate) else rate
-    try:
-        tensor = tf.convert_to_tensor(value)
-    except (TypeError, ValueError):
-        tensor = None
-    if (tensor is None or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
-            or tensor.shape.rank not in (0, None)):
-        source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
-        raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
-    if tensor.shape.rank is None:
-        tensor = tf.reshape(tensor, [])  # checked when the step runs
-    return tf.cast(tensor, tf.float32)
+  Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
+  TF ops, which would broadcast a vector) accept exactly the same rates.
+  """
+  rate = optimizer.learning_rate
+  value = rate() if callable(rate) else rate
+  try:
+    tensor = tf.convert_to_tensor(value)
+  except (TypeError, ValueError):
+    tensor = None
+  if (
+    tensor is None
+    or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
+    or tensor.shape.rank not in (0, None)
+  ):
+    source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
+    raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
+  if tensor.shape.rank is None:
+    tensor = tf.reshape(tensor, [])  # checked when the step runs
+  return tf.cast(tensor, tf.float32)

@@ -10,10 +10,22 @@ import tf_keras
 
 from tpu_embedding.layer import TPUEmbedding
 from tpu_embedding.partial_core import (  # the public names of this module, defined there
-    REPLICATED, SHARDED, PartialTPUEmbeddingCore, Placement, ReplicatedTable, TablePlacement)
+  REPLICATED,
+  SHARDED,
+  PartialTPUEmbeddingCore,
+  Placement,
+  ReplicatedTable,
+  TablePlacement,
+)
 
-__all__ = ["PartialTPUEmbedding", "Placement", "REPLICATED", "ReplicatedTable", "SHARDED",
-           "TablePlacement"]
+__all__ = [
+  "PartialTPUEmbedding",
+  "Placement",
+  "REPLICATED",
+  "ReplicatedTable",
+  "SHARDED",
+  "TablePlacement",
+]
 
 
 class PartialTPUEmbedding(PartialTPUEmbeddingCore, tf_keras.layers.Layer):

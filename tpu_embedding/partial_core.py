@@ -103,19 +103,34 @@ class Placement:
 
   def __str__(self) -> str:
     header = ("table", "side", "rows", "dim", "slots", "bytes", "bytes/device")
-    rows = [(t.table, t.side, f"{t.vocabulary_size:,}", str(t.dim), ",".join(t.slots) or "-",
-             f"{t.bytes:,}", f"{t.bytes_per_device:,}") for t in self.tables]
+    rows = [
+      (
+        t.table,
+        t.side,
+        f"{t.vocabulary_size:,}",
+        str(t.dim),
+        ",".join(t.slots) or "-",
+        f"{t.bytes:,}",
+        f"{t.bytes_per_device:,}",
+      )
+      for t in self.tables
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     numeric = {2, 3, 5, 6}
 
     def line(cells):
-      return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+      return "  ".join(
+        c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+      ).rstrip()
 
-    title = (f"PartialTPUEmbedding placement: size_threshold={self.size_threshold}, "
-             f"{self.num_replicas} replica(s), float32 table + optimizer slots")
-    footer = (f"per device: replicated {self.bytes_per_device(REPLICATED):,} B + sharded "
-              f"{self.bytes_per_device(SHARDED):,} B = {self.bytes_per_device():,} B")
+    title = (
+      f"PartialTPUEmbedding placement: size_threshold={self.size_threshold}, "
+      f"{self.num_replicas} replica(s), float32 table + optimizer slots"
+    )
+    footer = (
+      f"per device: replicated {self.bytes_per_device(REPLICATED):,} B + sharded "
+      f"{self.bytes_per_device(SHARDED):,} B = {self.bytes_per_device():,} B"
+    )
     return "\n".join([title, line(header), *map(line, rows), footer])
 
 
@@ -160,26 +175,40 @@ class PartialTPUEmbeddingCore:
 
   sharded_layer_class: type
 
-  def __init__(self, feature_config: Any, optimizer: Any = None,
-               pipeline_execution_with_tensor_core: bool = False,
-               batch_size: Optional[int] = None,
-               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
-               **kwargs):
+  def __init__(
+    self,
+    feature_config: Any,
+    optimizer: Any = None,
+    pipeline_execution_with_tensor_core: bool = False,
+    batch_size: Optional[int] = None,
+    size_threshold: Optional[int] = 10_000,
+    table_updates: str = "engine",
+    **kwargs,
+  ):
     super().__init__(**kwargs)
     if table_updates not in backends.TABLE_UPDATES:
-      raise ValueError(f"table_updates={table_updates!r}; expected one of "
-                       f"{backends.TABLE_UPDATES}.")
+      raise ValueError(
+        f"table_updates={table_updates!r}; expected one of {backends.TABLE_UPDATES}."
+      )
     self._keras_managed = table_updates == "keras"
-    if size_threshold is not None and (isinstance(size_threshold, bool) or
-                                       not isinstance(size_threshold, int) or size_threshold < 0):
-      raise ValueError(f"size_threshold={size_threshold!r}; expected an int >= 0 (0 shards "
-                       "every table) or None (replicates every table).")
+    if size_threshold is not None and (
+      isinstance(size_threshold, bool) or not isinstance(size_threshold, int) or size_threshold < 0
+    ):
+      raise ValueError(
+        f"size_threshold={size_threshold!r}; expected an int >= 0 (0 shards "
+        "every table) or None (replicates every table)."
+      )
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once
     self._sides = tuple(
-        (table.name, SHARDED if size_threshold is not None and
-         table.vocabulary_size > size_threshold else REPLICATED)
-        for table in self._config.tables)
+      (
+        table.name,
+        SHARDED
+        if size_threshold is not None and table.vocabulary_size > size_threshold
+        else REPLICATED,
+      )
+      for table in self._config.tables
+    )
     side_of = dict(self._sides)
     # Each side gets a flat {feature path: cloned FeatureConfig}; the clones already carry the
     # names and optimizers resolved over the whole nest, so names never depend on the threshold.
@@ -192,9 +221,13 @@ class PartialTPUEmbeddingCore:
     if per_side[SHARDED]:
       _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
       self._tpu_embedding = self.sharded_layer_class(
-          per_side[SHARDED], self._config.optimizer,
-          pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-          batch_size=batch_size, table_updates=table_updates, name="sharded_embedding")
+        per_side[SHARDED],
+        self._config.optimizer,
+        pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+        batch_size=batch_size,
+        table_updates=table_updates,
+        name="sharded_embedding",
+      )
       if self._tpu_embedding.execution_path is hardware.Path.CPU:
         self._tpu_embedding.build(None)  # needs no shapes off TPU: tables exist from the start
 
@@ -203,12 +236,15 @@ class PartialTPUEmbeddingCore:
     self._replicated = None
     if per_side[REPLICATED]:
       self._replicated = EmbeddingEngine(
-          config_lib.prepare(per_side[REPLICATED], self._config.optimizer), pipelining=False,
-          keras_managed=self._keras_managed)
+        config_lib.prepare(per_side[REPLICATED], self._config.optimizer),
+        pipelining=False,
+        keras_managed=self._keras_managed,
+      )
       self._replicated.build()
       if not self._keras_managed:
         optimizers.warn_if_bias_correction_dropped(
-            [table for table in self._config.tables if side_of[table.name] == REPLICATED])
+          [table for table in self._config.tables if side_of[table.name] == REPLICATED]
+        )
 
     self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
     # tf-recommenders' names for the same variables (see `_track_tables`).
@@ -243,8 +279,9 @@ class PartialTPUEmbeddingCore:
       if self.side(table.name) != REPLICATED:
         continue
       if table.name not in views:
-        views[table.name] = ReplicatedTable(self._config.user_tables[table],
-                                            variables[table.name]["parameters"])
+        views[table.name] = ReplicatedTable(
+          self._config.user_tables[table], variables[table.name]["parameters"]
+        )
       result[feature.path] = views[table.name]
     return result
 
@@ -270,13 +307,23 @@ class PartialTPUEmbeddingCore:
       slots = [(name, math.prod(shape[1:])) for name, shape in config_lib.slot_shapes(table)]
       row_bytes = _FLOAT32_BYTES * (table.dim + sum(width for _, width in slots))
       side = self.side(table.name)
-      rows_per_device = (table.vocabulary_size if side == REPLICATED
-                         else math.ceil(table.vocabulary_size / num_replicas))
-      entries.append(TablePlacement(
-          table=table.name, side=side, vocabulary_size=table.vocabulary_size, dim=table.dim,
+      rows_per_device = (
+        table.vocabulary_size
+        if side == REPLICATED
+        else math.ceil(table.vocabulary_size / num_replicas)
+      )
+      entries.append(
+        TablePlacement(
+          table=table.name,
+          side=side,
+          vocabulary_size=table.vocabulary_size,
+          dim=table.dim,
           slots=tuple(name for name, _ in slots),
           features=tuple(f.path for f in self._config.features_of(table)),
-          bytes=table.vocabulary_size * row_bytes, bytes_per_device=rows_per_device * row_bytes))
+          bytes=table.vocabulary_size * row_bytes,
+          bytes_per_device=rows_per_device * row_bytes,
+        )
+      )
     return Placement(self._size_threshold, num_replicas, tuple(entries))
 
   @property
@@ -288,13 +335,19 @@ class PartialTPUEmbeddingCore:
     """
     by_name = {}
     if self._replicated is not None:
-      by_name.update({name: variables["parameters"]
-                      for name, variables in self._replicated.variables_by_table.items()})
+      by_name.update(
+        {
+          name: variables["parameters"]
+          for name, variables in self._replicated.variables_by_table.items()
+        }
+      )
     if self._tpu_embedding is not None and self._tpu_embedding.built:
-      by_name.update({table.name: value
-                      for table, value in self._tpu_embedding.embedding_tables.items()})
-    return {self._config.user_tables[t]: by_name[t.name]
-            for t in self._config.tables if t.name in by_name}
+      by_name.update(
+        {table.name: value for table, value in self._tpu_embedding.embedding_tables.items()}
+      )
+    return {
+      self._config.user_tables[t]: by_name[t.name] for t in self._config.tables if t.name in by_name
+    }
 
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
@@ -311,8 +364,13 @@ class PartialTPUEmbeddingCore:
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())
     elif self._replicated is not None:
-      setattr(self, _TRAP_NAME, self.add_weight(
-          name=_TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32))
+      setattr(
+        self,
+        _TRAP_NAME,
+        self.add_weight(
+          name=_TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
+        ),
+      )
     self._track_tables()
     super().build(input_shape)
 
@@ -335,8 +393,11 @@ class PartialTPUEmbeddingCore:
     if inputs[SHARDED]:
       outputs.update(self._tpu_embedding(inputs[SHARDED], weights=side_weights(SHARDED)))
     if inputs[REPLICATED]:
-      outputs.update(self._replicated.lookup(inputs[REPLICATED], side_weights(REPLICATED),
-                                             getattr(self, _TRAP_NAME, None)))
+      outputs.update(
+        self._replicated.lookup(
+          inputs[REPLICATED], side_weights(REPLICATED), getattr(self, _TRAP_NAME, None)
+        )
+      )
     return tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
 
   # -------------------------------------------------------------------------------------------
@@ -368,18 +429,21 @@ class PartialTPUEmbeddingCore:
         name = table_name if key == "parameters" else f"{table_name}/{key}"
         self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
       self._tfrs_sharded_view._track_trackable(  # pylint: disable=protected-access
-          variables["parameters"], name=table_name, overwrite=True)
+        variables["parameters"], name=table_name, overwrite=True
+      )
     self._tables_view._track_trackable(  # pylint: disable=protected-access
-        self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True)
+      self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True
+    )
     for feature in self._config.features:
       if feature.table.name not in variables_by_table:
         continue
       keras_layer = autotrackable.AutoTrackable()
       keras_layer._track_trackable(  # pylint: disable=protected-access
-          variables_by_table[feature.table.name]["parameters"], name="embeddings")
+        variables_by_table[feature.table.name]["parameters"], name="embeddings"
+      )
       self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
-          keras_layer, name=feature.path, overwrite=True)
-
+        keras_layer, name=feature.path, overwrite=True
+      )
 
   def _checkpoint_adapter(self, path: str) -> Any:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
@@ -395,21 +459,31 @@ class PartialTPUEmbeddingCore:
     on_sparse_core = sharded is not None and sharded.execution_path is hardware.Path.TPU_V2
     if not on_sparse_core:
       sparse_core.refuse_stacked_tables(
-          path, {t.name for t in self._config.tables},
-          f"the PartialTPUEmbedding layer {self.name!r}", f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}")
+        path,
+        {t.name for t in self._config.tables},
+        f"the PartialTPUEmbedding layer {self.name!r}",
+        f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}",
+      )
     if on_sparse_core and sharded.checkpoint_needs_relayout(path):
       names = sorted(name for name, side in self._sides if side == SHARDED)
       raise ValueError(
-          f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
-          f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
-          f"{sharded.execution_path.name}), stacked by TensorFlow, and the checkpoint holds them "
-          "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
-          "SparseCore stacking), which this layer cannot convert. Restore such a checkpoint into a "
-          "TPUEmbedding layer before it is built, or restore a checkpoint this layer wrote on "
-          "SparseCore. Nothing was changed.")
+        f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
+        f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
+        f"{sharded.execution_path.name}), stacked by TensorFlow, and the checkpoint holds them "
+        "in another layout (per table, as the CPU, V0 and V1 paths save them, or other "
+        "SparseCore stacking), which this layer cannot convert. Restore such a checkpoint into a "
+        "TPUEmbedding layer before it is built, or restore a checkpoint this layer wrote on "
+        "SparseCore. Nothing was changed."
+      )
     if not on_sparse_core:
-      checkpoints.validate(self, self._config, not self._keras_managed, path,
-                           layer="PartialTPUEmbedding", tables_key=_TABLES_KEY)
+      checkpoints.validate(
+        self,
+        self._config,
+        not self._keras_managed,
+        path,
+        layer="PartialTPUEmbedding",
+        tables_key=_TABLES_KEY,
+      )
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
@@ -443,14 +517,19 @@ class PartialTPUEmbeddingCore:
     for clone, user in self._config.user_tables.items():
       if user is table or clone is table:
         return clone
-    raise ValueError(f"Table {getattr(table, 'name', table)!r} is not one of this layer's "
-                     f"tables ({[t.name for t in self._config.tables]}).")
+    raise ValueError(
+      f"Table {getattr(table, 'name', table)!r} is not one of this layer's "
+      f"tables ({[t.name for t in self._config.tables]})."
+    )
 
 
 def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variable]]:
   """The sharded layer's {table name: {"parameters"/slot: variable}}, on every path."""
-  return {name: dict(variables) for name, variables in layer.variables_by_table.items()
-          if isinstance(name, str)}
+  return {
+    name: dict(variables)
+    for name, variables in layer.variables_by_table.items()
+    if isinstance(name, str)
+  }
 
 
 def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
@@ -458,7 +537,8 @@ def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> 
   optimizer (path V0), so the sharded side could not train as the replicated side does."""
   if hardware.choose_path(tf.distribute.get_strategy()) is hardware.Path.TPU_V0:
     raise ValueError(
-        f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
-        "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
-        "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
-        "TPUEmbedding.")
+      f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
+      "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
+      "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
+      "TPUEmbedding."
+    )

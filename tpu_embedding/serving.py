@@ -28,11 +28,15 @@ DEFAULT_SIGNATURE = "serving_default"
 _CPU_DEVICE_TYPES = frozenset({"CPU", "DEFAULT"})
 
 
-def export_for_serving(model: tf.Module, export_dir: str,
-                       signatures: Union[Any, Mapping[str, Any]], *,
-                       include_optimizer_slots: bool = False,
-                       tables: Union[None, str, Iterable[Union[TableConfig, str]]] = None,
-                       overwrite: bool = False) -> str:
+def export_for_serving(
+  model: tf.Module,
+  export_dir: str,
+  signatures: Union[Any, Mapping[str, Any]],
+  *,
+  include_optimizer_slots: bool = False,
+  tables: Union[None, str, Iterable[Union[TableConfig, str]]] = None,
+  overwrite: bool = False,
+) -> str:
   """Writes `model`'s serving signatures to `export_dir` as a SavedModel; returns the path.
 
   Args:
@@ -66,8 +70,10 @@ def export_for_serving(model: tf.Module, export_dir: str,
   target = _target_path(export_dir)
   if os.path.lexists(target):
     if not overwrite:
-      raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that "
-                            "export or choose another directory.")
+      raise FileExistsError(
+        f"{target} already exists; pass overwrite=True to replace that "
+        "export or choose another directory."
+      )
     _check_replaceable(target)
   layers = _embedding_layers(model)
   _refuse_sparse_core(layers)
@@ -86,8 +92,9 @@ def export_for_serving(model: tf.Module, export_dir: str,
 
   root = tf.Module()
   grouped = sorted(_grouped(owners).items(), key=lambda item: (item[0][0], item[0][1] or ""))
-  root.embedding_tables = {name: value for (name, slot), value in grouped
-                           if slot is None and name in kept}
+  root.embedding_tables = {
+    name: value for (name, slot), value in grouped if slot is None and name in kept
+  }
   if include_optimizer_slots:
     slots: dict[str, dict[str, Any]] = {}
     for (name, slot), value in grouped:
@@ -114,8 +121,16 @@ def export_for_serving(model: tf.Module, export_dir: str,
 # Where to export
 
 # What a SavedModel directory may hold (tf.saved_model.save and tf_keras write these).
-_SAVED_MODEL_ENTRIES = frozenset({"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
-                                  "fingerprint.pb", "keras_metadata.pb"})
+_SAVED_MODEL_ENTRIES = frozenset(
+  {
+    "saved_model.pb",
+    "saved_model.pbtxt",
+    "variables",
+    "assets",
+    "fingerprint.pb",
+    "keras_metadata.pb",
+  }
+)
 
 
 def _target_path(export_dir: Any) -> str:
@@ -123,8 +138,10 @@ def _target_path(export_dir: Any) -> str:
   try:
     path = os.fspath(export_dir)
   except TypeError:
-    raise TypeError(f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
-                    "the directory to write the SavedModel to.") from None
+    raise TypeError(
+      f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
+      "the directory to write the SavedModel to."
+    ) from None
   if not str(path).strip():
     raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
   return os.path.abspath(path)
@@ -133,16 +150,23 @@ def _target_path(export_dir: Any) -> str:
 def _check_replaceable(target: str) -> None:
   """Refuses to overwrite anything but a directory holding a SavedModel and nothing else."""
   if os.path.islink(target) or not os.path.isdir(target):
-    raise FileExistsError(f"{target} exists and is not a SavedModel directory; overwrite=True "
-                          "replaces only an earlier export. Choose another export_dir.")
+    raise FileExistsError(
+      f"{target} exists and is not a SavedModel directory; overwrite=True "
+      "replaces only an earlier export. Choose another export_dir."
+    )
   entries = set(os.listdir(target))
   foreign = sorted(entries - _SAVED_MODEL_ENTRIES)
   if not {"saved_model.pb", "saved_model.pbtxt"} & entries or foreign:
-    what = (f"it holds files a SavedModel does not: {foreign[:5]}" if foreign
-            else "it holds no saved_model.pb")
-    raise FileExistsError(f"{target} is not a SavedModel directory ({what}); overwrite=True "
-                          "replaces only an earlier export, so nothing was changed. Choose "
-                          "another export_dir or remove that directory yourself.")
+    what = (
+      f"it holds files a SavedModel does not: {foreign[:5]}"
+      if foreign
+      else "it holds no saved_model.pb"
+    )
+    raise FileExistsError(
+      f"{target} is not a SavedModel directory ({what}); overwrite=True "
+      "replaces only an earlier export, so nothing was changed. Choose "
+      "another export_dir or remove that directory yourself."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,12 +190,13 @@ def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
   for layer in layers:
     if layer.execution_path is hardware.Path.TPU_V2:
       raise ValueError(
-          f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
-          f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "
-          "cannot export by table name. Write a checkpoint of the model, restore it into the "
-          "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
-          "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "
-          "export that model. Nothing was written.")
+        f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
+        f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "
+        "cannot export by table name. Write a checkpoint of the model, restore it into the "
+        "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
+        "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "
+        "export that model. Nothing was written."
+      )
 
 
 def _concrete_signatures(signatures: Any) -> dict[str, Any]:
@@ -183,8 +208,10 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
       functions[name] = function
       continue
     if getattr(function, "input_signature", None) is None:
-      raise ValueError(f"Signature {name!r} must be a tf.function with an input_signature "
-                       "(a list of tf.TensorSpec), so its inputs are known at export.")
+      raise ValueError(
+        f"Signature {name!r} must be a tf.function with an input_signature "
+        "(a list of tf.TensorSpec), so its inputs are known at export."
+      )
     functions[name] = function.get_concrete_function()
   return functions
 
@@ -202,8 +229,10 @@ def _embedding_variables(layers: list[TPUEmbeddingCore]) -> dict[Any, tuple[str,
         key = (table, None if slot == "parameters" else slot)
         parts = _row_blocks(variable)
         if key in owners.values() and owners.get(parts[0].ref()) != key:
-          raise ValueError(f"Two TPUEmbedding layers of this model have a table named {table!r}; "
-                           "give the tables unique names to export them.")
+          raise ValueError(
+            f"Two TPUEmbedding layers of this model have a table named {table!r}; "
+            "give the tables unique names to export them."
+          )
         for part in parts:
           owners[part.ref()] = key
   return owners
@@ -213,8 +242,9 @@ def _row_blocks(variable: Any) -> list[tf.Variable]:
   return list(getattr(variable, "variables", None) or [variable])
 
 
-def _grouped(owners: Mapping[Any, tuple[str, Optional[str]]]
-             ) -> dict[tuple[str, Optional[str]], Any]:
+def _grouped(
+  owners: Mapping[Any, tuple[str, Optional[str]]],
+) -> dict[tuple[str, Optional[str]], Any]:
   """{(table, slot): the variable, or the list of its row blocks in row order}."""
   grouped: dict[tuple[str, Optional[str]], list] = {}
   for ref, key in owners.items():
@@ -222,28 +252,34 @@ def _grouped(owners: Mapping[Any, tuple[str, Optional[str]]]
   return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
 
 
-def _kept_tables(tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[Any, Any],
-                 needed: set[str]) -> set[str]:
+def _kept_tables(
+  tables: Any, layers: list[TPUEmbeddingCore], owners: Mapping[Any, Any], needed: set[str]
+) -> set[str]:
   every = {name for name, slot in owners.values() if slot is None}
   if tables is None:
     return needed
   if isinstance(tables, str) or not isinstance(tables, Iterable):
     if tables != "all":
-      raise ValueError(f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or "
-                       "table names.")
+      raise ValueError(
+        f"tables={tables!r}: expected None, 'all', or a list of TableConfigs or table names."
+      )
     return every
   kept = set()
   for table in tables:
     name = table if isinstance(table, str) else _name_of(table, layers)
     if name not in every:
-      raise ValueError(f"tables= names {name!r}, which no TPUEmbedding layer of the model has; "
-                       f"its tables are {sorted(every)}.")
+      raise ValueError(
+        f"tables= names {name!r}, which no TPUEmbedding layer of the model has; "
+        f"its tables are {sorted(every)}."
+      )
     kept.add(name)
   missing = sorted(needed - kept)
   if missing:
-    raise ValueError(f"The signatures read the table(s) {missing}, which tables= does not list "
-                     f"({sorted(kept)}). Add them to tables=, or pass tables=None to export "
-                     "exactly the tables the signatures read.")
+    raise ValueError(
+      f"The signatures read the table(s) {missing}, which tables= does not list "
+      f"({sorted(kept)}). Add them to tables=, or pass tables=None to export "
+      "exactly the tables the signatures read."
+    )
   return kept
 
 
@@ -253,8 +289,10 @@ def _name_of(table: Any, layers: list[TPUEmbeddingCore]) -> str:
     for clone, user in config.user_tables.items():
       if table is user or table is clone:
         return clone.name
-  raise ValueError(f"tables= holds a TableConfig ({table!r}) that no TPUEmbedding layer of the "
-                   "model was built with.")
+  raise ValueError(
+    f"tables= holds a TableConfig ({table!r}) that no TPUEmbedding layer of the "
+    "model was built with."
+  )
 
 
 def _check_cpu_only(functions: Mapping[str, Any]) -> None:
@@ -266,9 +304,11 @@ def _check_cpu_only(functions: Mapping[str, Any]) -> None:
       nodes.extend(library_function.node_def)
     missing = sorted({node.op for node in nodes if not _has_cpu_kernel(node.op)})
     if missing:
-      raise ValueError(f"Signature {name!r} uses ops with no CPU kernel: {missing}. Export for "
-                       "serving on CPU: call the model outside any TPU strategy (the layer "
-                       "then looks its tables up with CPU ops).")
+      raise ValueError(
+        f"Signature {name!r} uses ops with no CPU kernel: {missing}. Export for "
+        "serving on CPU: call the model outside any TPU strategy (the layer "
+        "then looks its tables up with CPU ops)."
+      )
 
 
 def _has_cpu_kernel(op: str) -> bool:
@@ -326,8 +366,10 @@ def _renameat2(source: str, target: str, flags: int) -> bool:
   if error in (errno.ENOSYS, errno.EINVAL):
     return False
   if error == errno.EEXIST:
-    raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that export "
-                          "or choose another directory.")
+    raise FileExistsError(
+      f"{target} already exists; pass overwrite=True to replace that export "
+      "or choose another directory."
+    )
   raise OSError(error, os.strerror(error), target)
 
 
@@ -342,15 +384,18 @@ def _commit(staging: str, target: str, overwrite: bool) -> None:
   """Moves the finished export into place in one step."""
   if overwrite and os.path.lexists(target):
     if not _renameat2(staging, target, _RENAME_EXCHANGE):
-      aside = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-",
-                               dir=os.path.dirname(target))
+      aside = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(target)
+      )
       os.rename(target, os.path.join(aside, "export"))
       os.rename(staging, target)
       staging = aside
     _remove(staging)  # now the previous export
   elif not _renameat2(staging, target, _RENAME_NOREPLACE):
     if os.path.lexists(target):
-      raise FileExistsError(f"{target} already exists; pass overwrite=True to replace that "
-                            "export or choose another directory.")
+      raise FileExistsError(
+        f"{target} already exists; pass overwrite=True to replace that "
+        "export or choose another directory."
+      )
     os.rename(staging, target)
   _fsync_dir(os.path.dirname(target))

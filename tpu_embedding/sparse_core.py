@@ -14,6 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+
 # TF internals, each used in this module only: TF's own unshuffling, its SparseCore checkpoint
 # adapter, and its checkpoint key escape.
 from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
@@ -33,16 +34,18 @@ def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
   """The [vocabulary_size, dim] table that `layout` (a SparseCoreTableLayout) places in
   `stacked`: rows un-dealt and un-rotated, padding dropped."""
   padded = tpu_embedding_v3_utils.unshuffle_from_sc_to_cpu(
-      stacked,
-      num_sparse_cores=layout.num_sparse_cores,
-      offset_in_shard=layout.sparse_core_shard_row_offset,
-      size_in_shard=layout.unsharded_padded_shape[0] // layout.num_sparse_cores,
-      shard_rotation=layout.sparse_core_shard_rotation)
+    stacked,
+    num_sparse_cores=layout.num_sparse_cores,
+    offset_in_shard=layout.sparse_core_shard_row_offset,
+    size_in_shard=layout.unsharded_padded_shape[0] // layout.num_sparse_cores,
+    shard_rotation=layout.sparse_core_shard_rotation,
+  )
   return tpu_embedding_v3_utils.remove_padding_from_sc(padded, tuple(layout.unsharded_shape))
 
 
-def logical_tables(stacked_variables: dict[str, Any], layouts: dict[str, Any],
-                   tables: tuple[TableConfig, ...]) -> dict[TableConfig, tf.Tensor]:
+def logical_tables(
+  stacked_variables: dict[str, Any], layouts: dict[str, Any], tables: tuple[TableConfig, ...]
+) -> dict[TableConfig, tf.Tensor]:
   """{table: its logical value} for `tables`, read from the stacked variables (keyed by stacked
   table name) through each table's layout (keyed by table name)."""
   stacks: dict[str, tf.Tensor] = {}
@@ -76,8 +79,9 @@ def stacked_tables_in(path: str) -> set[str]:
   return found
 
 
-def refuse_stacked_tables(path: str, table_names: set[str], receiver: str,
-                          mid_level_path: str) -> None:
+def refuse_stacked_tables(
+  path: str, table_names: set[str], receiver: str, mid_level_path: str
+) -> None:
   """Raises if the checkpoint at `path` holds any of `table_names` stacked by SparseCore.
 
   Called off SparseCore, from TF's restore hook of `receiver` (before anything is assigned):
@@ -88,15 +92,17 @@ def refuse_stacked_tables(path: str, table_names: set[str], receiver: str,
   stacked = sorted(stacked_tables_in(path) & table_names)
   if stacked:
     raise ValueError(
-        f"Cannot restore the checkpoint {path!r} into {receiver}: it holds the tables {stacked} "
-        "stacked by SparseCore, which a layer off SparseCore cannot read by table name. Restore "
-        "it into the layer built under a SparseCore TPUStrategy, or read those tables with "
-        f"tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to the layer>/"
-        f"{mid_level_path}', <per-table variables>). Nothing was changed.")
+      f"Cannot restore the checkpoint {path!r} into {receiver}: it holds the tables {stacked} "
+      "stacked by SparseCore, which a layer off SparseCore cannot read by table name. Restore "
+      "it into the layer built under a SparseCore TPUStrategy, or read those tables with "
+      f"tpu_embedding.sparse_core.restore_from_checkpoint(path, '<path to the layer>/"
+      f"{mid_level_path}', <per-table variables>). Nothing was changed."
+    )
 
 
-def restore_from_checkpoint(path: str, layer_path: str,
-                            variables_by_table: dict[str, dict[str, tf.Variable]]) -> None:
+def restore_from_checkpoint(
+  path: str, layer_path: str, variables_by_table: dict[str, dict[str, tf.Variable]]
+) -> None:
   """Loads the tables and slots a SparseCore layer saved at `path` into unstacked variables.
 
   A SparseCore checkpoint holds stacked, padded, sharded values under stacked names plus the
@@ -116,8 +122,10 @@ def restore_from_checkpoint(path: str, layer_path: str,
   by_table = {layout.table_name: layout for layout in layouts.tables}
   missing = sorted(set(variables_by_table) - set(by_table))
   if missing:
-    raise ValueError(f"The SparseCore checkpoint {path} at {layer_path!r} has no table "
-                     f"{missing}; it holds {sorted(by_table)}.")
+    raise ValueError(
+      f"The SparseCore checkpoint {path} at {layer_path!r} has no table "
+      f"{missing}; it holds {sorted(by_table)}."
+    )
   values = []
   for table, variables in variables_by_table.items():
     layout = by_table[table]
@@ -125,12 +133,16 @@ def restore_from_checkpoint(path: str, layer_path: str,
       stack = layout.stacked_table_name + ("" if slot == "parameters" else f"/{slot}")
       key = _key(layer_path, stack)
       if not reader.has_tensor(key):
-        raise ValueError(f"The SparseCore checkpoint {path} has no {slot!r} for table "
-                         f"{table!r} (looked for {key!r}).")
+        raise ValueError(
+          f"The SparseCore checkpoint {path} has no {slot!r} for table "
+          f"{table!r} (looked for {key!r})."
+        )
       value = logical_table(tf.constant(reader.get_tensor(key)), layout)
       if value.shape != variable.shape:
-        raise ValueError(f"Table {table!r} {slot!r}: the checkpoint holds shape {value.shape}, "
-                         f"the layer {variable.shape}.")
+        raise ValueError(
+          f"Table {table!r} {slot!r}: the checkpoint holds shape {value.shape}, "
+          f"the layer {variable.shape}."
+        )
       values.append((variable, value))
   for variable, value in values:
     variable.assign(value)

@@ -102,9 +102,10 @@ def restore_of(trackable: Any) -> Restore:
       pass
     frame = frame.f_back
   raise RestoreMachineryChanged(
-      f"tpu_embedding cannot validate this restore of {type(trackable).__name__}: TensorFlow "
-      f"{tf.__version__}'s restore machinery changed (no `{POSITION_LOCAL}` of this object on "
-      "the call stack of its `_checkpoint_adapter` hook). tpu_embedding.tf_restore was checked "
-      f"against TensorFlow {', '.join(CHECKED_AGAINST)}; the restore was stopped before any of "
-      "its embedding tables or slots changed. Use a TensorFlow "
-      "version it was checked against, or update tpu_embedding.tf_restore.")
+    f"tpu_embedding cannot validate this restore of {type(trackable).__name__}: TensorFlow "
+    f"{tf.__version__}'s restore machinery changed (no `{POSITION_LOCAL}` of this object on "
+    "the call stack of its `_checkpoint_adapter` hook). tpu_embedding.tf_restore was checked "
+    f"against TensorFlow {', '.join(CHECKED_AGAINST)}; the restore was stopped before any of "
+    "its embedding tables or slots changed. Use a TensorFlow "
+    "version it was checked against, or update tpu_embedding.tf_restore."
+  )

@@ -35,10 +35,11 @@ from tpu_embedding.engine.updates import apply_sparse_update
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 SECOND_GRADIENT_WARNING = (
-    "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
-    "a persistent GradientTape asked twice); each gradient that reaches the activations "
-    "updates the tables, so this step updated them again. Take one tape.gradient per step "
-    "with respect to all trainable variables (see the README: the gradient trap's contract).")
+  "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
+  "a persistent GradientTape asked twice); each gradient that reaches the activations "
+  "updates the tables, so this step updated them again. Take one tape.gradient per step "
+  "with respect to all trainable variables (see the README: the gradient trap's contract)."
+)
 
 
 class EmbeddingEngine(tf.Module):
@@ -56,17 +57,24 @@ class EmbeddingEngine(tf.Module):
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
   _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_pending", "_training_lookups"}).union(
-      tf.Module._TF_MODULE_IGNORED_PROPERTIES)
+    tf.Module._TF_MODULE_IGNORED_PROPERTIES
+  )
 
-  def __init__(self, config: config_lib.EmbeddingConfig, pipelining: bool = False,
-               keras_managed: bool = False, check_finite: bool = False):
+  def __init__(
+    self,
+    config: config_lib.EmbeddingConfig,
+    pipelining: bool = False,
+    keras_managed: bool = False,
+    check_finite: bool = False,
+  ):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
     self._keras_managed = keras_managed
     self._check_finite = check_finite
     self._follows_keras_optimizer = any(
-        optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables)
+      optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables
+    )
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
     # Tables row-sharded over parameter servers: the locks their updates hold.
@@ -103,7 +111,8 @@ class EmbeddingEngine(tf.Module):
   def _create_table(self, table: TableConfig) -> None:
     shape = [table.vocabulary_size, table.dim]
     initializer = table.initializer or tf.initializers.TruncatedNormal(
-        mean=0.0, stddev=1.0 / (table.dim ** 0.5))
+      mean=0.0, stddev=1.0 / (table.dim**0.5)
+    )
     parameters = _new_variable(initializer, shape, table.name, self._keras_managed)
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
@@ -111,8 +120,9 @@ class EmbeddingEngine(tf.Module):
       variables.update(self._create_slots(table, parameters))
       if sharded.is_sharded(parameters) and self._pipelining:
         sharded.refuse_pipelining(table)
-      on_parameter_servers = isinstance(tf.distribute.get_strategy(),
-                                        tf.distribute.ParameterServerStrategy)
+      on_parameter_servers = isinstance(
+        tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy
+      )
       if on_parameter_servers and not self._pipelining:
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
@@ -130,9 +140,10 @@ class EmbeddingEngine(tf.Module):
       slots = sharded.create_slots(table, parameters, names, initializers)
     else:
       with sharded.colocated_with(parameters):
-        slots = {name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
-                 for (name, shape), initializer in zip(config_lib.slot_shapes(table),
-                                                       initializers)}
+        slots = {
+          name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
+          for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers)
+        }
     for name, slot in slots.items():
       self._track_trackable(slot, name=f"{table.name}/{name}")
     return slots
@@ -180,8 +191,11 @@ class EmbeddingEngine(tf.Module):
     if self._check_finite:
       finite.check_weights(step)
     if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
-      flat = (static_path.activations(step, self.parameters) if static
-              else step.activations(self.parameters))
+      flat = (
+        static_path.activations(step, self.parameters)
+        if static
+        else step.activations(self.parameters)
+      )
     else:
       reusable = self._register_training_lookup(step)
       if static:
@@ -236,22 +250,28 @@ class EmbeddingEngine(tf.Module):
   def _refuse_pipelining_under_xla(self) -> None:
     if self._pipelining:
       raise ValueError(
-          "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
-          "update in variable-length buffers, which XLA cannot compile: train this layer "
-          "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's).")
+        "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
+        "update in variable-length buffers, which XLA cannot compile: train this layer "
+        "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's)."
+      )
 
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
       return self._variables[table.name]["parameters"]
     except KeyError:
-      raise ValueError(f"Table {table.name!r} is not one of this layer's tables "
-                       f"({sorted(self._variables)}).") from None
+      raise ValueError(
+        f"Table {table.name!r} is not one of this layer's tables ({sorted(self._variables)})."
+      ) from None
 
   # -------------------------------------------------------------------------------------------
   # Backward: one update per table and step, summed over every replica
 
-  def _apply_gradients(self, per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
-                       reusable: frozenset = frozenset(), static: bool = False):
+  def _apply_gradients(
+    self,
+    per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
+    reusable: frozenset = frozenset(),
+    static: bool = False,
+  ):
     trainable = []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
@@ -273,8 +293,9 @@ class EmbeddingEngine(tf.Module):
     bags, sizes = [], []
     for table, batch, upstream in trainable:
       bag_sizes = [tf.size(b.ids) for b in batch.bags]
-      split = functools.partial(tf.split, num_or_size_splits=tf.stack(bag_sizes),
-                                num=len(bag_sizes))
+      split = functools.partial(
+        tf.split, num_or_size_splits=tf.stack(bag_sizes), num=len(bag_sizes)
+      )
       grads = batch.occurrence_gradients(upstream, table.dim)
       bags.append(list(zip(split(batch.occurrence_ids), split(grads))))
       sizes.extend(bag_sizes)
@@ -285,12 +306,14 @@ class EmbeddingEngine(tf.Module):
       # shapes: pad each bag to the largest size any replica has; the merge drops the padding.
       largest = tf.reduce_max(context.all_gather(sizes, axis=0), axis=0)
       flat = [pair for table_bags in bags for pair in table_bags]
-      padded = iter([(_pad_rows(i, largest[n]), _pad_rows(g, largest[n]))
-                     for n, (i, g) in enumerate(flat)])
+      padded = iter(
+        [(_pad_rows(i, largest[n]), _pad_rows(g, largest[n])) for n, (i, g) in enumerate(flat)]
+      )
       bags = [[next(padded) for _ in table_bags] for table_bags in bags]
     context.merge_call(
-        functools.partial(self._merge_and_update, [t for t, _, _ in trainable], multi_worker),
-        args=(bags, sizes))
+      functools.partial(self._merge_and_update, [t for t, _, _ in trainable], multi_worker),
+      args=(bags, sizes),
+    )
 
   def _merge_and_update(self, tables, multi_worker, strategy, bags, sizes) -> None:
     if multi_worker:
@@ -302,8 +325,9 @@ class EmbeddingEngine(tf.Module):
       replica_sizes = all_sizes[:, bag_index]
       gathered = strategy.gather(value, axis=0)
       width = tf.shape(gathered)[0] // tf.size(replica_sizes)
-      return tf.boolean_mask(gathered,
-                             tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1]))
+      return tf.boolean_mask(
+        gathered, tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1])
+      )
 
     position = 0
     for table, table_bags in zip(tables, bags):
@@ -316,16 +340,19 @@ class EmbeddingEngine(tf.Module):
       row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
       self._update(table, unique_ids, row_grads)
 
-  def _update(self, table: TableConfig, ids: tf.Tensor, grads: tf.Tensor,
-              table_rows: Optional[tf.Tensor] = None) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer,
-                                                    where=f"Table {table.name!r}")
+  def _update(
+    self,
+    table: TableConfig,
+    ids: tf.Tensor,
+    grads: tf.Tensor,
+    table_rows: Optional[tf.Tensor] = None,
+  ) -> None:
+    learning_rate = optimizers.learning_rate_tensor(table.optimizer, where=f"Table {table.name!r}")
     if self._check_finite:
       learning_rate = finite.check_learning_rate(learning_rate, table.name)
     names, state = self._state(table)
     if table.name in self._shard_locks:
-      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads,
-                                          learning_rate)
+      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads, learning_rate)
       return
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
@@ -335,7 +362,7 @@ class EmbeddingEngine(tf.Module):
       return
 
     def apply_pending_then_store(*copy):
-      """Pipelining: this step's update waits until after the next step's lookup (spec 6)."""
+      """Pipelining: this step's update waits until after the next step's lookup (SPEC §6)."""
       has, pending_ids, pending_grads, pending_lr = copy[-4:]
       _apply_pending(apply, copy[:-4], has, pending_ids, pending_grads, pending_lr)
       pending_ids.assign(ids)
@@ -354,8 +381,10 @@ class EmbeddingEngine(tf.Module):
         continue
       names, state = self._state(table)
       apply = _row_applier(table.optimizer, names)
-      _on_each_copy(state + self._pending_state(table),
-                    lambda *copy: _apply_pending(apply, copy[:-4], *copy[-4:]))
+      _on_each_copy(
+        state + self._pending_state(table),
+        lambda *copy: _apply_pending(apply, copy[:-4], *copy[-4:]),
+      )
 
   def _state(self, table: TableConfig) -> tuple[list[str], list[tf.Variable]]:
     """Slot names, and the table followed by its slots in that order."""
@@ -371,8 +400,9 @@ class EmbeddingEngine(tf.Module):
 _COPY_IS_CHEAP_BYTES = 16 << 20
 
 
-def _new_variable(initializer: Callable, shape: list[int], name: str,
-                  trainable: bool) -> tf.Variable:
+def _new_variable(
+  initializer: Callable, shape: list[int], name: str, trainable: bool
+) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
 
   `tf.Variable(initial_value=...)` keeps the initial tensor alive while copying it into the
@@ -387,7 +417,8 @@ def _new_variable(initializer: Callable, shape: list[int], name: str,
   if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
-      shape=shape, dtype=tf.float32, trainable=trainable, name=name)
+    shape=shape, dtype=tf.float32, trainable=trainable, name=name
+  )
   # One function per variable (in one function for all, TF holds every constant initial value
   # at once). A partial, not a lambda: TF counts traces per code object and would warn that a
   # function meant to run once per variable is "retracing".
@@ -400,11 +431,14 @@ def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Ten
   try:
     value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
   except (TypeError, ValueError) as e:
-    raise ValueError(f"Embedding variable {name!r}: its initializer failed for shape {shape}, "
-                     f"float32: {e}") from e
+    raise ValueError(
+      f"Embedding variable {name!r}: its initializer failed for shape {shape}, float32: {e}"
+    ) from e
   if value.dtype != tf.float32 or value.shape != shape:
-    raise ValueError(f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
-                     f"tensor of shape {value.shape.as_list()}; expected float32 {shape}.")
+    raise ValueError(
+      f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
+      f"tensor of shape {value.shape.as_list()}; expected float32 {shape}."
+    )
   return value
 
 
@@ -415,12 +449,20 @@ def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
 def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
   """Variable-length buffers holding one step's update until the next step has looked up."""
   return {
-      "has": tf.Variable(False, trainable=False, name=f"{table.name}/pending_has"),
-      "ids": tf.Variable(tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False,
-                         name=f"{table.name}/pending_ids"),
-      "grads": tf.Variable(tf.zeros([0, table.dim]), shape=tf.TensorShape([None, table.dim]),
-                           trainable=False, name=f"{table.name}/pending_grads"),
-      "learning_rate": tf.Variable(0.0, trainable=False, name=f"{table.name}/pending_lr"),
+    "has": tf.Variable(False, trainable=False, name=f"{table.name}/pending_has"),
+    "ids": tf.Variable(
+      tf.zeros([0], tf.int64),
+      shape=tf.TensorShape([None]),
+      trainable=False,
+      name=f"{table.name}/pending_ids",
+    ),
+    "grads": tf.Variable(
+      tf.zeros([0, table.dim]),
+      shape=tf.TensorShape([None, table.dim]),
+      trainable=False,
+      name=f"{table.name}/pending_grads",
+    ),
+    "learning_rate": tf.Variable(0.0, trainable=False, name=f"{table.name}/pending_lr"),
   }
 
 
@@ -435,9 +477,11 @@ def _refuse_training(table: TableConfig) -> None:
   The check is an op rather than a Python error so that tracing gradients without running them
   (as `tf.saved_model.save` does for serving-only layers) still works.
   """
-  message = (f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= "
-             "to the layer or set this TableConfig's optimizer. (optimizer=None is for "
-             "serving-only layers.)")
+  message = (
+    f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= "
+    "to the layer or set this TableConfig's optimizer. (optimizer=None is for "
+    "serving-only layers.)"
+  )
   if tf.executing_eagerly():
     raise ValueError(message)
   tf.debugging.Assert(tf.constant(False), [message])
@@ -447,9 +491,19 @@ def _row_applier(optimizer, slot_names: Sequence[str], atomic: bool = False) -> 
   """`apply(state, ids, grads, lr[, table_rows])` for one copy of a table's state (table, then
   slots); `table_rows` are the table's rows at `ids` when the lookup has just read them;
   `atomic` when other workers update the same variables concurrently."""
+
   def apply(state, ids, grads, learning_rate, table_rows=None) -> None:
-    apply_sparse_update(optimizer, state[0], dict(zip(slot_names, state[1:])), ids, grads,
-                        learning_rate, table_rows, atomic=atomic)
+    apply_sparse_update(
+      optimizer,
+      state[0],
+      dict(zip(slot_names, state[1:])),
+      ids,
+      grads,
+      learning_rate,
+      table_rows,
+      atomic=atomic,
+    )
+
   return apply
 
 
@@ -468,8 +522,9 @@ def _on_each_copy(variables: Sequence[tf.Variable], fn: Callable) -> None:
   Every copy of a mirrored variable receives the same update from the same global gradient,
   which keeps the copies identical without any table-sized communication.
   """
-  copies = [list(v.values) if isinstance(v, tf.distribute.DistributedValues) else [v]
-            for v in variables]
+  copies = [
+    list(v.values) if isinstance(v, tf.distribute.DistributedValues) else [v] for v in variables
+  ]
   for per_device in zip(*copies):
     with tf.device(per_device[0].device):
       fn(*per_device)

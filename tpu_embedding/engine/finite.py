@@ -22,19 +22,24 @@ def check_weights(step: lookup.Step) -> None:
   for bag in step.bags:
     if bag.gains is not None:
       bag.gains = tf.debugging.check_numerics(
-          bag.gains, f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
-          f"weights hold a non-finite value, or their sum overflows {_REMEDY}")
+        bag.gains,
+        f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
+        f"weights hold a non-finite value, or their sum overflows {_REMEDY}",
+      )
 
 
-def guard_gradients(activations: Sequence[tf.Tensor], bags: Sequence[lookup.Bags]
-                    ) -> list[tf.Tensor]:
+def guard_gradients(
+  activations: Sequence[tf.Tensor], bags: Sequence[lookup.Bags]
+) -> list[tf.Tensor]:
   """The activations, unchanged, whose gradients are checked on their way back to the tables."""
   return [_checked_gradient(a, bag) for a, bag in zip(activations, bags)]
 
 
 def _checked_gradient(activation: tf.Tensor, bag: lookup.Bags) -> tf.Tensor:
-  message = (f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): the gradient of "
-             f"its activations holds a non-finite value {_REMEDY}")
+  message = (
+    f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): the gradient of "
+    f"its activations holds a non-finite value {_REMEDY}"
+  )
 
   @tf.custom_gradient
   def identity(x):
@@ -45,4 +50,5 @@ def _checked_gradient(activation: tf.Tensor, bag: lookup.Bags) -> tf.Tensor:
 
 def check_learning_rate(learning_rate: tf.Tensor, table_name: str) -> tf.Tensor:
   return tf.debugging.check_numerics(
-      learning_rate, f"Table {table_name!r}: its learning rate is not finite {_REMEDY}")
+    learning_rate, f"Table {table_name!r}: its learning rate is not finite {_REMEDY}"
+  )

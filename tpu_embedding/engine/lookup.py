@@ -2,7 +2,7 @@
 
 Every input kind (dense, SparseTensor, RaggedTensor, sequence or not) is first reduced to *bags*:
 parallel arrays of (row id, output sample, gain), where the gain already holds the per-id weight
-times the combiner's per-sample scale (spec section 3.2). From there, the forward pass and the
+times the combiner's per-sample scale (SPEC §3.2). From there, the forward pass and the
 gradient to each touched row are the same two segment sums for every kind, and all features that
 share a table are deduplicated together once per step (ids looked up once, updated once).
 
@@ -41,11 +41,11 @@ class Bags:
   """
 
   feature: Feature
-  ids: Tensor                 # int64 [N]
-  samples: Optional[Tensor]   # int64 [N], index into the flattened activation rows
-  gains: Optional[Tensor]     # float32 [N]
-  num_samples: Tensor         # int64 scalar
-  output_shape: Tensor        # int64 [k], activation shape without the embedding dim
+  ids: Tensor  # int64 [N]
+  samples: Optional[Tensor]  # int64 [N], index into the flattened activation rows
+  gains: Optional[Tensor]  # float32 [N]
+  num_samples: Tensor  # int64 scalar
+  output_shape: Tensor  # int64 [k], activation shape without the embedding dim
   static_shape: tf.TensorShape  # what is known of output_shape before running
 
 
@@ -68,9 +68,10 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None) -> Bags:
   else:
     if weights is not None:
       raise ValueError(
-          f"Feature {name!r}: weights were given for a dense Tensor input. Each dense id is its "
-          "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
-          "RaggedTensor to weight them, or pass None for this feature's weights.")
+        f"Feature {name!r}: weights were given for a dense Tensor input. Each dense id is its "
+        "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
+        "RaggedTensor to weight them, or pass None for this feature's weights."
+      )
     bags = _dense_bags(feature, _as_id_tensor(name, ids))
   return _with_checked_output_shape(bags)
 
@@ -81,11 +82,18 @@ def _with_checked_output_shape(bags: Bags) -> Bags:
   if configured is None:
     return bags
   expected = configured.num_elements()
-  bags.ids, = _require(bags.feature, [
-      (tf.equal(bags.num_samples, expected),
-       f"FeatureConfig.output_shape {configured.as_list()} holds {expected} samples, which the "
-       "input must have too (its batch, or batch x sequence length).", [bags.num_samples])],
-      [bags.ids])
+  (bags.ids,) = _require(
+    bags.feature,
+    [
+      (
+        tf.equal(bags.num_samples, expected),
+        f"FeatureConfig.output_shape {configured.as_list()} holds {expected} samples, which the "
+        "input must have too (its batch, or batch x sequence length).",
+        [bags.num_samples],
+      )
+    ],
+    [bags.ids],
+  )
   return bags
 
 
@@ -100,14 +108,18 @@ def _as_id_tensor(name: str, ids: Any) -> Tensor:
 
 def _check_id_dtype(name: str, dtype: tf.DType) -> None:
   if not dtype.is_integer:
-    raise TypeError(f"Feature {name!r}: ids must be integers (int32 or int64), got {dtype.name}. "
-                    "Map strings or floats to integer ids first (e.g. tf.keras StringLookup).")
+    raise TypeError(
+      f"Feature {name!r}: ids must be integers (int32 or int64), got {dtype.name}. "
+      "Map strings or floats to integer ids first (e.g. tf.keras StringLookup)."
+    )
 
 
 def _check_weights_kind(name: str, weights: Any, kind: type) -> None:
   if weights is not None and not isinstance(weights, kind):
-    raise ValueError(f"Feature {name!r}: its ids are a {kind.__name__}, so its weights must be a "
-                     f"{kind.__name__} with the same layout; got {type(weights).__name__}.")
+    raise ValueError(
+      f"Feature {name!r}: its ids are a {kind.__name__}, so its weights must be a "
+      f"{kind.__name__} with the same layout; got {type(weights).__name__}."
+    )
   if weights is not None and not weights.dtype.is_floating:
     raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
 
@@ -134,14 +146,14 @@ def check_id_ranges(bags: Sequence[Bags]) -> None:
     # Traced in every step but run only on bad ids: one Assert over all features' ids at once
     # (naming the first feature at fault), so tracing time does not grow with the features.
     ids = tf.concat([tf.reshape(bag.ids, [-1]) for bag in bags], 0)
-    owner = tf.repeat(tf.range(len(bags)),
-                      tf.stack([tf.size(bag.ids) for bag in bags]))
+    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag.ids) for bag in bags]))
     too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
     offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
     message = tf.gather(tf.constant([_range_message(bag) for bag in bags]), at_fault)
-    with tf.control_dependencies([tf.debugging.Assert(
-        False, [message, "Offending ids:", offending], summarize=5)]):
+    with tf.control_dependencies(
+      [tf.debugging.Assert(False, [message, "Offending ids:", offending], summarize=5)]
+    ):
       return tf.constant(False)
 
   checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
@@ -156,8 +168,10 @@ def _in_range(bag: Bags) -> Tensor:
 
 def _range_message(bag: Bags) -> str:
   table = bag.feature.table
-  return (f"Feature {bag.feature.name!r} (table {table.name!r}, vocabulary_size="
-          f"{table.vocabulary_size}): every id must be in [0, {table.vocabulary_size}).")
+  return (
+    f"Feature {bag.feature.name!r} (table {table.name!r}, vocabulary_size="
+    f"{table.vocabulary_size}): every id must be in [0, {table.vocabulary_size})."
+  )
 
 
 def _static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
@@ -172,8 +186,9 @@ def _sequence_length(feature: Feature) -> int:
   return feature.config.max_sequence_length
 
 
-def _with_output_shape(feature: Feature, natural: Tensor,
-                       natural_static: tf.TensorShape) -> tuple[Tensor, tf.TensorShape]:
+def _with_output_shape(
+  feature: Feature, natural: Tensor, natural_static: tf.TensorShape
+) -> tuple[Tensor, tf.TensorShape]:
   """The activation shape: the configured output_shape if any, else the input's natural one."""
   configured = _static_output_shape(feature)
   if configured is None:
@@ -192,19 +207,26 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
   last = ids.shape[-1] if ids.shape.rank else 1
   if seq_len and ids.shape.rank == 2 and last is None:
     raise ValueError(
-        f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
-        "this trace does not know the last dimension of its dense ids, which decides the output: "
-        "[B, 1] ids give [B, D] and [B, n] ids give [B, L, D]. Give the input a known last "
-        "dimension, e.g. tf.TensorSpec([None, 1]) or tf.TensorSpec([None, n]).")
+      f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
+      "this trace does not know the last dimension of its dense ids, which decides the output: "
+      "[B, 1] ids give [B, D] and [B, n] ids give [B, L, D]. Give the input a known last "
+      "dimension, e.g. tf.TensorSpec([None, 1]) or tf.TensorSpec([None, n])."
+    )
   if seq_len and ids.shape.rank == 2 and last != 1:
     # A dense [B, n] sequence: truncate to L positions, missing positions stay zero.
     kept = ids[:, :seq_len]
     batch = shape[0]
     positions = tf.range(tf.shape(kept, out_type=tf.int64)[1])
     samples = tf.reshape(tf.range(batch)[:, None] * seq_len + positions[None, :], [-1])
-    return Bags(feature, tf.reshape(kept, [-1]), samples, None, batch * seq_len,
-                tf.stack([batch, tf.constant(seq_len, tf.int64)]),
-                tf.TensorShape([ids.shape[0], seq_len]))
+    return Bags(
+      feature,
+      tf.reshape(kept, [-1]),
+      samples,
+      None,
+      batch * seq_len,
+      tf.stack([batch, tf.constant(seq_len, tf.int64)]),
+      tf.TensorShape([ids.shape[0], seq_len]),
+    )
   static = ids.shape
   if ids.shape.rank >= 2 and last == 1:
     shape, static = shape[:-1], static[:-1]  # the TPU gives [B, D] for [B, 1] ids
@@ -213,23 +235,31 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
     # same answer as one that does; the output's rank is then unknown to the trace.
     shape = tf.cond(tf.equal(shape[-1], 1), lambda: shape[:-1], lambda: shape)
     static = tf.TensorShape(None)
-  return Bags(feature, tf.reshape(ids, [-1]), None, None, tf.reduce_prod(shape),
-              *_with_output_shape(feature, shape, static))
+  return Bags(
+    feature,
+    tf.reshape(ids, [-1]),
+    None,
+    None,
+    tf.reduce_prod(shape),
+    *_with_output_shape(feature, shape, static),
+  )
 
 
 def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
   _check_id_dtype(feature.name, sp.values.dtype)
   rank = sp.shape.rank
   if rank == 0:
-    raise ValueError(f"Feature {feature.name!r}: a SparseTensor input needs rank >= 1, got a "
-                     "scalar dense_shape.")
+    raise ValueError(
+      f"Feature {feature.name!r}: a SparseTensor input needs rank >= 1, got a scalar dense_shape."
+    )
   seq_len = _sequence_length(feature)
   if seq_len and rank is None:
     raise ValueError(
-        f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
-        "this trace does not know its SparseTensor's rank, which decides whether the output is "
-        "[B, L, D] (rank 2) or combined (other ranks). Give the input a known rank, e.g. "
-        "tf.SparseTensorSpec([None, None], tf.int64).")
+      f"Feature {feature.name!r} is a sequence feature (max_sequence_length={seq_len}), but "
+      "this trace does not know its SparseTensor's rank, which decides whether the output is "
+      "[B, L, D] (rank 2) or combined (other ranks). Give the input a known rank, e.g. "
+      "tf.SparseTensorSpec([None, None], tf.int64)."
+    )
   # The sample is every index column but the last (the only one at rank 1); combine over the
   # last. Rank 1 is [B] with at most one id per position (e.g. Input(shape=(), sparse=True)).
   if rank is not None:
@@ -237,8 +267,9 @@ def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.Spa
   else:
     bag_rank = tf.maximum(tf.size(sp.dense_shape, out_type=tf.int64) - 1, 1)
   sequence = bool(seq_len) and rank == 2
-  _check_static_samples(feature, sp.shape, bag_rank if rank is not None else 0,
-                        seq_len if sequence else 1)
+  _check_static_samples(
+    feature, sp.shape, bag_rank if rank is not None else 0, seq_len if sequence else 1
+  )
   indices, ids, dense_shape = _checked_sparse(feature, sp, bag_rank, seq_len if sequence else 1)
   weight_values = _sparse_weight_values(feature, sp, weights, indices, dense_shape)
   ids = tf.cast(ids, tf.int64)
@@ -248,34 +279,52 @@ def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.Spa
     kept = tf.boolean_mask(indices, keep)
     batch = dense_shape[0]
     samples = kept[:, 0] * seq_len + kept[:, 1]
-    return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
-                tf.stack([batch, tf.constant(seq_len, tf.int64)]),
-                tf.TensorShape([sp.shape[0], seq_len]))
+    return Bags(
+      feature,
+      tf.boolean_mask(ids, keep),
+      samples,
+      None,
+      batch * seq_len,
+      tf.stack([batch, tf.constant(seq_len, tf.int64)]),
+      tf.TensorShape([sp.shape[0], seq_len]),
+    )
   bag_shape = dense_shape[:bag_rank]
   strides = tf.math.cumprod(bag_shape, exclusive=True, reverse=True)
   samples = tf.reduce_sum(indices[:, :bag_rank] * strides[None, :], axis=1)
   num = tf.reduce_prod(bag_shape)
   static = sp.shape[:bag_rank] if rank is not None else tf.TensorShape(None)
-  return Bags(feature, ids, samples, _gains(feature, weight_values, samples, num), num,
-              *_with_output_shape(feature, bag_shape, static))
+  return Bags(
+    feature,
+    ids,
+    samples,
+    _gains(feature, weight_values, samples, num),
+    num,
+    *_with_output_shape(feature, bag_shape, static),
+  )
 
 
 # Samples and unique rows are int32 coordinates in the engine's sparse matrices and kernels.
 _MAX_SAMPLES = 2**31 - 1
 
 
-def _check_static_samples(feature: Feature, shape: tf.TensorShape, bag_rank: int,
-                          positions: int) -> None:
+def _check_static_samples(
+  feature: Feature, shape: tf.TensorShape, bag_rank: int, positions: int
+) -> None:
   """Refuses, while tracing, a shape already known to hold too many samples for the engine."""
   known = [d for d in shape[:bag_rank] if d is not None] if shape.rank is not None else []
-  if any(d < 0 for d in known) or float(np.prod(known, dtype=np.float64)) * positions > _MAX_SAMPLES:
-    raise ValueError(f"Feature {feature.name!r}: its SparseTensor's dense_shape {shape} must be "
-                     f"non-negative and hold at most {_MAX_SAMPLES} samples (every dimension "
-                     "but the last).")
+  if (
+    any(d < 0 for d in known) or float(np.prod(known, dtype=np.float64)) * positions > _MAX_SAMPLES
+  ):
+    raise ValueError(
+      f"Feature {feature.name!r}: its SparseTensor's dense_shape {shape} must be "
+      f"non-negative and hold at most {_MAX_SAMPLES} samples (every dimension "
+      "but the last)."
+    )
 
 
-def _checked_sparse(feature: Feature, sp: tf.SparseTensor, bag_rank: Any,
-                    positions: int) -> tuple[Tensor, Tensor, Tensor]:
+def _checked_sparse(
+  feature: Feature, sp: tf.SparseTensor, bag_rank: Any, positions: int
+) -> tuple[Tensor, Tensor, Tensor]:
   """(indices, values, dense_shape) of `sp`, let through only if they describe a valid input.
 
   A hostile dense_shape (e.g. [2**61, 3]) would otherwise reach kernels that abort the process.
@@ -285,34 +334,56 @@ def _checked_sparse(feature: Feature, sp: tf.SparseTensor, bag_rank: Any,
   rank = tf.size(dense_shape, out_type=tf.int64)
   samples = tf.reduce_prod(tf.cast(dense_shape[:bag_rank], tf.float64)) * positions
   well_formed = tf.logical_and(
-      tf.equal(entries[0], tf.size(values, out_type=tf.int64)), tf.equal(entries[1], rank))
+    tf.equal(entries[0], tf.size(values, out_type=tf.int64)), tf.equal(entries[1], rank)
+  )
   # Only compared once the layout is consistent, so that the comparison itself cannot fail.
   inside = tf.cond(
-      well_formed,
-      lambda: tf.reduce_all(tf.logical_and(indices >= 0, indices < dense_shape[None, :])),
-      lambda: tf.constant(False))
-  return _require(feature, [
-      (well_formed, "its SparseTensor's indices must be [N, rank] with one row per value "
-                    "(N values) and rank = len(dense_shape).", [entries, tf.size(values)]),
-      (tf.logical_and(tf.reduce_all(dense_shape >= 0), samples <= _MAX_SAMPLES),
-       f"its SparseTensor's dense_shape must be non-negative and hold at most {_MAX_SAMPLES} "
-       "samples (every dimension but the last).", [dense_shape]),
-      (inside, "every index of its SparseTensor must lie inside dense_shape.",
-       [dense_shape, lambda: _first_outside(indices, dense_shape, well_formed)]),
-  ], [indices, values, dense_shape])
+    well_formed,
+    lambda: tf.reduce_all(tf.logical_and(indices >= 0, indices < dense_shape[None, :])),
+    lambda: tf.constant(False),
+  )
+  return _require(
+    feature,
+    [
+      (
+        well_formed,
+        "its SparseTensor's indices must be [N, rank] with one row per value "
+        "(N values) and rank = len(dense_shape).",
+        [entries, tf.size(values)],
+      ),
+      (
+        tf.logical_and(tf.reduce_all(dense_shape >= 0), samples <= _MAX_SAMPLES),
+        f"its SparseTensor's dense_shape must be non-negative and hold at most {_MAX_SAMPLES} "
+        "samples (every dimension but the last).",
+        [dense_shape],
+      ),
+      (
+        inside,
+        "every index of its SparseTensor must lie inside dense_shape.",
+        [dense_shape, lambda: _first_outside(indices, dense_shape, well_formed)],
+      ),
+    ],
+    [indices, values, dense_shape],
+  )
 
 
 def _first_outside(indices: Tensor, dense_shape: Tensor, well_formed: Tensor) -> Tensor:
   """The first index row outside dense_shape (for the error message), or an empty one."""
+
   def first():
     outside = tf.reduce_any(tf.logical_or(indices < 0, indices >= dense_shape[None, :]), axis=1)
     return tf.boolean_mask(indices, outside)[:1]
+
   return tf.cond(well_formed, first, lambda: tf.zeros([0, 0], tf.int64))
 
 
-def _sparse_weight_values(feature: Feature, sp: tf.SparseTensor,
-                          weights: Optional[tf.SparseTensor], indices: Tensor,
-                          dense_shape: Tensor) -> Optional[Tensor]:
+def _sparse_weight_values(
+  feature: Feature,
+  sp: tf.SparseTensor,
+  weights: Optional[tf.SparseTensor],
+  indices: Tensor,
+  dense_shape: Tensor,
+) -> Optional[Tensor]:
   """The weights' values, once they pair with the ids (one per id; same indices if validated)."""
   if weights is None:
     return None
@@ -320,27 +391,40 @@ def _sparse_weight_values(feature: Feature, sp: tf.SparseTensor,
   ids = tf.size(sp.values, out_type=tf.int64)
   checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
   if feature.config.validate_weights_and_indices:
-    same = tf.logical_and(_same_tensor(weights.dense_shape, dense_shape),
-                          _same_tensor(weights.indices, indices))
-    checks.append((same, "its weights must have the same indices and dense_shape as its ids "
-                         "(FeatureConfig.validate_weights_and_indices is True).",
-                   [weights.dense_shape, dense_shape]))
+    same = tf.logical_and(
+      _same_tensor(weights.dense_shape, dense_shape), _same_tensor(weights.indices, indices)
+    )
+    checks.append(
+      (
+        same,
+        "its weights must have the same indices and dense_shape as its ids "
+        "(FeatureConfig.validate_weights_and_indices is True).",
+        [weights.dense_shape, dense_shape],
+      )
+    )
   return _require(feature, checks, [weights.values])[0]
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> Tensor:
   """Whether two int64 tensors have the same shape and values (never an error)."""
-  same_shape = tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b))) if a.shape.rank == b.shape.rank \
-      else tf.constant(False)
-  return tf.cond(same_shape, lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
-                 lambda: tf.constant(False))
+  same_shape = (
+    tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b)))
+    if a.shape.rank == b.shape.rank
+    else tf.constant(False)
+  )
+  return tf.cond(
+    same_shape,
+    lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
+    lambda: tf.constant(False),
+  )
 
 
 Data = Sequence[Any]  # tensors for the message, or callables building them only on failure
 
 
-def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Data]],
-             guarded: Sequence[Tensor]) -> list[Tensor]:
+def _require(
+  feature: Feature, checks: Sequence[tuple[Tensor, str, Data]], guarded: Sequence[Tensor]
+) -> list[Tensor]:
   """`guarded`, let through only once every check (ok, message, data) holds.
 
   Eagerly the first failing check raises a ValueError naming the feature. In a graph the
@@ -357,13 +441,16 @@ def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Data]],
     return list(guarded)
 
   def fail():
-    asserts = [tf.debugging.Assert(ok, [prefix + message, "Got:", *shown(data)], summarize=8)
-               for ok, message, data in checks]
+    asserts = [
+      tf.debugging.Assert(ok, [prefix + message, "Got:", *shown(data)], summarize=8)
+      for ok, message, data in checks
+    ]
     with tf.control_dependencies(asserts):
       return tf.constant(False)
 
-  passed = tf.cond(tf.reduce_all(tf.stack([ok for ok, _, _ in checks])),
-                   lambda: tf.constant(True), fail)
+  passed = tf.cond(
+    tf.reduce_all(tf.stack([ok for ok, _, _ in checks])), lambda: tf.constant(True), fail
+  )
   with tf.control_dependencies([passed]):
     return [tf.identity(t) for t in guarded]
 
@@ -371,8 +458,10 @@ def _require(feature: Feature, checks: Sequence[tuple[Tensor, str, Data]],
 def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]) -> Bags:
   _check_id_dtype(feature.name, rt.values.dtype)
   if rt.ragged_rank != 1 or rt.shape.rank != 2:
-    raise ValueError(f"Feature {feature.name!r}: a RaggedTensor input must have rank 2 "
-                     f"(batch, ids), got shape {rt.shape}.")
+    raise ValueError(
+      f"Feature {feature.name!r}: a RaggedTensor input must have rank 2 "
+      f"(batch, ids), got shape {rt.shape}."
+    )
   weight_values = _ragged_weight_values(feature, rt, weights)
   ids = tf.cast(rt.values, tf.int64)
   rows = rt.value_rowids()
@@ -385,8 +474,9 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
     if total != static_batch:
       if total < static_batch or total % static_batch:
         raise ValueError(
-            f"Feature {feature.name!r}: output_shape {configured} holds {total} samples, which is "
-            f"neither the batch size {static_batch} nor a multiple of it.")
+          f"Feature {feature.name!r}: output_shape {configured} holds {total} samples, which is "
+          f"neither the batch size {static_batch} nor a multiple of it."
+        )
       seq_len = total // static_batch
   if seq_len:
     _refuse_sequence_weights(feature, weights)
@@ -394,41 +484,63 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
     keep = positions < seq_len
     samples = tf.boolean_mask(rows * seq_len + positions, keep)
     natural = tf.stack([batch, tf.constant(seq_len, tf.int64)])
-    return Bags(feature, tf.boolean_mask(ids, keep), samples, None, batch * seq_len,
-                *_with_output_shape(feature, natural, tf.TensorShape([rt.shape[0], seq_len])))
-  return Bags(feature, ids, rows, _gains(feature, weight_values, rows, batch), batch,
-              *_with_output_shape(feature, batch[None], rt.shape[:1]))
+    return Bags(
+      feature,
+      tf.boolean_mask(ids, keep),
+      samples,
+      None,
+      batch * seq_len,
+      *_with_output_shape(feature, natural, tf.TensorShape([rt.shape[0], seq_len])),
+    )
+  return Bags(
+    feature,
+    ids,
+    rows,
+    _gains(feature, weight_values, rows, batch),
+    batch,
+    *_with_output_shape(feature, batch[None], rt.shape[:1]),
+  )
 
 
-def _ragged_weight_values(feature: Feature, rt: tf.RaggedTensor,
-                          weights: Optional[tf.RaggedTensor]) -> Optional[Tensor]:
+def _ragged_weight_values(
+  feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]
+) -> Optional[Tensor]:
   """The weights' values, once they pair with the ids (one per id; same rows if validated)."""
   if weights is None:
     return None
   if weights.ragged_rank != rt.ragged_rank:
-    raise ValueError(f"Feature {feature.name!r}: its weights must be a RaggedTensor of the same "
-                     f"ragged rank as its ids ({rt.ragged_rank}), got {weights.ragged_rank}.")
+    raise ValueError(
+      f"Feature {feature.name!r}: its weights must be a RaggedTensor of the same "
+      f"ragged rank as its ids ({rt.ragged_rank}), got {weights.ragged_rank}."
+    )
   count = tf.size(weights.values, out_type=tf.int64)
   ids = tf.size(rt.values, out_type=tf.int64)
   checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
   if feature.config.validate_weights_and_indices:
     lengths, id_lengths = weights.row_lengths(), rt.row_lengths()
-    checks.append((_same_tensor(lengths, id_lengths),
-                   "its weights must have the same row lengths as its ids "
-                   "(FeatureConfig.validate_weights_and_indices is True).",
-                   [lengths, id_lengths]))
+    checks.append(
+      (
+        _same_tensor(lengths, id_lengths),
+        "its weights must have the same row lengths as its ids "
+        "(FeatureConfig.validate_weights_and_indices is True).",
+        [lengths, id_lengths],
+      )
+    )
   return _require(feature, checks, [weights.values])[0]
 
 
 def _refuse_sequence_weights(feature: Feature, weights: Any) -> None:
   if weights is not None:
-    raise ValueError(f"Feature {feature.name!r} is a sequence feature (max_sequence_length="
-                     f"{feature.config.max_sequence_length}); each position is its own sample, "
-                     "so weights are not allowed. Pass None for its weights.")
+    raise ValueError(
+      f"Feature {feature.name!r} is a sequence feature (max_sequence_length="
+      f"{feature.config.max_sequence_length}); each position is its own sample, "
+      "so weights are not allowed. Pass None for its weights."
+    )
 
 
-def _gains(feature: Feature, weights: Optional[Tensor], samples: Tensor,
-           num_samples: Tensor) -> Optional[Tensor]:
+def _gains(
+  feature: Feature, weights: Optional[Tensor], samples: Tensor, num_samples: Tensor
+) -> Optional[Tensor]:
   """Per-id gain = weight x the combiner's per-sample scale (0 where the scale's base is 0)."""
   combiner = feature.table.combiner
   if weights is None:
@@ -489,8 +601,10 @@ class TableBatch:
       bag = self.bags[0]
       return bag.samples, bag.gains, bag.num_samples
     offsets = tf.cumsum(tf.stack([b.num_samples for b in self.bags]), exclusive=True)
-    rows = [_sample_rows(bag) + offset
-            for bag, offset in zip(self.bags, tf.unstack(offsets, num=len(self.bags)))]
+    rows = [
+      _sample_rows(bag) + offset
+      for bag, offset in zip(self.bags, tf.unstack(offsets, num=len(self.bags)))
+    ]
     gains = None
     if any(b.gains is not None for b in self.bags):
       gains = tf.concat([_gains_or_ones(b) for b in self.bags], 0)
@@ -505,8 +619,7 @@ class TableBatch:
       rows = tf.range(tf.size(ids, out_type=tf.int64))
     if gains is None:
       gains = tf.ones(tf.shape(ids), tf.float32)
-    return SampleMatrix.build(rows, ids, gains, total,
-                              tf.size(self.unique_ids, out_type=tf.int64))
+    return SampleMatrix.build(rows, ids, gains, total, tf.size(self.unique_ids, out_type=tf.int64))
 
   def activations(self, table: Any, deduplicate: bool) -> list[Tensor]:
     """Combined activations of each bag.
@@ -518,13 +631,19 @@ class TableBatch:
     exported and loaded with TensorFlow alone.
     """
     if not deduplicate:
-      return [_combine(bag, quantize(sharded.gather(table, bag.ids), self._table))
-              for bag in self.bags]
-    if (self._table.quantization_config is None and record.could_possibly_record() and
-        not sharded.is_sharded(table) and native.runs_on([table])):
+      return [
+        _combine(bag, quantize(sharded.gather(table, bag.ids), self._table)) for bag in self.bags
+      ]
+    if (
+      self._table.quantization_config is None
+      and record.could_possibly_record()
+      and not sharded.is_sharded(table)
+      and native.runs_on([table])
+    ):
       rows, gains, total = self._occurrences
       flat, unique_ids, index = native.dedup_lookup(
-          table, _concat([b.ids for b in self.bags]), rows, gains, total)
+        table, _concat([b.ids for b in self.bags]), rows, gains, total
+      )
       self._deduplicated, self._native = (unique_ids, index), True
     else:
       self.looked_up_rows = sharded.gather(table, self.unique_ids)
@@ -563,14 +682,20 @@ class TableBatch:
     return _concat(parts)
 
   def row_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
-    """The summed gradient of each unique row [U, D] (spec 2.1), never a dense table gradient."""
-    grads = _concat([tf.zeros([bag.num_samples, dim]) if g is None
-                     else tf.reshape(tf.cast(g, tf.float32), [-1, dim])
-                     for bag, g in zip(self.bags, upstream)])
+    """The summed gradient of each unique row [U, D] (SPEC §2.1), never a dense table gradient."""
+    grads = _concat(
+      [
+        tf.zeros([bag.num_samples, dim])
+        if g is None
+        else tf.reshape(tf.cast(g, tf.float32), [-1, dim])
+        for bag, g in zip(self.bags, upstream)
+      ]
+    )
     if self._native:
       rows, gains, _ = self._occurrences
-      return native.row_gradients(self.index, rows, gains, grads,
-                                  tf.size(self.unique_ids, out_type=tf.int64))
+      return native.row_gradients(
+        self.index, rows, gains, grads, tf.size(self.unique_ids, out_type=tf.int64)
+      )
     return self._sample_matrix.matmul(grads, adjoint=True)
 
   @property
@@ -602,22 +727,25 @@ class SampleMatrix:
   """A sparse [rows, columns] matrix in the layout of TF's sparse-dense matmul kernel."""
 
   indices: Tensor  # [nnz, 2] (row, column), int32 where they fit, else int64
-  values: Tensor   # float32 [nnz]
-  shape: Tensor    # int64 [2]
+  values: Tensor  # float32 [nnz]
+  shape: Tensor  # int64 [2]
 
   @classmethod
-  def build(cls, rows: Tensor, columns: Tensor, values: Tensor, num_rows: Tensor,
-            num_columns: Tensor) -> "SampleMatrix":
+  def build(
+    cls, rows: Tensor, columns: Tensor, values: Tensor, num_rows: Tensor, num_columns: Tensor
+  ) -> "SampleMatrix":
     """From int64 coordinates, which must be below 2**31 (they count samples and rows)."""
     if _LITTLE_ENDIAN:
       # (row, column) int32 pairs are the two halves of row + column * 2**32: one add and one
       # shift instead of stacking two columns, which TF's CPU kernels do element by element.
-      indices = tf.bitcast(rows + tf.bitwise.left_shift(columns, tf.constant(32, tf.int64)),
-                           tf.int32)
+      indices = tf.bitcast(
+        rows + tf.bitwise.left_shift(columns, tf.constant(32, tf.int64)), tf.int32
+      )
     else:
       indices = tf.stack([rows, columns], axis=1)
-    return cls(indices, values, tf.stack([tf.cast(num_rows, tf.int64),
-                                          tf.cast(num_columns, tf.int64)]))
+    return cls(
+      indices, values, tf.stack([tf.cast(num_rows, tf.int64), tf.cast(num_columns, tf.int64)])
+    )
 
   def matmul(self, dense: Tensor, adjoint: bool = False) -> Tensor:
     """`self @ dense` (or its adjoint), in column blocks of 16.
@@ -626,13 +754,19 @@ class SampleMatrix:
     blocks keep it on the fast path (measured 2x faster at dim 32 and 64). Columns are
     independent, so the result is bit-identical.
     """
-    product = functools.partial(tf.raw_ops.SparseTensorDenseMatMul, a_indices=self.indices,
-                                a_values=self.values, a_shape=self.shape, adjoint_a=adjoint)
+    product = functools.partial(
+      tf.raw_ops.SparseTensorDenseMatMul,
+      a_indices=self.indices,
+      a_values=self.values,
+      a_shape=self.shape,
+      adjoint_a=adjoint,
+    )
     if not _needs_blocks(dense):
       return product(b=dense)
     width = dense.shape[-1]
     blocks = tf.split(
-        dense, [min(_MATMUL_BLOCK, width - c) for c in range(0, width, _MATMUL_BLOCK)], axis=1)
+      dense, [min(_MATMUL_BLOCK, width - c) for c in range(0, width, _MATMUL_BLOCK)], axis=1
+    )
     return tf.concat([product(b=b) for b in blocks], axis=1)
 
 
@@ -643,8 +777,7 @@ def _needs_blocks(dense: Tensor) -> bool:
 def sum_by_index(values: Tensor, index: Tensor, count: Tensor) -> Tensor:
   """out[i] = sum of values[k] where index[k] == i, as a sparse matmul (see TableBatch)."""
   size = tf.size(index, out_type=tf.int64)
-  matrix = SampleMatrix.build(tf.range(size), index,
-                              tf.ones([size], values.dtype), size, count)
+  matrix = SampleMatrix.build(tf.range(size), index, tf.ones([size], values.dtype), size, count)
   return matrix.matmul(values, adjoint=True)
 
 
@@ -653,8 +786,13 @@ def _combine(bag: Bags, rows: Tensor) -> Tensor:
   if bag.samples is None and bag.gains is None:
     return shape_activations(bag, rows)
   occurrences = tf.range(tf.size(bag.ids, out_type=tf.int64))
-  matrix = SampleMatrix.build(_sample_rows(bag), occurrences, _gains_or_ones(bag),
-                              bag.num_samples, tf.size(bag.ids, out_type=tf.int64))
+  matrix = SampleMatrix.build(
+    _sample_rows(bag),
+    occurrences,
+    _gains_or_ones(bag),
+    bag.num_samples,
+    tf.size(bag.ids, out_type=tf.int64),
+  )
   return shape_activations(bag, matrix.matmul(rows))
 
 
@@ -672,7 +810,7 @@ def _set_static_shape(out: Tensor, bag: Bags, dim: Optional[int]) -> Tensor:
 
 
 def quantize(rows: Tensor, table) -> Tensor:
-  """Simulated quantization of gathered rows (forward only, spec 3.8); identity if unset."""
+  """Simulated quantization of gathered rows (forward only, SPEC §3.8); identity if unset."""
   config = table.quantization_config
   if config is None:
     return rows
@@ -690,16 +828,24 @@ class Step:
   batches: dict  # TableConfig -> TableBatch, tables in order of first appearance
 
   @classmethod
-  def prepare(cls, config: config_lib.EmbeddingConfig, features: Any, weights: Any = None,
-              subset: bool = False, check_ranges: bool = True) -> "Step":
+  def prepare(
+    cls,
+    config: config_lib.EmbeddingConfig,
+    features: Any,
+    weights: Any = None,
+    subset: bool = False,
+    check_ranges: bool = True,
+  ) -> "Step":
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
 
     `check_ranges=False` leaves out the id-range check, for steps XLA compiles: they cannot
     raise at run time (the static path clamps such ids instead).
     """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
-    bags = [to_bags(feature, ids, w)
-            for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))]
+    bags = [
+      to_bags(feature, ids, w)
+      for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
+    ]
     if check_ranges:
       check_id_ranges(bags)
     grouped: dict = {}
@@ -707,8 +853,9 @@ class Step:
       grouped.setdefault(bag.feature.table, []).append(bag)
     return cls(bags, {table: TableBatch(b) for table, b in grouped.items()})
 
-  def activations(self, read_table: Callable[[Any], Tensor],
-                  deduplicate: bool = False) -> list[Tensor]:
+  def activations(
+    self, read_table: Callable[[Any], Tensor], deduplicate: bool = False
+  ) -> list[Tensor]:
     """Activations of every bag, in input order; `read_table(table)` gives the table to read."""
     by_bag = {}
     for table, batch in self.batches.items():
@@ -716,11 +863,14 @@ class Step:
         by_bag[id(bag)] = activation
     return [by_bag[id(bag)] for bag in self.bags]
 
-  def upstream_by_table(self, upstream: Sequence[Optional[Tensor]]) -> list[tuple[Any, "TableBatch", list]]:
+  def upstream_by_table(
+    self, upstream: Sequence[Optional[Tensor]]
+  ) -> list[tuple[Any, "TableBatch", list]]:
     """Regroups per-bag activation gradients (input order) per table."""
     by_bag = {id(bag): g for bag, g in zip(self.bags, upstream)}
-    return [(table, batch, [by_bag[id(b)] for b in batch.bags])
-            for table, batch in self.batches.items()]
+    return [
+      (table, batch, [by_bag[id(b)] for b in batch.bags]) for table, batch in self.batches.items()
+    ]
 
 
 def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
@@ -732,7 +882,7 @@ def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
   except (TypeError, ValueError):
     kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
     raise ValueError(
-        "The structure of weights does not match the structure of features: pass one weight "
-        f"(or None) per feature.\n  features: {kinds(features)}\n  weights:  {kinds(weights)}"
+      "The structure of weights does not match the structure of features: pass one weight "
+      f"(or None) per feature.\n  features: {kinds(features)}\n  weights:  {kinds(weights)}"
     ) from None
   return tf.nest.flatten(weights)

@@ -25,9 +25,11 @@ def _library():
   here = pathlib.Path(__file__).parent
   built = sorted(here.glob("_kernels*.so"))
   if not built:
-    logging.warning("tpu_embedding: compiled kernels not found in %s (was the package installed "
-                    "without a C++ compiler?); the CPU engine runs on TF ops, which is slower.",
-                    here)
+    logging.warning(
+      "tpu_embedding: compiled kernels not found in %s (was the package installed "
+      "without a C++ compiler?); the CPU engine runs on TF ops, which is slower.",
+      here,
+    )
     return None
   return tf.load_op_library(str(built[0]))
 
@@ -61,14 +63,25 @@ def _same_task(device: tf.DeviceSpec, local: tf.DeviceSpec) -> bool:
   if device.job in (None, "localhost"):
     return True
   return (device.job, device.replica or 0, device.task or 0) == (
-      local.job, local.replica or 0, local.task or 0)
+    local.job,
+    local.replica or 0,
+    local.task or 0,
+  )
 
 
-def apply_rows(rule: str, hyperparameters: Sequence[float], table: tf.Variable,
-               slots: Sequence[tf.Variable], row_ids: tf.Tensor, grads: tf.Tensor,
-               learning_rate: tf.Tensor, clip_gradient: tuple[Optional[float], Optional[float]],
-               weight_decay: float, weight_decay_by_learning_rate: bool,
-               clip_weight: tuple[Optional[float], Optional[float]]) -> None:
+def apply_rows(
+  rule: str,
+  hyperparameters: Sequence[float],
+  table: tf.Variable,
+  slots: Sequence[tf.Variable],
+  row_ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+  clip_gradient: tuple[Optional[float], Optional[float]],
+  weight_decay: float,
+  weight_decay_by_learning_rate: bool,
+  clip_weight: tuple[Optional[float], Optional[float]],
+) -> None:
   """One fused optimizer step on the unique rows `row_ids`, in place (cc/apply_rows.cc).
 
   Limits given as None are absent.
@@ -76,16 +89,20 @@ def apply_rows(rule: str, hyperparameters: Sequence[float], table: tf.Variable,
   infinity = float("inf")
   bound = lambda value, default: default if value is None else float(value)
   _library().tpu_embedding_apply_rows(
-      table=table.handle, slots=[s.handle for s in slots],
-      row_ids=tf.cast(row_ids, tf.int64), gradients=tf.cast(grads, tf.float32),
-      learning_rate=tf.cast(learning_rate, tf.float32), rule=rule,
-      hyperparameters=[float(h) for h in hyperparameters],
-      clip_gradient_min=bound(clip_gradient[0], -infinity),
-      clip_gradient_max=bound(clip_gradient[1], infinity),
-      weight_decay=float(weight_decay or 0.0),
-      weight_decay_by_learning_rate=bool(weight_decay_by_learning_rate),
-      clip_weight_min=bound(clip_weight[0], -infinity),
-      clip_weight_max=bound(clip_weight[1], infinity))
+    table=table.handle,
+    slots=[s.handle for s in slots],
+    row_ids=tf.cast(row_ids, tf.int64),
+    gradients=tf.cast(grads, tf.float32),
+    learning_rate=tf.cast(learning_rate, tf.float32),
+    rule=rule,
+    hyperparameters=[float(h) for h in hyperparameters],
+    clip_gradient_min=bound(clip_gradient[0], -infinity),
+    clip_gradient_max=bound(clip_gradient[1], infinity),
+    weight_decay=float(weight_decay or 0.0),
+    weight_decay_by_learning_rate=bool(weight_decay_by_learning_rate),
+    clip_weight_min=bound(clip_weight[0], -infinity),
+    clip_weight_max=bound(clip_weight[1], infinity),
+  )
 
 
 def _optional(value: Optional[tf.Tensor], dtype: tf.DType) -> tf.Tensor:
@@ -93,24 +110,41 @@ def _optional(value: Optional[tf.Tensor], dtype: tf.DType) -> tf.Tensor:
   return tf.zeros([0], dtype) if value is None else tf.cast(value, dtype)
 
 
-def dedup_lookup(table: tf.Variable, ids: tf.Tensor, samples: Optional[tf.Tensor],
-                 gains: Optional[tf.Tensor], num_samples: tf.Tensor
-                 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def dedup_lookup(
+  table: tf.Variable,
+  ids: tf.Tensor,
+  samples: Optional[tf.Tensor],
+  gains: Optional[tf.Tensor],
+  num_samples: tf.Tensor,
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
   """(activations [num_samples, D], unique ids, index) of one table's training lookup.
 
   activations[samples[k]] += gains[k] * table[ids[k]]; samples None means sample k is id k,
   gains None means gains of 1; unique_ids[index[k]] == ids[k], in first-occurrence order.
   """
   activations, unique_ids, index = _library().tpu_embedding_dedup_lookup(
-      table=table.handle, ids=tf.cast(ids, tf.int64), samples=_optional(samples, tf.int64),
-      gains=_optional(gains, tf.float32), num_samples=tf.cast(num_samples, tf.int64))
+    table=table.handle,
+    ids=tf.cast(ids, tf.int64),
+    samples=_optional(samples, tf.int64),
+    gains=_optional(gains, tf.float32),
+    num_samples=tf.cast(num_samples, tf.int64),
+  )
   activations.set_shape([None, table.shape[-1]])
   return activations, unique_ids, index
 
 
-def row_gradients(index: tf.Tensor, samples: Optional[tf.Tensor], gains: Optional[tf.Tensor],
-                  upstream: tf.Tensor, num_unique: tf.Tensor) -> tf.Tensor:
+def row_gradients(
+  index: tf.Tensor,
+  samples: Optional[tf.Tensor],
+  gains: Optional[tf.Tensor],
+  upstream: tf.Tensor,
+  num_unique: tf.Tensor,
+) -> tf.Tensor:
   """The lookup's transpose: out[index[k]] += gains[k] * upstream[samples[k]], [U, D]."""
   return _library().tpu_embedding_row_gradients(
-      index=index, samples=_optional(samples, tf.int64), gains=_optional(gains, tf.float32),
-      upstream=tf.cast(upstream, tf.float32), num_unique=tf.cast(num_unique, tf.int64))
+    index=index,
+    samples=_optional(samples, tf.int64),
+    gains=_optional(gains, tf.float32),
+    upstream=tf.cast(upstream, tf.float32),
+    num_unique=tf.cast(num_unique, tf.int64),
+  )

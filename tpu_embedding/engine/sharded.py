@@ -69,10 +69,11 @@ def colocated_with(parameters: tf.Variable):
 
 def refuse_pipelining(table: TableConfig) -> None:
   raise ValueError(
-      f"Table {table.name!r} is sharded over parameter servers (a variable_partitioner was "
-      "given to ParameterServerStrategy), which does not support "
-      "pipeline_execution_with_tensor_core=True: set it to False for this layer, or create the "
-      "strategy without a variable_partitioner.")
+    f"Table {table.name!r} is sharded over parameter servers (a variable_partitioner was "
+    "given to ParameterServerStrategy), which does not support "
+    "pipeline_execution_with_tensor_core=True: set it to False for this layer, or create the "
+    "strategy without a variable_partitioner."
+  )
 
 
 class _Partition:
@@ -82,8 +83,9 @@ class _Partition:
     starts = row_starts(variable)
     self.count = len(starts) - 1
     ids = tf.cast(ids, tf.int64)
-    shard_of = tf.searchsorted(tf.constant(starts[1:-1], tf.int64), ids, side="right",
-                               out_type=tf.int32)
+    shard_of = tf.searchsorted(
+      tf.constant(starts[1:-1], tf.int64), ids, side="right", out_type=tf.int32
+    )
     local = ids - tf.gather(tf.constant(starts[:-1], tf.int64), shard_of)
     self._shard_of = shard_of
     self.positions = tf.dynamic_partition(tf.range(tf.size(ids)), shard_of, self.count)
@@ -110,8 +112,12 @@ def gather(table: Any, ids: tf.Tensor) -> tf.Tensor:
   return partition.stitch(rows)
 
 
-def create_slots(table: TableConfig, parameters: ShardedVariable, names: Sequence[str],
-                 initializers: Sequence[Callable]) -> dict[str, ShardedVariable]:
+def create_slots(
+  table: TableConfig,
+  parameters: ShardedVariable,
+  names: Sequence[str],
+  initializers: Sequence[Callable],
+) -> dict[str, ShardedVariable]:
   """The table's slots, each split into the table's shards and placed with them.
 
   Left to the partitioner, a slot of another shape or size (e.g. `[vocabulary]`) could be cut
@@ -126,9 +132,13 @@ def create_slots(table: TableConfig, parameters: ShardedVariable, names: Sequenc
     for index, shard in enumerate(shards(parameters)):
       shape = [shard.shape[0]] + list(shapes[name][1:])
       with strategy.extended.colocate_vars_with(shard):
-        parts.append(tf.Variable(
+        parts.append(
+          tf.Variable(
             initial_value=functools.partial(initializer, shape=shape, dtype=tf.float32),
-            trainable=False, name=f"{table.name}/{name}/part_{index}"))
+            trainable=False,
+            name=f"{table.name}/{name}/part_{index}",
+          )
+        )
     slots[name] = ShardedVariable(parts, name=f"{table.name}/{name}")
   return slots
 
@@ -148,29 +158,47 @@ class ShardLocks:
         with tf.device(shard.device):
           # A name no other lock has: locks with one name on a ps are one mutex, which a step
           # taking it for two tables would wait on forever.
-          self._locks.append(tf.CriticalSection(name="shard_lock",
-                                                shared_name=f"shard_lock_{uuid.uuid4().hex}"))
+          self._locks.append(
+            tf.CriticalSection(name="shard_lock", shared_name=f"shard_lock_{uuid.uuid4().hex}")
+          )
 
-  def apply(self, optimizer, state: Sequence[ShardedVariable], slot_names: Sequence[str],
-            ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> None:
+  def apply(
+    self,
+    optimizer,
+    state: Sequence[ShardedVariable],
+    slot_names: Sequence[str],
+    ids: tf.Tensor,
+    grads: tf.Tensor,
+    learning_rate: tf.Tensor,
+  ) -> None:
     """Applies one step's unique (ids, row gradients) to `state` (table, then its slots)."""
     partition = _Partition(state[0], ids)
-    per_shard = zip(self._locks, zip(*(shards(v) for v in state)), partition.local_ids,
-                    partition.split(grads))
+    per_shard = zip(
+      self._locks, zip(*(shards(v) for v in state)), partition.local_ids, partition.split(grads)
+    )
     for lock, copy, local_ids, shard_grads in per_shard:
       with tf.device(copy[0].device):
-        lock.execute(functools.partial(_update_shard, optimizer, copy, slot_names, local_ids,
-                                       shard_grads, learning_rate))
+        lock.execute(
+          functools.partial(
+            _update_shard, optimizer, copy, slot_names, local_ids, shard_grads, learning_rate
+          )
+        )
 
 
-def _update_shard(optimizer, copy: Sequence[tf.Variable], slot_names: Sequence[str],
-                  ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> list[tf.Tensor]:
+def _update_shard(
+  optimizer,
+  copy: Sequence[tf.Variable],
+  slot_names: Sequence[str],
+  ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+) -> list[tf.Tensor]:
   """One shard's update, returning reads that come after its writes.
 
   The critical section releases its lock once what this returns is computed; reading zero
   rows of each variable (ordered after the writes to it) makes that wait for every write.
   """
-  apply_sparse_update(optimizer, copy[0], dict(zip(slot_names, copy[1:])), ids, grads,
-                      learning_rate, atomic=True)
+  apply_sparse_update(
+    optimizer, copy[0], dict(zip(slot_names, copy[1:])), ids, grads, learning_rate, atomic=True
+  )
   return [v.sparse_read(ids[:0]) for v in copy]
-

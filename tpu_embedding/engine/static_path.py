@@ -47,6 +47,7 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 # (slot names, [table, slots...]) of a table, as `EmbeddingEngine` holds them.
 StateOf = Callable[[TableConfig], tuple[list[str], list[tf.Variable]]]
 
+
 def compiling() -> bool:
   """Whether XLA compiles the graph being built: a TPU replica step, or a `jit_compile`
   function (including tf-keras `compile(jit_compile=True)`); both enter an XLA context."""
@@ -80,8 +81,9 @@ def _combine(bag: lookup.Bags, rows: Tensor) -> Tensor:
 # Backward
 
 
-def apply_gradients(per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
-                    state_of: StateOf) -> None:
+def apply_gradients(
+  per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]], state_of: StateOf
+) -> None:
   """One update per table from this replica's activation gradients, summed over replicas."""
   summed = exchange.replicas_to_sum() > 1
   for table, batch, upstream in per_table:
@@ -100,12 +102,19 @@ def update_for(rule: updates.UpdateRule, summed: bool) -> Callable[..., None]:
   return _update_whole_table if summed or rule.updates_every_row else _update_unique_rows
 
 
-def _update_whole_table(rule: updates.UpdateRule, state: list[tf.Variable], ids: Tensor,
-                        grads: Tensor, vocabulary_size: int, learning_rate: Tensor) -> None:
+def _update_whole_table(
+  rule: updates.UpdateRule,
+  state: list[tf.Variable],
+  ids: Tensor,
+  grads: Tensor,
+  vocabulary_size: int,
+  learning_rate: Tensor,
+) -> None:
   # One all-reduce carries both the row gradients and how often each row was touched.
   counts = tf.ones([tf.size(ids), 1], grads.dtype)
-  summed = exchange.cross_replica_sum(tf.math.unsorted_segment_sum(
-      tf.concat([grads, counts], 1), ids, vocabulary_size))
+  summed = exchange.cross_replica_sum(
+    tf.math.unsorted_segment_sum(tf.concat([grads, counts], 1), ids, vocabulary_size)
+  )
   row_grads, touched = summed[:, :-1], summed[:, -1] > 0
   optimizer = rule.optimizer
   row_grads = updates.clip_gradient(optimizer, row_grads)
@@ -113,26 +122,35 @@ def _update_whole_table(rule: updates.UpdateRule, state: list[tf.Variable], ids:
     old = tuple(variable.value() for variable in copy)
     new_table, new_slots = updates.update_rows(rule, old[0], old[1:], row_grads, learning_rate)
     if rule.updates_every_row:  # untouched rows take the g = 0 step, weight clipping included
-      idle_table, idle_slots = rule.compute(old[0], old[1:], tf.zeros([], old[0].dtype),
-                                            learning_rate)
+      idle_table, idle_slots = rule.compute(
+        old[0], old[1:], tf.zeros([], old[0].dtype), learning_rate
+      )
       idle = (updates.clip_weights(optimizer, idle_table),) + tuple(idle_slots)
     else:
       idle = old
     for variable, new, kept in zip(copy, (new_table,) + tuple(new_slots), idle):
       mask = tf.reshape(touched, [-1] + [1] * (new.shape.rank - 1))
-      tf.raw_ops.AssignVariableOp(resource=variable.handle,
-                                  value=tf.cast(tf.where(mask, new, kept), variable.dtype))
+      tf.raw_ops.AssignVariableOp(
+        resource=variable.handle, value=tf.cast(tf.where(mask, new, kept), variable.dtype)
+      )
 
 
-def _update_unique_rows(rule: updates.UpdateRule, state: list[tf.Variable], ids: Tensor,
-                        grads: Tensor, vocabulary_size: int, learning_rate: Tensor) -> None:
+def _update_unique_rows(
+  rule: updates.UpdateRule,
+  state: list[tf.Variable],
+  ids: Tensor,
+  grads: Tensor,
+  vocabulary_size: int,
+  learning_rate: Tensor,
+) -> None:
   unique_ids, row_grads = _deduplicate(ids, grads, vocabulary_size)
   row_grads = updates.clip_gradient(rule.optimizer, row_grads)
   read_ids = tf.minimum(unique_ids, vocabulary_size - 1)  # unused slots read a real row
   for copy in _copies(state):
     table, slots = copy[0], tuple(copy[1:])
-    rows = updates.update_rows(rule, *updates.gather_rows(table, slots, read_ids), row_grads,
-                               learning_rate)
+    rows = updates.update_rows(
+      rule, *updates.gather_rows(table, slots, read_ids), row_grads, learning_rate
+    )
     updates.scatter_rows(table, slots, unique_ids, rows)
 
 
@@ -146,8 +164,9 @@ def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tens
   positions = tf.range(size)
   valid = tf.logical_and(ids >= 0, ids < vocabulary_size)
   clamped = tf.clip_by_value(ids, 0, vocabulary_size - 1)
-  first = tf.tensor_scatter_nd_min(tf.fill([vocabulary_size], size),
-                                   tf.where(valid, clamped, vocabulary_size)[:, None], positions)
+  first = tf.tensor_scatter_nd_min(
+    tf.fill([vocabulary_size], size), tf.where(valid, clamped, vocabulary_size)[:, None], positions
+  )
   slot = tf.where(valid, tf.gather(first, clamped), size)  # out-of-range ids: a dropped slot
   row_grads = tf.math.unsorted_segment_sum(grads, slot, size + 1)[:-1]
   unique_ids = tf.where(tf.equal(slot, positions), ids, tf.constant(vocabulary_size, tf.int64))
@@ -159,8 +178,9 @@ def _copies(state: list[tf.Variable]) -> list[Sequence[tf.Variable]]:
   variables resolve to it); in a cross-replica context each device's copy."""
   if not tf.distribute.has_strategy() or not tf.distribute.in_cross_replica_context():
     return [state]
-  per_variable = [v.values if isinstance(v, tf.distribute.DistributedValues) else [v]
-                  for v in state]
+  per_variable = [
+    v.values if isinstance(v, tf.distribute.DistributedValues) else [v] for v in state
+  ]
   return list(zip(*per_variable))
 
 

@@ -64,14 +64,15 @@ Limits = Tuple[Optional[float], Optional[float]]
 
 def gradient_limits(optimizer) -> Limits:
   """(min, max) of `clipvalue` gradient clipping; None where there is no limit."""
-  return (getattr(optimizer, "clip_gradient_min", None),
-          getattr(optimizer, "clip_gradient_max", None))
+  return (
+    getattr(optimizer, "clip_gradient_min", None),
+    getattr(optimizer, "clip_gradient_max", None),
+  )
 
 
 def weight_limits(optimizer) -> Limits:
   """(min, max) the stored table rows are clamped to; None where there is no limit."""
-  return (getattr(optimizer, "clip_weight_min", None),
-          getattr(optimizer, "clip_weight_max", None))
+  return (getattr(optimizer, "clip_weight_min", None), getattr(optimizer, "clip_weight_max", None))
 
 
 def clip_gradient(optimizer, grads: tf.Tensor) -> tf.Tensor:
@@ -122,8 +123,7 @@ def _gather(variable: tf.Variable, row_ids: tf.Tensor) -> tf.Tensor:
 def _scatter(variable: tf.Variable, row_ids: tf.Tensor, rows: tf.Tensor) -> None:
   # Plain overwrite: row ids are unique, and ResourceScatterUpdate runs at
   # gather speed where ResourceScatterAdd/Sub are several times slower here.
-  tf.raw_ops.ResourceScatterUpdate(resource=variable.handle, indices=row_ids,
-                                   updates=rows)
+  tf.raw_ops.ResourceScatterUpdate(resource=variable.handle, indices=row_ids, updates=rows)
 
 
 # --------------------------------------------------------------------------
@@ -160,8 +160,13 @@ class UpdateRule(abc.ABC):
     return None
 
   @abc.abstractmethod
-  def compute(self, table_rows: tf.Tensor, slot_rows: Tuple[tf.Tensor, ...],
-              grads: tf.Tensor, learning_rate: tf.Tensor) -> Rows:
+  def compute(
+    self,
+    table_rows: tf.Tensor,
+    slot_rows: Tuple[tf.Tensor, ...],
+    grads: tf.Tensor,
+    learning_rate: tf.Tensor,
+  ) -> Rows:
     """New (table rows, slot rows) from the old ones and the (clipped) gradient.
 
     Pure elementwise maths: `grads` may be a scalar 0 broadcast over all rows.
@@ -175,8 +180,9 @@ def rule_for(optimizer) -> UpdateRule:
     if rule is not None:
       return rule(optimizer)
   raise TypeError(
-      f"No CPU update rule for optimizer {type(optimizer).__name__}; expected "
-      "one of " + ", ".join(k.__name__ for k in UpdateRule._registry))
+    f"No CPU update rule for optimizer {type(optimizer).__name__}; expected "
+    "one of " + ", ".join(k.__name__ for k in UpdateRule._registry)
+  )
 
 
 class SGDRule(UpdateRule):
@@ -221,8 +227,9 @@ class AdagradMomentumRule(UpdateRule):
     if opt.beta2 == 1:
       accumulators = accumulators + grads * grads
     else:
-      accumulators = (_const(opt.beta2, dtype) * accumulators +
-                      _const(1 - opt.beta2, dtype) * (grads * grads))
+      accumulators = _const(opt.beta2, dtype) * accumulators + _const(1 - opt.beta2, dtype) * (
+        grads * grads
+      )
     shifted = accumulators + tf.constant(opt.epsilon, dtype)
     if opt.exponent == 2:
       scaled = grads * tf.math.rsqrt(shifted)
@@ -250,8 +257,14 @@ class AdamRule(UpdateRule):
     if self.updates_every_row:
       return None
     opt = self.optimizer
-    return "adam", (opt.beta_1, 1 - opt.beta_1, opt.beta_2, 1 - opt.beta_2,
-                    self._epsilon_term, float(opt.sum_inside_sqrt))
+    return "adam", (
+      opt.beta_1,
+      1 - opt.beta_1,
+      opt.beta_2,
+      1 - opt.beta_2,
+      self._epsilon_term,
+      float(opt.sum_inside_sqrt),
+    )
 
   @property
   def _epsilon_term(self) -> float:
@@ -264,15 +277,15 @@ class AdamRule(UpdateRule):
     momenta, velocities = slot_rows
     dtype = table_rows.dtype
     momenta = _const(opt.beta_1, dtype) * momenta + _const(1 - opt.beta_1, dtype) * grads
-    velocities = (_const(opt.beta_2, dtype) * velocities +
-                  _const(1 - opt.beta_2, dtype) * (grads * grads))
+    velocities = _const(opt.beta_2, dtype) * velocities + _const(1 - opt.beta_2, dtype) * (
+      grads * grads
+    )
     epsilon = tf.constant(self._epsilon_term, dtype)
     if opt.sum_inside_sqrt:
       denominator = tf.sqrt(velocities + epsilon)
     else:
       denominator = tf.sqrt(velocities) + epsilon
-    return (table_rows - learning_rate * momenta / denominator,
-            (momenta, velocities))
+    return (table_rows - learning_rate * momenta / denominator, (momenta, velocities))
 
 
 class FTRLRule(UpdateRule):
@@ -325,18 +338,19 @@ class CustomOptimizerRule(UpdateRule):
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     opt = self.optimizer
     hyperparameters = [
-        tf.cast(h() if callable(h) else h, table_rows.dtype)
-        for h in opt.hyperparameters
+      tf.cast(h() if callable(h) else h, table_rows.dtype) for h in opt.hyperparameters
     ]
     result = opt._custom_computation(  # pylint: disable=protected-access
-        grads, table_rows, list(slot_rows), learning_rate, hyperparameters)
+      grads, table_rows, list(slot_rows), learning_rate, hyperparameters
+    )
     if not isinstance(result, (tuple, list)):
       return result, slot_rows
     new_table_rows, *new_slot_rows = result
     if new_slot_rows and len(new_slot_rows) != len(slot_rows):
       raise ValueError(
-          f"custom_computation returned {len(new_slot_rows)} slot values for "
-          f"{len(slot_rows)} slots {opt._slot_names()}.")  # pylint: disable=protected-access
+        f"custom_computation returned {len(new_slot_rows)} slot values for "
+        f"{len(slot_rows)} slots {opt._slot_names()}."
+      )  # pylint: disable=protected-access
     return new_table_rows, tuple(new_slot_rows) if new_slot_rows else slot_rows
 
 
@@ -345,17 +359,22 @@ class CustomOptimizerRule(UpdateRule):
 # --------------------------------------------------------------------------
 
 
-def update_rows(rule: UpdateRule, table_rows: tf.Tensor,
-                slot_rows: Tuple[tf.Tensor, ...], grads: tf.Tensor,
-                learning_rate: tf.Tensor) -> Rows:
+def update_rows(
+  rule: UpdateRule,
+  table_rows: tf.Tensor,
+  slot_rows: Tuple[tf.Tensor, ...],
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+) -> Rows:
   """Decay -> optimizer rule -> weight clipping on one block of rows."""
   table_rows = decay_weights(rule.optimizer, table_rows, learning_rate)
   table_rows, slot_rows = rule.compute(table_rows, slot_rows, grads, learning_rate)
   return clip_weights(rule.optimizer, table_rows), tuple(slot_rows)
 
 
-def scatter_rows(table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.Tensor,
-                 rows: Rows) -> None:
+def scatter_rows(
+  table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.Tensor, rows: Rows
+) -> None:
   """Writes a block of table rows and slot rows back at `row_ids`."""
   table_rows, slot_rows = rows
   _scatter(table, row_ids, tf.cast(table_rows, table.dtype))
@@ -363,34 +382,42 @@ def scatter_rows(table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.T
     _scatter(variable, row_ids, tf.cast(values, variable.dtype))
 
 
-def gather_rows(table: tf.Variable, slots: Sequence[tf.Variable], row_ids: tf.Tensor,
-                table_rows: Optional[tf.Tensor] = None) -> Rows:
+def gather_rows(
+  table: tf.Variable,
+  slots: Sequence[tf.Variable],
+  row_ids: tf.Tensor,
+  table_rows: Optional[tf.Tensor] = None,
+) -> Rows:
   """Reads the rows `row_ids` of the table (unless given) and of each slot."""
   if table_rows is None:
     table_rows = _gather(table, row_ids)
   return table_rows, tuple(_gather(s, row_ids) for s in slots)
 
 
-def _apply_every_row(rule: UpdateRule, table: tf.Variable,
-                     slots: Tuple[tf.Variable, ...], row_ids: tf.Tensor,
-                     grads: tf.Tensor, learning_rate: tf.Tensor,
-                     table_rows: Optional[tf.Tensor]) -> None:
+def _apply_every_row(
+  rule: UpdateRule,
+  table: tf.Variable,
+  slots: Tuple[tf.Variable, ...],
+  row_ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+  table_rows: Optional[tf.Tensor],
+) -> None:
   """Non-lazy step: touched rows with their gradient, all others with g = 0.
 
   The touched rows are read before the dense pass and written after it, so
   no dense gradient is built. Weight decay stays on touched rows only (the
   provisional §2.9 rule); weight clipping covers every row, as all are updated.
   """
-  touched = update_rows(rule, *gather_rows(table, slots, row_ids, table_rows), grads,
-                        learning_rate)
+  touched = update_rows(rule, *gather_rows(table, slots, row_ids, table_rows), grads, learning_rate)
   _zero_gradient_pass(rule.optimizer, table, slots, learning_rate)
   scatter_rows(table, slots, row_ids, touched)
 
 
 @tf.function(jit_compile=True)
-def _zero_gradient_pass(optimizer, table: tf.Variable,
-                        slots: Tuple[tf.Variable, ...],
-                        learning_rate: tf.Tensor) -> None:
+def _zero_gradient_pass(
+  optimizer, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
+) -> None:
   """Every row's update with g = 0, then weight clipping, in place.
 
   XLA fuses the whole pass into one sweep over table and slots (about 4x
@@ -399,7 +426,8 @@ def _zero_gradient_pass(optimizer, table: tf.Variable,
   rule = rule_for(optimizer)
   zero = tf.zeros([], table.dtype)
   new_table, new_slots = rule.compute(
-      table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate)
+    table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
+  )
   table.assign(clip_weights(optimizer, new_table))
   for variable, values in zip(slots, new_slots):
     variable.assign(values)
@@ -410,31 +438,51 @@ def _zero_gradient_pass(optimizer, table: tf.Variable,
 # --------------------------------------------------------------------------
 
 
-def _apply_locked(optimizer, table: tf.Variable, slot_vars: Tuple[tf.Variable, ...],
-                  row_ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> bool:
+def _apply_locked(
+  optimizer,
+  table: tf.Variable,
+  slot_vars: Tuple[tf.Variable, ...],
+  row_ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+) -> bool:
   """One TF kernel that holds the variables' locks for the whole update, where one computes
   the spec's maths exactly (SGD, Adagrad; no clipping or decay). Returns whether it applied."""
   if has_weight_decay(optimizer) or any(
-      limit is not None for limit in gradient_limits(optimizer) + weight_limits(optimizer)):
+    limit is not None for limit in gradient_limits(optimizer) + weight_limits(optimizer)
+  ):
     return False
   grads = tf.cast(grads, table.dtype)
   if type(optimizer) is _embedding.SGD:  # pylint: disable=unidiomatic-typecheck
-    tf.raw_ops.ResourceScatterSub(resource=table.handle, indices=row_ids,
-                                  updates=learning_rate * grads)
+    tf.raw_ops.ResourceScatterSub(
+      resource=table.handle, indices=row_ids, updates=learning_rate * grads
+    )
     return True
   if type(optimizer) is _embedding.Adagrad:  # pylint: disable=unidiomatic-typecheck
     # A += g^2; W -= lr * g / (sqrt(A) + 0): the spec's Adagrad, which has no epsilon.
     tf.raw_ops.ResourceSparseApplyAdagradV2(
-        var=table.handle, accum=slot_vars[0].handle, lr=learning_rate,
-        epsilon=tf.zeros([], table.dtype), grad=grads, indices=row_ids, use_locking=True)
+      var=table.handle,
+      accum=slot_vars[0].handle,
+      lr=learning_rate,
+      epsilon=tf.zeros([], table.dtype),
+      grad=grads,
+      indices=row_ids,
+      use_locking=True,
+    )
     return True
   return False
 
 
-def apply_sparse_update(optimizer, table: tf.Variable,
-                        slots: Mapping[str, tf.Variable], row_ids: tf.Tensor,
-                        grads: tf.Tensor, learning_rate: tf.Tensor,
-                        table_rows: Optional[tf.Tensor] = None, atomic: bool = False) -> None:
+def apply_sparse_update(
+  optimizer,
+  table: tf.Variable,
+  slots: Mapping[str, tf.Variable],
+  row_ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+  table_rows: Optional[tf.Tensor] = None,
+  atomic: bool = False,
+) -> None:
   """Applies one optimizer step to the touched rows of `table` and its slots.
 
   Args:
@@ -464,12 +512,19 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   native_form = rule.native_form()
   if native_form is not None and native.runs_on((table,) + slot_vars):
     native.apply_rows(
-        *native_form, table, slot_vars, row_ids, grads, learning_rate,
-        clip_gradient=gradient_limits(optimizer),
-        weight_decay=optimizer.weight_decay_factor if has_weight_decay(optimizer) else 0.0,
-        weight_decay_by_learning_rate=bool(getattr(
-            optimizer, "multiply_weight_decay_factor_by_learning_rate", False)),
-        clip_weight=weight_limits(optimizer))
+      *native_form,
+      table,
+      slot_vars,
+      row_ids,
+      grads,
+      learning_rate,
+      clip_gradient=gradient_limits(optimizer),
+      weight_decay=optimizer.weight_decay_factor if has_weight_decay(optimizer) else 0.0,
+      weight_decay_by_learning_rate=bool(
+        getattr(optimizer, "multiply_weight_decay_factor_by_learning_rate", False)
+      ),
+      clip_weight=weight_limits(optimizer),
+    )
     return
   if atomic and _apply_locked(optimizer, table, slot_vars, row_ids, grads, learning_rate):
     return
@@ -477,6 +532,7 @@ def apply_sparse_update(optimizer, table: tf.Variable,
   if rule.updates_every_row:
     _apply_every_row(rule, table, slot_vars, row_ids, grads, learning_rate, table_rows)
     return
-  rows = update_rows(rule, *gather_rows(table, slot_vars, row_ids, table_rows), grads,
-                     learning_rate)
+  rows = update_rows(
+    rule, *gather_rows(table, slot_vars, row_ids, table_rows), grads, learning_rate
+  )
   scatter_rows(table, slot_vars, row_ids, rows)

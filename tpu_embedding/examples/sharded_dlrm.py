@@ -37,157 +37,155 @@ DENSE_FEATURES = 13
 
 
 class DLRM(tf.Module):
-    """Dense features through a bottom MLP, concatenated with one embedding per table."""
+  """Dense features through a bottom MLP, concatenated with one embedding per table."""
 
-    def __init__(self, num_tables: int, vocabulary_size: int):
-        super().__init__(name="dlrm")
-        features = {
-            f"cat_{i}": E.FeatureConfig(
-                table=E.TableConfig(
-                    vocabulary_size=vocabulary_size,
-                    dim=DIM,
-                    combiner="sum",
-                    name=f"table_{i}",
-                )
-            )
-            for i in range(num_tables)
-        }
-        self.embedding = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
-        self.bottom = tf_keras.layers.Dense(DIM, activation="relu")
-        self.top = tf_keras.Sequential(
-            [tf_keras.layers.Dense(32, activation="relu"), tf_keras.layers.Dense(1)]
+  def __init__(self, num_tables: int, vocabulary_size: int):
+    super().__init__(name="dlrm")
+    features = {
+      f"cat_{i}": E.FeatureConfig(
+        table=E.TableConfig(
+          vocabulary_size=vocabulary_size,
+          dim=DIM,
+          combiner="sum",
+          name=f"table_{i}",
         )
-        # Create every variable now, under the caller's strategy.
-        self.embedding.variables_by_table  # pylint: disable=pointless-statement
-        self(*synthetic_batch(tf.constant(0, tf.int64), 1, num_tables, vocabulary_size)[:2])
+      )
+      for i in range(num_tables)
+    }
+    self.embedding = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
+    self.bottom = tf_keras.layers.Dense(DIM, activation="relu")
+    self.top = tf_keras.Sequential(
+      [tf_keras.layers.Dense(32, activation="relu"), tf_keras.layers.Dense(1)]
+    )
+    # Create every variable now, under the caller's strategy.
+    self.embedding.variables_by_table  # pylint: disable=pointless-statement
+    self(*synthetic_batch(tf.constant(0, tf.int64), 1, num_tables, vocabulary_size)[:2])
 
-    def __call__(self, dense: tf.Tensor, ids: dict) -> tf.Tensor:
-        embedded = self.embedding(ids)
-        parts = [self.bottom(dense)] + [embedded[name] for name in sorted(ids)]
-        return self.top(tf.concat(parts, axis=1))[:, 0]
+  def __call__(self, dense: tf.Tensor, ids: dict) -> tf.Tensor:
+    embedded = self.embedding(ids)
+    parts = [self.bottom(dense)] + [embedded[name] for name in sorted(ids)]
+    return self.top(tf.concat(parts, axis=1))[:, 0]
 
-    @property
-    def dense_variables(self) -> list:
-        return self.bottom.trainable_variables + self.top.trainable_variables
+  @property
+  def dense_variables(self) -> list:
+    return self.bottom.trainable_variables + self.top.trainable_variables
 
 
 def synthetic_batch(step: tf.Tensor, batch: int, num_tables: int, vocabulary_size: int):
-    """(dense, ids, labels) of one step; the label depends on the first table's id."""
-    seed = tf.stack([step, tf.constant(7, tf.int64)])
-    dense = tf.random.stateless_uniform([batch, DENSE_FEATURES], seed)
-    ids = {
-        f"cat_{i}": tf.random.stateless_uniform(
-            [batch], seed + i + 1, maxval=vocabulary_size, dtype=tf.int64
-        )
-        for i in range(num_tables)
-    }
-    labels = tf.cast(ids["cat_0"] % 2 == 0, tf.float32)
-    return dense, ids, labels
+  """(dense, ids, labels) of one step; the label depends on the first table's id."""
+  seed = tf.stack([step, tf.constant(7, tf.int64)])
+  dense = tf.random.stateless_uniform([batch, DENSE_FEATURES], seed)
+  ids = {
+    f"cat_{i}": tf.random.stateless_uniform(
+      [batch], seed + i + 1, maxval=vocabulary_size, dtype=tf.int64
+    )
+    for i in range(num_tables)
+  }
+  labels = tf.cast(ids["cat_0"] % 2 == 0, tf.float32)
+  return dense, ids, labels
 
 
 def train(strategy, model: DLRM, args) -> list[float]:
-    """Schedules `args.steps` steps on the workers; returns the loss of every step."""
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  """Schedules `args.steps` steps on the workers; returns the loss of every step."""
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
 
-    @tf.function
-    def worker_step(step):
-        def replica_step(step):
-            dense, ids, labels = synthetic_batch(step, args.batch, args.tables, args.vocabulary)
-            with tf.GradientTape() as tape:
-                logits = model(dense, ids)
-                loss = tf.reduce_mean(
-                    tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
-                )
-            # The tables are updated by the embedding layer's own optimizer as the tape
-            # reaches them; the dense layers by plain SGD here.
-            grads = tape.gradient(loss, model.dense_variables + model.embedding.trainable_variables)
-            for variable, grad in zip(model.dense_variables, grads):
-                variable.assign_sub(0.1 * grad)
-            return loss
+  @tf.function
+  def worker_step(step):
+    def replica_step(step):
+      dense, ids, labels = synthetic_batch(step, args.batch, args.tables, args.vocabulary)
+      with tf.GradientTape() as tape:
+        logits = model(dense, ids)
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+      # The tables are updated by the embedding layer's own optimizer as the tape
+      # reaches them; the dense layers by plain SGD here.
+      grads = tape.gradient(loss, model.dense_variables + model.embedding.trainable_variables)
+      for variable, grad in zip(model.dense_variables, grads):
+        variable.assign_sub(0.1 * grad)
+      return loss
 
-        return strategy.run(replica_step, args=(step,))
+    return strategy.run(replica_step, args=(step,))
 
-    losses = [
-        coordinator.schedule(worker_step, args=(tf.constant(step, tf.int64),))
-        for step in range(args.steps)
-    ]
-    coordinator.join()
-    return [float(loss.fetch()) for loss in losses]
+  losses = [
+    coordinator.schedule(worker_step, args=(tf.constant(step, tf.int64),))
+    for step in range(args.steps)
+  ]
+  coordinator.join()
+  return [float(loss.fetch()) for loss in losses]
 
 
 def export(checkpoint: str, args, export_dir: str) -> str:
-    """Restores the sharded checkpoint into an unsharded model and exports it for serving."""
-    model = DLRM(args.tables, args.vocabulary)
-    tf.train.Checkpoint(model=model).read(checkpoint).assert_existing_objects_matched()
-    # Named specs: the serving signature's inputs are `dense`, `cat_0`, `cat_1`, ...
-    spec = (
-        tf.TensorSpec([None, DENSE_FEATURES], tf.float32, name="dense"),
-        {f"cat_{i}": tf.TensorSpec([None], tf.int64, name=f"cat_{i}") for i in range(args.tables)},
-    )
-    predict = tf.function(lambda dense, ids: tf.sigmoid(model(dense, ids)), input_signature=spec)
-    return serving.export_for_serving(model, export_dir, predict, overwrite=True)
+  """Restores the sharded checkpoint into an unsharded model and exports it for serving."""
+  model = DLRM(args.tables, args.vocabulary)
+  tf.train.Checkpoint(model=model).read(checkpoint).assert_existing_objects_matched()
+  # Named specs: the serving signature's inputs are `dense`, `cat_0`, `cat_1`, ...
+  spec = (
+    tf.TensorSpec([None, DENSE_FEATURES], tf.float32, name="dense"),
+    {f"cat_{i}": tf.TensorSpec([None], tf.int64, name=f"cat_{i}") for i in range(args.tables)},
+  )
+  predict = tf.function(lambda dense, ids: tf.sigmoid(model(dense, ids)), input_signature=spec)
+  return serving.export_for_serving(model, export_dir, predict, overwrite=True)
 
 
 def run(strategy, args) -> None:
-    with strategy.scope():
-        model = DLRM(args.tables, args.vocabulary)
-    shards = len(model.embedding.variables_by_table["table_0"]["parameters"].variables)
-    print(f"{args.tables} tables of {args.vocabulary} x {DIM}, each in {shards} shards")
-    start = time.monotonic()
-    losses = train(strategy, model, args)
-    elapsed = time.monotonic() - start
-    print(
-        f"{args.steps} steps of {args.batch} examples in {elapsed:.1f} s "
-        f"({args.steps * args.batch / elapsed:.0f} examples/s); "
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-    )
-    checkpoint = tf.train.Checkpoint(model=model).write(os.path.join(args.output_dir, "ckpt"))
-    print(f"checkpoint: {checkpoint}")
-    print(f"serving export: {export(checkpoint, args, os.path.join(args.output_dir, 'export'))}")
+  with strategy.scope():
+    model = DLRM(args.tables, args.vocabulary)
+  shards = len(model.embedding.variables_by_table["table_0"]["parameters"].variables)
+  print(f"{args.tables} tables of {args.vocabulary} x {DIM}, each in {shards} shards")
+  start = time.monotonic()
+  losses = train(strategy, model, args)
+  elapsed = time.monotonic() - start
+  print(
+    f"{args.steps} steps of {args.batch} examples in {elapsed:.1f} s "
+    f"({args.steps * args.batch / elapsed:.0f} examples/s); "
+    f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+  )
+  checkpoint = tf.train.Checkpoint(model=model).write(os.path.join(args.output_dir, "ckpt"))
+  print(f"checkpoint: {checkpoint}")
+  print(f"serving export: {export(checkpoint, args, os.path.join(args.output_dir, 'export'))}")
 
 
 def sharded_strategy(resolver, num_ps: int) -> tf.distribute.ParameterServerStrategy:
-    """Variables of 256 KiB and more (the tables and their slots) split by rows over the ps
-    tasks, in shards of at least 256 KiB; the small dense layers stay whole."""
-    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=256 << 10, max_shards=num_ps
-    )
-    return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+  """Variables of 256 KiB and more (the tables and their slots) split by rows over the ps
+  tasks, in shards of at least 256 KiB; the small dense layers stay whole."""
+  partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+    min_shard_bytes=256 << 10, max_shards=num_ps
+  )
+  return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
 
 
 def _timeout(seconds: int) -> None:
-    def expire(signum, frame):
-        raise TimeoutError(f"The example did not finish in {seconds} s (--timeout).")
+  def expire(signum, frame):
+    raise TimeoutError(f"The example did not finish in {seconds} s (--timeout).")
 
-    signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
+  signal.signal(signal.SIGALRM, expire)
+  signal.alarm(seconds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ps", type=int, default=2, help="ps tasks (table shards)")
-    parser.add_argument("--workers", type=int, default=2, help="worker tasks")
-    parser.add_argument("--cluster", help="a running cluster's spec as JSON (else local)")
-    parser.add_argument("--tables", type=int, default=3)
-    parser.add_argument("--vocabulary", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--output_dir", default=None, help="default: a new temporary directory")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds before giving up")
-    args = parser.parse_args(argv)
-    args.output_dir = args.output_dir or tempfile.mkdtemp(prefix="sharded_dlrm_")
-    _timeout(args.timeout)
-    if args.cluster:
-        spec = json.loads(args.cluster)
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(spec), rpc_layer="grpc"
-        )
-        run(sharded_strategy(resolver, len(spec["ps"])), args)
-        return
-    with LocalCluster(num_ps=args.ps, num_workers=args.workers) as cluster:
-        print(f"cluster on loopback: {json.dumps(cluster.spec)}")
-        run(sharded_strategy(cluster.resolver(), args.ps), args)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--ps", type=int, default=2, help="ps tasks (table shards)")
+  parser.add_argument("--workers", type=int, default=2, help="worker tasks")
+  parser.add_argument("--cluster", help="a running cluster's spec as JSON (else local)")
+  parser.add_argument("--tables", type=int, default=3)
+  parser.add_argument("--vocabulary", type=int, default=100_000)
+  parser.add_argument("--batch", type=int, default=256)
+  parser.add_argument("--steps", type=int, default=40)
+  parser.add_argument("--output_dir", default=None, help="default: a new temporary directory")
+  parser.add_argument("--timeout", type=int, default=600, help="seconds before giving up")
+  args = parser.parse_args(argv)
+  args.output_dir = args.output_dir or tempfile.mkdtemp(prefix="sharded_dlrm_")
+  _timeout(args.timeout)
+  if args.cluster:
+    spec = json.loads(args.cluster)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(spec), rpc_layer="grpc"
+    )
+    run(sharded_strategy(resolver, len(spec["ps"])), args)
+    return
+  with LocalCluster(num_ps=args.ps, num_workers=args.workers) as cluster:
+    print(f"cluster on loopback: {json.dumps(cluster.spec)}")
+    run(sharded_strategy(cluster.resolver(), args.ps), args)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+  main(sys.argv[1:])

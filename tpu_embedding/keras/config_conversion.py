@@ -48,8 +48,12 @@ def to_mid_level(feature_config: Any, num_replicas: int = 1) -> Any:
       tables[id(leaf.table)] = to_mid_level_table(leaf.table)
     return to_mid_level_feature(leaf, tables[id(leaf.table)], num_replicas, path)
 
-  return tf.nest.pack_sequence_as(feature_config, [
-      convert(path, leaf) for path, leaf in tf_nest.flatten_with_joined_string_paths(feature_config)])
+  return tf.nest.pack_sequence_as(
+    feature_config,
+    [
+      convert(path, leaf) for path, leaf in tf_nest.flatten_with_joined_string_paths(feature_config)
+    ],
+  )
 
 
 def to_mid_level_table(table: Any) -> MidLevelTableConfig:
@@ -57,10 +61,11 @@ def to_mid_level_table(table: Any) -> MidLevelTableConfig:
   where = f"keras-rs TableConfig {table.name!r}"
   if table.placement not in _ENGINE_PLACEMENTS:
     raise ValueError(
-        f"{where} has placement={table.placement!r}; TPUEmbedding puts every table in the "
-        f"embedding engine ({' or '.join(map(repr, _ENGINE_PLACEMENTS))}). For tables kept on "
-        "the TensorCore use tpu_embedding.keras.PartialTPUEmbedding, whose size_threshold "
-        "decides each table's side.")
+      f"{where} has placement={table.placement!r}; TPUEmbedding puts every table in the "
+      f"embedding engine ({' or '.join(map(repr, _ENGINE_PLACEMENTS))}). For tables kept on "
+      "the TensorCore use tpu_embedding.keras.PartialTPUEmbedding, whose size_threshold "
+      "decides each table's side."
+    )
   initializer = table.initializer
   if isinstance(initializer, (str, dict)):
     initializer = keras.initializers.get(initializer)
@@ -68,14 +73,18 @@ def to_mid_level_table(table: Any) -> MidLevelTableConfig:
   if isinstance(optimizer, (str, dict)):
     optimizer = keras.optimizers.get(optimizer)
   return MidLevelTableConfig(
-      vocabulary_size=table.vocabulary_size, dim=table.embedding_dim,
-      initializer=initializer,
-      optimizer=optimizers.normalize_optimizer(optimizer, where=f"{where}.optimizer"),
-      combiner=table.combiner, name=table.name)
+    vocabulary_size=table.vocabulary_size,
+    dim=table.embedding_dim,
+    initializer=initializer,
+    optimizer=optimizers.normalize_optimizer(optimizer, where=f"{where}.optimizer"),
+    combiner=table.combiner,
+    name=table.name,
+  )
 
 
-def to_mid_level_feature(feature: Any, table: MidLevelTableConfig, num_replicas: int,
-                         path: str = "") -> MidLevelFeatureConfig:
+def to_mid_level_feature(
+  feature: Any, table: MidLevelTableConfig, num_replicas: int, path: str = ""
+) -> MidLevelFeatureConfig:
   """One keras-rs `FeatureConfig` over its converted `table`.
 
   keras-rs gives the global-batch activation shape with the embedding dimension last; the
@@ -87,14 +96,16 @@ def to_mid_level_feature(feature: Any, table: MidLevelTableConfig, num_replicas:
   output_shape = list(feature.output_shape)
   if len(output_shape) < 2 or output_shape[-1] != table.dim:
     raise ValueError(
-        f"{where} has output_shape={tuple(feature.output_shape)}; expected (batch, ..., "
-        f"{table.dim}): a batch dimension first and the table's embedding_dim last.")
+      f"{where} has output_shape={tuple(feature.output_shape)}; expected (batch, ..., "
+      f"{table.dim}): a batch dimension first and the table's embedding_dim last."
+    )
   batch = output_shape[0]
   if batch is not None and batch % num_replicas:
-    raise ValueError(f"{where}: batch size {batch} of output_shape is not a multiple of the "
-                     f"{num_replicas} replicas in sync.")
+    raise ValueError(
+      f"{where}: batch size {batch} of output_shape is not a multiple of the "
+      f"{num_replicas} replicas in sync."
+    )
   per_replica = None
   if len(output_shape) > 2 and None not in output_shape:
     per_replica = [batch // num_replicas, *output_shape[1:-1]]
   return MidLevelFeatureConfig(table=table, output_shape=per_replica, name=feature.name)
-

@@ -24,8 +24,9 @@ def feature_config_for_keras3(feature_config: Any) -> Any:
   """The user's nest as mid-level configs, once the Keras 3 backend is known to be TensorFlow."""
   if keras.backend.backend() != "tensorflow":
     raise RuntimeError(
-        f"tpu_embedding.keras needs the TensorFlow backend of Keras 3, but KERAS_BACKEND is "
-        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras.")
+      f"tpu_embedding.keras needs the TensorFlow backend of Keras 3, but KERAS_BACKEND is "
+      f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
+    )
   num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
   return config_conversion.to_mid_level(feature_config, num_replicas)
 
@@ -54,33 +55,47 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
   the model's optimizer (whose zero update of the trap weight is harmless).
   """
 
-  def __init__(self, feature_config: Any, optimizer: Any = None,
-               pipeline_execution_with_tensor_core: bool = False,
-               batch_size: Optional[int] = None,
-               embedding_feature: Optional[hardware.EmbeddingFeature] = None,
-               sparse_core_embedding_config: Any = None, check_finite: bool = False,
-               **kwargs):
+  def __init__(
+    self,
+    feature_config: Any,
+    optimizer: Any = None,
+    pipeline_execution_with_tensor_core: bool = False,
+    batch_size: Optional[int] = None,
+    embedding_feature: Optional[hardware.EmbeddingFeature] = None,
+    sparse_core_embedding_config: Any = None,
+    check_finite: bool = False,
+    **kwargs,
+  ):
     super().__init__(
-        feature_config_for_keras3(feature_config), optimizer,
-        pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-        batch_size=batch_size, embedding_feature=embedding_feature,
-        sparse_core_embedding_config=sparse_core_embedding_config, check_finite=check_finite,
-        **kwargs)
-    self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-                           batch_size=batch_size, check_finite=check_finite)
+      feature_config_for_keras3(feature_config),
+      optimizer,
+      pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+      batch_size=batch_size,
+      embedding_feature=embedding_feature,
+      sparse_core_embedding_config=sparse_core_embedding_config,
+      check_finite=check_finite,
+      **kwargs,
+    )
+    self._arguments = dict(
+      pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+      batch_size=batch_size,
+      check_finite=check_finite,
+    )
     if not self._backend.needs_trap:
       raise ValueError(
-          f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "
-          "by the model's optimizer (table_updates='keras', or a TPU without an embedding "
-          "engine), which in Keras 3 only updates Keras variables. Leave table_updates at "
-          "'engine', or use the tf-keras layer tpu_embedding.TPUEmbedding.")
+        f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "
+        "by the model's optimizer (table_updates='keras', or a TPU without an embedding "
+        "engine), which in Keras 3 only updates Keras variables. Leave table_updates at "
+        "'engine', or use the tf-keras layer tpu_embedding.TPUEmbedding."
+      )
 
   def build(self, input_shape: Any) -> None:
     # Keras 3 gives shapes as tuples, which tf.nest would take for more structure: hand the
     # backend one TensorShape per feature, as tf-keras does (TPU V1 builds from them).
     try:
       input_shape = tf_nest.map_structure_up_to(
-          self._config.feature_config, tf.TensorShape, input_shape, check_types=False)
+        self._config.feature_config, tf.TensorShape, input_shape, check_types=False
+      )
     except (TypeError, ValueError):
       pass  # not the features' structure (e.g. None): the backend detects shapes on its own
     super().build(input_shape)

@@ -37,23 +37,36 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
 
   sharded_layer_class = TPUEmbedding
 
-  def __init__(self, feature_config: Any, optimizer: Any = None,
-               pipeline_execution_with_tensor_core: bool = False,
-               batch_size: Optional[int] = None,
-               size_threshold: Optional[int] = 10_000, table_updates: str = "engine",
-               **kwargs):
+  def __init__(
+    self,
+    feature_config: Any,
+    optimizer: Any = None,
+    pipeline_execution_with_tensor_core: bool = False,
+    batch_size: Optional[int] = None,
+    size_threshold: Optional[int] = 10_000,
+    table_updates: str = "engine",
+    **kwargs,
+  ):
     if table_updates == "keras":
       raise ValueError(
-          "PartialTPUEmbedding for Keras 3: table_updates='keras' would leave the tables to the "
-          "model's optimizer, which in Keras 3 only updates Keras variables. Leave table_updates "
-          "at 'engine', or use the tf-keras layer tpu_embedding.PartialTPUEmbedding.")
+        "PartialTPUEmbedding for Keras 3: table_updates='keras' would leave the tables to the "
+        "model's optimizer, which in Keras 3 only updates Keras variables. Leave table_updates "
+        "at 'engine', or use the tf-keras layer tpu_embedding.PartialTPUEmbedding."
+      )
     super().__init__(
-        feature_config_for_keras3(feature_config), optimizer,
-        pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-        batch_size=batch_size, size_threshold=size_threshold,
-        table_updates=table_updates, **kwargs)
-    self._arguments = dict(pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
-                           batch_size=batch_size, size_threshold=size_threshold)
+      feature_config_for_keras3(feature_config),
+      optimizer,
+      pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+      batch_size=batch_size,
+      size_threshold=size_threshold,
+      table_updates=table_updates,
+      **kwargs,
+    )
+    self._arguments = dict(
+      pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
+      batch_size=batch_size,
+      size_threshold=size_threshold,
+    )
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
     # The sharded side is a Keras sublayer, which Keras saves on its own.

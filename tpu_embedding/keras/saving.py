@@ -80,8 +80,12 @@ def deserialize_feature_config(serialized: Mapping[str, Any]) -> Any:
   tables = {t["name"]: _deserialize_table(t) for t in serialized["tables"]}
 
   def feature(leaf):
-    return E.FeatureConfig(table=tables[leaf["table"]], max_sequence_length=leaf[
-        "max_sequence_length"], output_shape=leaf["output_shape"], name=leaf["name"])
+    return E.FeatureConfig(
+      table=tables[leaf["table"]],
+      max_sequence_length=leaf["max_sequence_length"],
+      output_shape=leaf["output_shape"],
+      name=leaf["name"],
+    )
 
   def rebuild(node):  # JSON holds dicts and lists only: tuples come back as lists
     if isinstance(node, Mapping) and _FEATURE_KEY in node:
@@ -95,26 +99,38 @@ def deserialize_feature_config(serialized: Mapping[str, Any]) -> Any:
 
 def _serialize_feature(feature: E.FeatureConfig) -> dict:
   shape = feature.output_shape
-  return {_FEATURE_KEY: True, "table": feature.table.name, "name": feature.name,
-          "max_sequence_length": feature.max_sequence_length,
-          "output_shape": None if shape.rank is None else shape.as_list()}
+  return {
+    _FEATURE_KEY: True,
+    "table": feature.table.name,
+    "name": feature.name,
+    "max_sequence_length": feature.max_sequence_length,
+    "output_shape": None if shape.rank is None else shape.as_list(),
+  }
 
 
 def _serialize_table(table: E.TableConfig) -> dict:
   initializer = table.initializer
   keep = isinstance(initializer, keras.initializers.Initializer)
-  return {"name": table.name, "vocabulary_size": table.vocabulary_size, "dim": table.dim,
-          "combiner": table.combiner,
-          "initializer": keras.initializers.serialize(initializer) if keep else None,
-          "optimizer": serialize_optimizer(table.optimizer, table.name)}
+  return {
+    "name": table.name,
+    "vocabulary_size": table.vocabulary_size,
+    "dim": table.dim,
+    "combiner": table.combiner,
+    "initializer": keras.initializers.serialize(initializer) if keep else None,
+    "optimizer": serialize_optimizer(table.optimizer, table.name),
+  }
 
 
 def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
   initializer = table["initializer"]
   return E.TableConfig(
-      vocabulary_size=table["vocabulary_size"], dim=table["dim"], combiner=table["combiner"],
-      name=table["name"], optimizer=deserialize_optimizer(table["optimizer"]),
-      initializer=None if initializer is None else keras.initializers.deserialize(initializer))
+    vocabulary_size=table["vocabulary_size"],
+    dim=table["dim"],
+    combiner=table["combiner"],
+    name=table["name"],
+    optimizer=deserialize_optimizer(table["optimizer"]),
+    initializer=None if initializer is None else keras.initializers.deserialize(initializer),
+  )
 
 
 def serialize_optimizer(optimizer: Optional[Any], table: str) -> Optional[dict]:
@@ -123,11 +139,15 @@ def serialize_optimizer(optimizer: Optional[Any], table: str) -> Optional[dict]:
     return None
   name = type(optimizer).__name__
   if name not in OPTIMIZER_CLASSES or getattr(E, name) is not type(optimizer):
-    raise ValueError(f"Table {table!r}: its optimizer {type(optimizer).__name__} cannot be "
-                     f"saved in a .keras file; use one of {', '.join(OPTIMIZER_CLASSES)}.")
+    raise ValueError(
+      f"Table {table!r}: its optimizer {type(optimizer).__name__} cannot be "
+      f"saved in a .keras file; use one of {', '.join(OPTIMIZER_CLASSES)}."
+    )
   if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
-    raise ValueError(f"Table {table!r}: an optimizer with a slot_variable_creation_fn cannot be "
-                     "saved in a .keras file (the function is code, not configuration).")
+    raise ValueError(
+      f"Table {table!r}: an optimizer with a slot_variable_creation_fn cannot be "
+      "saved in a .keras file (the function is code, not configuration)."
+    )
   config = {}
   for argument in inspect.signature(type(optimizer).__init__).parameters:
     if argument in ("self", "slot_variable_creation_fn", "low_dimensional_packing_status"):
@@ -146,8 +166,10 @@ def deserialize_optimizer(serialized: Optional[Mapping[str, Any]]) -> Optional[A
   if serialized is None:
     return None
   if serialized["class"] not in OPTIMIZER_CLASSES:
-    raise ValueError(f"Unknown embedding optimizer {serialized['class']!r} in a .keras file; "
-                     f"expected one of {', '.join(OPTIMIZER_CLASSES)}.")
+    raise ValueError(
+      f"Unknown embedding optimizer {serialized['class']!r} in a .keras file; "
+      f"expected one of {', '.join(OPTIMIZER_CLASSES)}."
+    )
   config = dict(serialized["config"])
   if config.get("clipvalue") is not None:
     config["clipvalue"] = tuple(config["clipvalue"])
@@ -168,21 +190,26 @@ def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Var
       store[_key(table, slot)] = variable.numpy()
 
 
-def load_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]],
-                layer: str) -> None:
+def load_tables(
+  store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]], layer: str
+) -> None:
   """Assigns every table and slot from `store`, after checking that all are there and fit."""
   values = {}
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
       key = _key(table, slot)
       if key not in store.keys():
-        raise ValueError(f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
-                         f"{table!r} (looked for {key!r}; it holds {sorted(store.keys())}).")
+        raise ValueError(
+          f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
+          f"{table!r} (looked for {key!r}; it holds {sorted(store.keys())})."
+        )
       value = np.asarray(store[key])
       if list(value.shape) != variable.shape.as_list():
-        raise ValueError(f"Layer {layer!r}: table {table!r} {slot!r} has shape "
-                         f"{list(value.shape)} in the .keras file; the layer expects "
-                         f"{variable.shape.as_list()}.")
+        raise ValueError(
+          f"Layer {layer!r}: table {table!r} {slot!r} has shape "
+          f"{list(value.shape)} in the .keras file; the layer expects "
+          f"{variable.shape.as_list()}."
+        )
       values[key] = (variable, value)
   for variable, value in values.values():
     variable.assign(value)

@@ -52,7 +52,7 @@ struct Sgd {
   }
 };
 
-struct Adagrad {  // SPEC 2.4: no epsilon.
+struct Adagrad {  // SPEC §2.4: no epsilon.
   static constexpr int kSlots = 1;
   static void Row(float* w, float* const* s, const float* g, int64_t dim, float lr,
                   const Hyper&) {
@@ -64,7 +64,7 @@ struct Adagrad {  // SPEC 2.4: no epsilon.
   }
 };
 
-struct Adam {  // SPEC 2.6, lazy: no bias correction.
+struct Adam {  // SPEC §2.6, lazy: no bias correction.
   static constexpr int kSlots = 2;
   static void Row(float* w, float* const* s, const float* g, int64_t dim, float lr,
                   const Hyper& h) {
