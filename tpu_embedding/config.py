@@ -58,6 +58,28 @@ class EmbeddingConfig:
   def features_of(self, table: TableConfig) -> list[Feature]:
     return [f for f in self.features if f.table is table]
 
+  def find_table(self, table: Any) -> Optional[TableConfig]:
+    """This config's table for a user's `TableConfig`, one of its clones, or a table name.
+
+    The one rule every module uses: the same object first (the user's or the clone), then the
+    name; None when neither matches.
+    """
+    for clone, user in self.user_tables.items():
+      if table is user or table is clone:
+        return clone
+    name = table if isinstance(table, str) else getattr(table, "name", None)
+    return next((clone for clone in self.tables if clone.name == name), None)
+
+  def resolve_table(self, table: Any) -> TableConfig:
+    """`find_table`, refusing by name (and listing the tables) what matches none."""
+    found = self.find_table(table)
+    if found is None:
+      name = table if isinstance(table, str) else getattr(table, "name", table)
+      raise ValueError(
+        f"Table {name!r} is not one of this layer's tables ({[t.name for t in self.tables]})."
+      )
+    return found
+
 
 def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   """Clones and validates `feature_config`; resolves table names and optimizers."""
@@ -178,8 +200,6 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   A serving table is matched to the layer's table by identity of the user's TableConfig object
   first, then by name; a table the layer does not have is refused by name.
   """
-  by_user_object = {user: clone for clone, user in layer.user_tables.items()}
-  by_name = {clone.name: clone for clone in layer.tables}
   features, leaves = [], []
   for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
     if not isinstance(leaf, FeatureConfig):
@@ -187,12 +207,12 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
         f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
         "expected a tf.tpu.experimental.embedding.FeatureConfig."
       )
-    table = by_user_object.get(leaf.table) or by_name.get(leaf.table.name)
+    table = layer.find_table(leaf.table)
     if table is None:
       raise ValueError(
         f"serving_config feature {path or '<root>'!r} uses table "
         f"{leaf.table.name!r}, which this layer does not have; its tables are "
-        f"{sorted(by_name)}."
+        f"{sorted(t.name for t in layer.tables)}."
       )
     served = (leaf.table.vocabulary_size, leaf.table.dim)
     if served != (table.vocabulary_size, table.dim):

@@ -159,22 +159,18 @@ class TPUEmbeddingCore:
       if clone in tables
     }
 
+  @property
+  def embedding_config(self) -> config_lib.EmbeddingConfig:
+    """The prepared (cloned, validated) configuration this layer was built from."""
+    return self._config
+
   def _clone_of(self, table: Union[TableConfig, str]) -> TableConfig:
     if not isinstance(table, (TableConfig, str)):
       raise TypeError(
         f"Expected one of this layer's TableConfigs (or its name), got "
         f"{type(table).__name__}: {table!r}."
       )
-    for clone, user in self._config.user_tables.items():
-      if user is table or clone is table:
-        return clone
-    name = table if isinstance(table, str) else table.name
-    for clone in self._config.tables:
-      if clone.name == name:
-        return clone
-    raise ValueError(
-      f"Table {name!r} is not one of this layer's tables ({[t.name for t in self._config.tables]})."
-    )
+    return self._config.resolve_table(table)
 
   def checkpoint_needs_relayout(self, path: str) -> bool:
     """Whether the checkpoint at `path` holds this layer's tables in another layout (a per-table

@@ -514,13 +514,7 @@ class PartialTPUEmbeddingCore:
     return {path: shape for (path, side), shape in zip(self._paths, shapes) if side == SHARDED}
 
   def _clone_of(self, table: TableConfig) -> TableConfig:
-    for clone, user in self._config.user_tables.items():
-      if user is table or clone is table:
-        return clone
-    raise ValueError(
-      f"Table {getattr(table, 'name', table)!r} is not one of this layer's "
-      f"tables ({[t.name for t in self._config.tables]})."
-    )
+    return self._config.resolve_table(table)
 
 
 def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variable]]:

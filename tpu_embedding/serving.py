@@ -285,10 +285,9 @@ def _kept_tables(
 
 def _name_of(table: Any, layers: list[TPUEmbeddingCore]) -> str:
   for layer in layers:
-    config = layer._config  # pylint: disable=protected-access
-    for clone, user in config.user_tables.items():
-      if table is user or table is clone:
-        return clone.name
+    found = layer.embedding_config.find_table(table)
+    if found is not None:
+      return found.name
   raise ValueError(
     f"tables= holds a TableConfig ({table!r}) that no TPUEmbedding layer of the "
     "model was built with."
