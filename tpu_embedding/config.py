@@ -129,7 +129,7 @@ def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
   if optimizer is None:
     return []
   names = optimizer._slot_names()  # pylint: disable=protected-access
-  ranks = getattr(optimizer, "_slot_dims_attr", ()) or (2,) * len(names)
+  ranks = getattr(optimizer, "slot_dims", ()) or (2,) * len(names)  # CustomOptimizer only
   full = [table.vocabulary_size, table.dim]
   return [(name, full[:rank]) for name, rank in zip(names, ranks)]
 

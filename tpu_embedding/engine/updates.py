@@ -340,7 +340,7 @@ class CustomOptimizerRule(UpdateRule):
     hyperparameters = [
       tf.cast(h() if callable(h) else h, table_rows.dtype) for h in opt.hyperparameters
     ]
-    result = opt._custom_computation(  # pylint: disable=protected-access
+    result = opt.custom_computation(
       grads, table_rows, list(slot_rows), learning_rate, hyperparameters
     )
     if not isinstance(result, (tuple, list)):
