@@ -206,9 +206,12 @@ class EmbeddingEngine(tf.Module):
       @tf.custom_gradient
       def gradient_trap(dummy):
         def grad(*upstream, variables=None):
-          gradients_taken[0] += 1
-          if gradients_taken[0] == 2:
-            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
+          # tf.saved_model.save traces this function once more to save it: not a second
+          # gradient of the step.
+          if not save_context.in_save_context():
+            gradients_taken[0] += 1
+            if gradients_taken[0] == 2:
+              warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
           self._apply_gradients(step.upstream_by_table(upstream), reusable(), static)
