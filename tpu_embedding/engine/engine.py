@@ -190,7 +190,7 @@ class EmbeddingEngine(tf.Module):
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
     step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
     if self._check_finite:
-      finite.check_weights(step)
+      step = finite.check_weights(step)
     if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
       how = static_path.look_up_table if static else lookup.per_occurrence
       flat = lookup.look_up(step, self.parameters, how).activations

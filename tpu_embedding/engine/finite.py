@@ -8,6 +8,7 @@ what held it, before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
@@ -17,15 +18,21 @@ from tpu_embedding.engine import inputs
 _REMEDY = "(check_finite=True stops it here; nothing was written to the table)"
 
 
-def check_weights(step: inputs.Step) -> None:
-  """Checks each weighted bag's gains (weight x combiner scale) while the step is prepared."""
-  for bag in step.bags:
-    if bag.gains is not None:
-      bag.gains = tf.debugging.check_numerics(
-        bag.gains,
-        f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
-        f"weights hold a non-finite value, or their sum overflows {_REMEDY}",
-      )
+def check_weights(step: inputs.Step) -> inputs.Step:
+  """`step`, each weighted bag's gains (weight x combiner scale) checked on their way to a
+  lookup."""
+  return inputs.Step([_checked_gains(bag) for bag in step.bags])
+
+
+def _checked_gains(bag: inputs.Bags) -> inputs.Bags:
+  if bag.gains is None:
+    return bag
+  gains = tf.debugging.check_numerics(
+    bag.gains,
+    f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
+    f"weights hold a non-finite value, or their sum overflows {_REMEDY}",
+  )
+  return dataclasses.replace(bag, gains=gains)
 
 
 def guard_gradients(

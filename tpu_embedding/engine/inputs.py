@@ -28,7 +28,7 @@ from tpu_embedding.config import Feature
 Tensor = tf.Tensor
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Bags:
   """One feature's input as (id, sample, gain) triples.
 
@@ -78,7 +78,7 @@ def _with_checked_output_shape(bags: Bags) -> Bags:
   if configured is None:
     return bags
   expected = configured.num_elements()
-  (bags.ids,) = _require(
+  (ids,) = _require(
     bags.feature,
     [
       (
@@ -90,7 +90,7 @@ def _with_checked_output_shape(bags: Bags) -> Bags:
     ],
     [bags.ids],
   )
-  return bags
+  return dataclasses.replace(bags, ids=ids)
 
 
 def _as_id_tensor(name: str, ids: Any) -> Tensor:
@@ -120,8 +120,8 @@ def _check_weights_kind(name: str, weights: Any, kind: type) -> None:
     raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
 
 
-def check_id_ranges(bags: Sequence[Bags]) -> None:
-  """Lets every bag's ids through only once all of them are in range.
+def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
+  """`bags`, their ids let through only once all of them are in range.
 
   Graph mode makes one check for the whole step (an unsigned max per feature, so a negative id
   counts as too large); only when it fails does it find which feature and ids are at fault.
@@ -132,9 +132,9 @@ def check_id_ranges(bags: Sequence[Bags]) -> None:
       if not bool(tf.reduce_all(in_range)):
         offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))[:5].numpy().tolist()
         raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
-    return
+    return list(bags)
   if not bags:
-    return
+    return []
   largest = tf.stack([tf.reduce_max(tf.bitcast(bag.ids, tf.uint64)) for bag in bags])
   sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
 
@@ -154,8 +154,7 @@ def check_id_ranges(bags: Sequence[Bags]) -> None:
 
   checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
   with tf.control_dependencies([checked]):
-    for bag in bags:
-      bag.ids = tf.identity(bag.ids)
+    return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
 
 
 def _in_range(bag: Bags) -> Tensor:
@@ -577,9 +576,7 @@ class Step:
       to_bags(feature, ids, w)
       for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
     ]
-    if check_ranges:
-      check_id_ranges(bags)
-    return cls(bags)
+    return cls(check_id_ranges(bags) if check_ranges else bags)
 
   @functools.cached_property
   def tables(self) -> dict[Any, list[Bags]]:
