@@ -8,19 +8,17 @@ their own ids.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import child_process
 import tpu_embedding
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import inputs
 
 E = tf.tpu.experimental.embedding
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM = 2
 VALUES = np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM)  # W[r] = [2r, 2r + 1]
 
@@ -82,17 +80,10 @@ for name, (indices, values, shape, _) in HOSTILE_SPARSE.items():
 
 
 def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting(engine_path):
-  child = subprocess.run(
-    [sys.executable, "-c", _CHILD.format(tests=os.path.join(ROOT, "tests"))],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
+  stdout = child_process.run_python(
+    _CHILD.format(tests=os.path.join(child_process.ROOT, "tests")), 300
   )
-  assert child.returncode == 0, (
-    f"child died ({child.returncode}):\n{child.stdout[-2000:]}{child.stderr[-3000:]}"
-  )
-  lines = [json.loads(line) for line in child.stdout.splitlines()]
+  lines = [json.loads(line) for line in stdout.splitlines()]
   results = dict(zip(map(tuple, lines[::2]), lines[1::2]))
   assert len(results) == 4 * 5 + 2
   for (name, mode), message in results.items():
