@@ -144,6 +144,29 @@ def test_sparse_ids_of_unknown_rank_give_the_same_bags(rank):
   np.testing.assert_array_equal(model({"f": sp})["f"].numpy(), expected)
 
 
+def test_every_input_kind_gives_a_sequence_feature_the_same_b_by_l_positions():
+  """L = 3: longer sequences are truncated, shorter ones padded with zero rows."""
+  model = layer(max_sequence_length=3)
+  long = [[1, 3, 2, 4], [4, 5, 6, 7]]
+  want = VALUES[[[1, 3, 2], [4, 5, 6]]]
+  for ids in (
+    tf.constant(long, tf.int64),
+    tf.ragged.constant(long, tf.int64),
+    tf.sparse.from_dense(tf.constant(long, tf.int64)),  # no id is 0, so every position stays
+  ):
+    np.testing.assert_array_equal(model({"f": ids})["f"].numpy(), want)
+  short = model({"f": tf.constant([[1, 3], [4, 5]], tf.int64)})["f"].numpy()
+  np.testing.assert_array_equal(short, np.concatenate([want[:, :2], np.zeros([2, 1, DIM])], 1))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "ragged"])
+def test_a_sequence_feature_refuses_weights_naming_the_feature(kind):
+  ids, _ = _weights_cases()[kind]
+  weights = tf.cast(ids, tf.float32)  # laid out as the ids
+  with pytest.raises(ValueError, match="'f' is a sequence feature.*weights are not allowed"):
+    layer(max_sequence_length=3)({"f": ids}, weights={"f": weights})
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights pair with their ids, or are refused
 
