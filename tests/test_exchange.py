@@ -12,6 +12,7 @@ import tensorflow as tf
 import reference
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import exchange
+from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import static_path
 from tpu_embedding.engine.engine import EmbeddingEngine
@@ -67,9 +68,9 @@ def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(stra
     return names, [variables["parameters"]] + [variables[n] for n in names]
 
   def replica_step(ids, upstream):
-    step = lookup.Step.prepare(config, {"f": ids})
-    static_path.activations(step, engine.parameters)
-    static_path.apply_gradients(step.upstream_by_table([upstream]), state_of)
+    step = inputs.Step.prepare(config, {"f": ids})
+    forward = lookup.look_up(step, engine.parameters, static_path.look_up_table)
+    static_path.apply_gradients(forward.upstream_by_table([upstream]), state_of)
 
   per_replica = strategy.experimental_distribute_values_from_function(
     lambda context: (

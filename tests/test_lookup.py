@@ -1,244 +1,96 @@
-"""Tests of `tpu_embedding.engine.lookup`'s input conversion under hostile or ill-traced input.
-
-Inputs that once aborted the process are tried in a child process, so that an abort fails the
-test instead of killing pytest. Expected activations come from NumPy on a table whose rows are
-their own ids.
-"""
-
-import json
-import os
-import re
-import subprocess
-import sys
+"""Tests of `tpu_embedding.engine.lookup`: the forward pass's explicit result, which the backward
+pass receives, against NumPy on tables whose rows are their own ids."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tpu_embedding
 from tpu_embedding import config as config_lib
+from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 
 E = tf.tpu.experimental.embedding
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM = 2
-VALUES = np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM)  # W[r] = [2r, 2r + 1]
+VALUES = np.arange(8 * DIM, dtype=np.float32).reshape(8, DIM)  # W[r] = [2r, 2r + 1]
 
 
-def layer(combiner="sum", **feature_kwargs):
-  table = E.TableConfig(
-    10, DIM, name="t", combiner=combiner, initializer=tf.constant_initializer(VALUES)
-  )
-  return tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table, **feature_kwargs)}, "sgd")
-
-
-# ---------------------------------------------------------------------------------------------
-# SparseTensors that describe no valid input are refused before any op sees them
-
-HOSTILE_SPARSE = {  # name: (indices, values, dense_shape, what the refusal says)
-  "huge_dense_shape": ([[0, 0]], [1], [2**61, 3], "at most 2147483647 samples"),
-  "negative_dense_shape": ([[0, 0]], [1], [-1, 3], "must be non-negative"),
-  "index_outside": ([[0, 0], [5, 1]], [1, 2], [2, 3], "must lie inside dense_shape"),
-  "negative_index": ([[0, -1]], [1], [2, 3], "must lie inside dense_shape"),
-  "indices_without_values": ([[0, 0], [1, 0]], [1], [2, 3], "one row per value"),
-}
-
-_CHILD = """
-import json, sys
-import tensorflow as tf
-sys.path.insert(0, {tests!r})
-from test_lookup import HOSTILE_SPARSE, layer
-
-def run(mode, indices, values, shape):
-  model = layer()
-  as_sparse = lambda i, v, s: tf.SparseTensor(i, v, s)
-  def call(i, v, s):
-    if mode.endswith("tape"):
-      with tf.GradientTape():
-        return model({{"f": as_sparse(i, v, s)}})
-    return model({{"f": as_sparse(i, v, s)}})
-  tensors = (tf.constant(indices, tf.int64, [len(indices), len(shape)]),
-             tf.constant(values, tf.int64), tf.constant(shape, tf.int64))
-  if mode.startswith("signature"):  # what an exported serving signature traces
-    spec = [tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None], tf.int64),
-            tf.TensorSpec([None], tf.int64)]
-    return tf.function(call, input_signature=spec)(*tensors)
-  if mode.startswith("traced"):  # a tf.function traced for this SparseTensor's static shape
-    return tf.function(lambda sp: call(sp.indices, sp.values, sp.dense_shape))(
-        as_sparse(*tensors))
-  return call(*tensors)
-
-for name, (indices, values, shape, _) in HOSTILE_SPARSE.items():
-  for mode in ("eager", "eager_tape", "traced_tape", "signature", "signature_tape"):
-    if name == "indices_without_values" and not mode.startswith("signature"):
-      continue  # the SparseTensor constructor itself refuses it
-    print(json.dumps([name, mode]), flush=True)  # the last line shows where an abort happened
-    try:
-      run(mode, indices, values, shape)
-      print(json.dumps("accepted"), flush=True)
-    except (ValueError, tf.errors.InvalidArgumentError) as e:
-      print(json.dumps(str(e)), flush=True)
-"""
-
-
-def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting(engine_path):
-  child = subprocess.run(
-    [sys.executable, "-c", _CHILD.format(tests=os.path.join(ROOT, "tests"))],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
-  )
-  assert child.returncode == 0, (
-    f"child died ({child.returncode}):\n{child.stdout[-2000:]}{child.stderr[-3000:]}"
-  )
-  lines = [json.loads(line) for line in child.stdout.splitlines()]
-  results = dict(zip(map(tuple, lines[::2]), lines[1::2]))
-  assert len(results) == 4 * 5 + 2
-  for (name, mode), message in results.items():
-    assert re.search(r"Feature \\*'f\\*'", message), (name, mode, message)
-    assert HOSTILE_SPARSE[name][3] in message, (name, mode, message)
-
-
-def test_a_refused_sparse_input_changes_no_table(engine_path):
-  model = layer()
-  model({"f": tf.constant([0])})
-  before = model.embedding_tables
-  before = {t: v.numpy() for t, v in before.items()}
-  with pytest.raises(ValueError, match="must lie inside dense_shape"):
-    with tf.GradientTape() as tape:
-      out = model({"f": tf.SparseTensor([[0, 0], [0, 7]], tf.constant([1, 2], tf.int64), [1, 3])})
-      tape.gradient(tf.reduce_sum(out["f"]), model.trainable_variables)
-  for t, v in model.embedding_tables.items():
-    np.testing.assert_array_equal(v.numpy(), before[t])
-
-
-# ---------------------------------------------------------------------------------------------
-# The same input gives the same answer whatever the trace knows of its shape
-
-
-def test_dense_b_by_1_ids_give_b_by_d_under_an_unknown_last_dimension():
-  model = layer()
-  lookup = tf.function(
-    lambda ids: model({"f": ids})["f"], input_signature=[tf.TensorSpec([None, None], tf.int64)]
-  )
-  out = lookup(tf.constant([[1], [2], [7]], tf.int64))
-  np.testing.assert_array_equal(out.numpy(), VALUES[[1, 2, 7]])
-  wide = lookup(tf.constant([[1, 2], [3, 4]], tf.int64))  # [B, n]: each id its own sample
-  np.testing.assert_array_equal(wide.numpy(), VALUES[[[1, 2], [3, 4]]])
-
-
-def test_a_sequence_feature_with_an_unknown_last_dimension_is_refused():
-  model = layer(max_sequence_length=3)
-  lookup = tf.function(
-    lambda ids: model({"f": ids})["f"], input_signature=[tf.TensorSpec([None, None], tf.int64)]
-  )
-  with pytest.raises(ValueError, match="'f' is a sequence feature.*known last dimension"):
-    lookup(tf.constant([[1], [2]], tf.int64))
-
-
-@pytest.mark.parametrize("rank", [1, 2])
-def test_sparse_ids_of_unknown_rank_give_the_same_bags(rank):
-  model = layer()
-  if rank == 1:  # [3] with ids at positions 0 and 2: three samples, the middle one empty
-    sp = tf.SparseTensor([[0], [2]], tf.constant([1, 4], tf.int64), [3])
-    expected = np.stack([VALUES[1], np.zeros(DIM), VALUES[4]])
-  else:
-    sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 3, 4], tf.int64), [3, 2])
-    expected = np.stack([VALUES[1] + VALUES[3], np.zeros(DIM), VALUES[4]])
-  lookup = tf.function(
-    lambda s: model({"f": s})["f"], input_signature=[tf.SparseTensorSpec(None, tf.int64)]
-  )
-  np.testing.assert_array_equal(lookup(sp).numpy(), expected)
-  np.testing.assert_array_equal(model({"f": sp})["f"].numpy(), expected)
-
-
-# ---------------------------------------------------------------------------------------------
-# Weights pair with their ids, or are refused
-
-
-def _weights_cases():
-  ids_sp = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 3, 4], tf.int64), [2, 2])
-  shifted = tf.SparseTensor([[0, 0], [1, 0], [1, 1]], [2.0, 3.0, 5.0], [2, 2])
-  ids_rt = tf.ragged.constant([[1, 3], [4]], tf.int64)
-  regrouped = tf.ragged.constant([[2.0], [3.0, 5.0]])
-  return {"sparse": (ids_sp, shifted), "ragged": (ids_rt, regrouped)}
-
-
-@pytest.mark.parametrize("kind", ["sparse", "ragged"])
-@pytest.mark.parametrize("traced", [False, True])
-def test_weights_laid_out_differently_from_the_ids_are_refused(kind, traced):
-  ids, weights = _weights_cases()[kind]
-  model = layer()
-  call = lambda i, w: model({"f": i}, weights={"f": w})
-  if traced:
-    call = tf.function(call)
-  error = tf.errors.InvalidArgumentError if traced else ValueError
-  what = "indices and dense_shape" if kind == "sparse" else "row lengths"
-  with pytest.raises(error, match=f"Feature \\\\*'f\\\\*': its weights must have the same {what}"):
-    call(ids, weights)
-
-
-@pytest.mark.parametrize("kind", ["sparse", "ragged"])
-def test_unvalidated_weights_pair_by_value_order(kind):
-  ids, weights = _weights_cases()[kind]
-  out = layer(validate_weights_and_indices=False)({"f": ids}, weights={"f": weights})["f"]
-  expected = np.stack([2.0 * VALUES[1] + 3.0 * VALUES[3], 5.0 * VALUES[4]])
-  np.testing.assert_array_equal(out.numpy(), expected)
-
-
-@pytest.mark.parametrize("kind", ["sparse", "ragged"])
-@pytest.mark.parametrize("validate", [True, False])
-def test_a_weight_count_other_than_the_ids_is_refused(kind, validate):
-  ids, _ = _weights_cases()[kind]
-  if kind == "sparse":
-    weights = tf.SparseTensor([[0, 0], [0, 1]], [2.0, 3.0], [2, 2])
-  else:
-    weights = tf.ragged.constant([[2.0, 3.0], []])
-  with pytest.raises(
-    ValueError,
-    match=r"Feature 'f': its weights must hold one value per id.*"
-    r"Got: 2, 3",
-  ):
-    layer(validate_weights_and_indices=validate)({"f": ids}, weights={"f": weights})
-
-
-def test_an_output_shape_other_than_the_batch_is_refused_naming_the_feature():
-  model = layer(output_shape=[4])
-  with pytest.raises(
-    ValueError,
-    match=r"Feature 'f': FeatureConfig.output_shape \[4\] holds 4 "
-    r"samples.*Got: 3",
-  ):
-    model({"f": tf.constant([1, 2, 3])})
-
-
-# ---------------------------------------------------------------------------------------------
-# The conversion, checks included, compiles with XLA (for the engine's compiled step)
-
-
-def test_input_conversion_with_its_checks_compiles_with_xla():
+def _step():
+  """Features a and c share table t (their ids deduplicated together); b reads table u."""
+  t = E.TableConfig(8, DIM, name="t", combiner="sum")
+  u = E.TableConfig(8, DIM, name="u", combiner="sum")
   config = config_lib.prepare(
-    {"f": E.FeatureConfig(E.TableConfig(10, DIM, name="t", combiner="mean"))}, "sgd"
+    {"a": E.FeatureConfig(t), "b": E.FeatureConfig(u), "c": E.FeatureConfig(t)}, "sgd"
   )
-  feature = config.features[0]
+  features = {
+    "a": tf.constant([[5], [2], [5]], tf.int64),
+    "b": tf.constant([[1], [1]], tf.int64),
+    "c": tf.ragged.constant([[2, 7], [], [5]], tf.int64),
+  }
+  weights = {"a": None, "b": None, "c": tf.ragged.constant([[2.0, 3.0], [], [0.5]])}
+  tables = {table: tf.Variable(VALUES) for table in config.tables}
+  return inputs.Step.prepare(config, features, weights), tables
 
-  @tf.function(jit_compile=True)
-  def bags(indices, ids, weights, ragged_ids, ragged_weights):
-    sparse = lookup.to_bags(
-      feature, tf.SparseTensor(indices, ids, [2, 2]), tf.SparseTensor(indices, weights, [2, 2])
-    )
-    ragged = lookup.to_bags(feature, ragged_ids, ragged_weights)
-    return sparse.samples, sparse.gains, ragged.samples, ragged.gains
 
-  out = bags(
-    tf.constant([[0, 0], [0, 1], [1, 0]], tf.int64),
-    tf.constant([1, 3, 4], tf.int64),
-    tf.constant([1.0, 3.0, 2.0]),
-    tf.ragged.constant([[1, 3], [4]], tf.int64),
-    tf.ragged.constant([[1.0, 3.0], [2.0]]),
+def test_training_returns_each_tables_deduplication_and_who_read_it(engine_path):
+  step, tables = _step()
+  with tf.GradientTape():  # the compiled kernels look up only under a recording tape
+    forward = lookup.look_up(step, tables.__getitem__, lookup.deduplicated)
+  a, b, c = (out.numpy() for out in forward.activations)
+  np.testing.assert_array_equal(a, VALUES[[5, 2, 5]])
+  np.testing.assert_array_equal(b, VALUES[[1, 1]])
+  np.testing.assert_array_equal(c, [2 * VALUES[2] + 3 * VALUES[7], np.zeros(DIM), 0.5 * VALUES[5]])
+
+  t = forward.tables[step.bags[0].feature.table]
+  kernel = lookup.Kernel.COMPILED if engine_path == "native" else lookup.Kernel.TF_OPS
+  assert t.kernel is kernel and [table.name for table in forward.tables] == ["t", "u"]
+  assert len(t.bags) == 2
+  np.testing.assert_array_equal(t.unique_ids.numpy(), [5, 2, 7])  # a's ids, then c's
+  np.testing.assert_array_equal(t.index.numpy(), [0, 1, 0, 1, 2, 0])
+  np.testing.assert_array_equal(t.occurrence_ids.numpy(), [5, 2, 5, 2, 7, 5])
+  if kernel is lookup.Kernel.TF_OPS:  # the rows read, which the update may reuse
+    np.testing.assert_array_equal(t.looked_up_rows.numpy(), VALUES[[5, 2, 7]])
+  else:
+    assert t.looked_up_rows is None
+
+
+def test_the_backward_assembles_row_gradients_from_the_forward_result(engine_path):
+  step, tables = _step()
+  with tf.GradientTape():
+    forward = lookup.look_up(step, tables.__getitem__, lookup.deduplicated)
+  upstream = [
+    np.array([[1, 2], [3, 4], [5, 6]], np.float32),
+    np.array([[1, 1], [2, 2]], np.float32),
+    np.array([[10, 20], [30, 40], [50, 60]], np.float32),
+  ]
+  (t, found_t, up_t), (u, found_u, up_u) = forward.upstream_by_table(upstream)
+  assert (t.name, u.name) == ("t", "u")
+  assert len(up_t) == 2 and up_t[0] is upstream[0] and up_t[1] is upstream[2]
+  assert len(up_u) == 1 and up_u[0] is upstream[1]
+  # Rows 5, 2, 7 of t: a's samples 0 and 2 and c's third sample at gain 0.5 reach row 5; a's
+  # sample 1 and c's first at gain 2 reach row 2; c's first at gain 3 reaches row 7.
+  want = [
+    upstream[0][0] + upstream[0][2] + 0.5 * upstream[2][2],
+    upstream[0][1] + 2 * upstream[2][0],
+    3 * upstream[2][0],
+  ]
+  np.testing.assert_allclose(found_t.row_gradients(up_t, DIM).numpy(), want)
+  np.testing.assert_allclose(found_u.row_gradients(up_u, DIM).numpy(), [[3, 3]])
+  occurrences = found_t.occurrence_gradients([None, up_t[1]], DIM).numpy()
+  np.testing.assert_allclose(
+    occurrences, [[0, 0]] * 3 + [2 * upstream[2][0], 3 * upstream[2][0], 0.5 * upstream[2][2]]
   )
-  gains = [0.25, 0.75, 1.0]  # mean: each weight over its bag's weight sum (4, then 2)
-  for samples, sample_gains in (out[:2], out[2:]):
-    np.testing.assert_array_equal(samples.numpy(), [0, 0, 1])
-    np.testing.assert_allclose(sample_gains.numpy(), gains)
+
+
+@pytest.mark.parametrize("dim", [2, 40])  # 40: one id per sample, wide rows take a gather
+def test_inference_gives_the_training_activations_without_deduplicating(dim):
+  step, _ = _step()
+  values = np.arange(8 * dim, dtype=np.float32).reshape(8, dim)
+  variables = {table: tf.Variable(values) for table in step.tables}
+  read = variables.__getitem__
+  inference = lookup.look_up(step, read, lookup.per_occurrence)
+  training = lookup.look_up(step, read, lookup.deduplicated)
+  for got, want in zip(inference.activations, training.activations):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+  np.testing.assert_array_equal(inference.activations[0].numpy(), values[[5, 2, 5]])
+  for found in inference.tables.values():
+    assert found.kernel is lookup.Kernel.TF_OPS and found.unique_ids is None

@@ -6,7 +6,6 @@ Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqr
 up to an ulp off; the kernel keeps the exact division.
 """
 
-import os
 import subprocess
 import sys
 import warnings
@@ -15,11 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import child_process
 from tpu_embedding.engine import native
 from tpu_embedding.engine import updates
 
 E = tf.tpu.experimental.embedding
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every option the kernel implements, on each optimizer it serves.
 OPTIONS = {
@@ -144,18 +143,9 @@ for name, (count, _) in {counts}.items():
 def test_kernels_refuse_bad_counts_without_aborting():
   """Run in a child process: an abort (a failed CHECK) there fails this test, not pytest."""
   script = _HOSTILE_COUNTS.format(counts=repr(_BAD_COUNTS))
-  child = subprocess.run(
-    [sys.executable, "-c", script],
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"),
-  )
-  assert child.returncode == 0, (
-    f"the child died ({child.returncode}):\n{child.stdout}{child.stderr}"
-  )
-  lines = child.stdout.splitlines()
-  assert len(lines) == 4 * len(_BAD_COUNTS), child.stdout
+  stdout = child_process.run_python(script, 120)
+  lines = stdout.splitlines()
+  assert len(lines) == 4 * len(_BAD_COUNTS), stdout
   for (name, (_, message)), at in zip(_BAD_COUNTS.items(), range(0, len(lines), 4)):
     for op, result in zip(("dedup_lookup", "row_gradients"), lines[at + 1 : at + 4 : 2]):
       count = "num_samples" if op == "dedup_lookup" else "num_unique"
@@ -314,8 +304,6 @@ def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
 
 def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
   """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   import tpu_embedding  # pylint: disable=g-import-not-at-top
 
   table = E.TableConfig(8, 2, name="t", initializer=tf.constant_initializer(0.5))

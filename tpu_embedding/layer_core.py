@@ -17,6 +17,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
+from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -94,8 +95,9 @@ class TPUEmbeddingCore:
     """A CPU lookup through `serving_config`, reading this layer's current tables."""
     config = config_lib.for_serving(serving_config, self._config)
     tables = self._backend.embedding_tables
-    step = lookup.Step.prepare(config, features, weights, subset=True)
-    return tf.nest.pack_sequence_as(features, step.activations(lambda table: tables[table]))
+    step = inputs.Step.prepare(config, features, weights, subset=True)
+    found = lookup.look_up(step, lambda table: tables[table], lookup.per_occurrence)
+    return tf.nest.pack_sequence_as(features, found.activations)
 
   def _check_strategy(self) -> None:
     current = tf.distribute.get_strategy()

@@ -36,7 +36,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import inputs as engine_inputs
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
@@ -376,7 +376,7 @@ class PartialTPUEmbeddingCore:
 
   def call(self, features: Any, weights: Any = None) -> Any:
     pairs = config_lib.match_structure(self._config, features)
-    weight_leaves = lookup.weight_leaves(features, weights, len(pairs))
+    weight_leaves = engine_inputs.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
     input_weights = {REPLICATED: {}, SHARDED: {}}
     side_of_path = dict(self._paths)

@@ -27,6 +27,7 @@ from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding.engine import finite
+from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine import static_path
@@ -187,15 +188,12 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
-    step = lookup.Step.prepare(self._config, features, weights, check_ranges=not static)
+    step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
     if self._check_finite:
-      finite.check_weights(step)
+      step = finite.check_weights(step)
     if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
-      flat = (
-        static_path.activations(step, self.parameters)
-        if static
-        else step.activations(self.parameters)
-      )
+      how = static_path.look_up_table if static else lookup.per_occurrence
+      flat = lookup.look_up(step, self.parameters, how).activations
     else:
       reusable = self._register_training_lookup(step)
       if static:
@@ -205,6 +203,9 @@ class EmbeddingEngine(tf.Module):
 
       @tf.custom_gradient
       def gradient_trap(dummy):
+        how = static_path.look_up_table if static else lookup.deduplicated
+        forward = lookup.look_up(step, self.parameters, how)
+
         def grad(*upstream, variables=None):
           # tf.saved_model.save traces this function once more to save it: not a second
           # gradient of the step.
@@ -214,19 +215,17 @@ class EmbeddingEngine(tf.Module):
               warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(step.upstream_by_table(upstream), reusable(), static)
+          self._apply_gradients(forward.upstream_by_table(upstream), reusable(), static)
           return tf.zeros_like(dummy), [None] * len(variables or ())
 
-        if static:
-          return static_path.activations(step, self.parameters), grad
-        return step.activations(self.parameters, deduplicate=True), grad
+        return forward.activations, grad
 
       flat = gradient_trap(trap)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
 
-  def _register_training_lookup(self, step: lookup.Step) -> Callable[[], frozenset]:
+  def _register_training_lookup(self, step: inputs.Step) -> Callable[[], frozenset]:
     """Counts this lookup; returns what tells its gradient which forward rows it may reuse.
 
     The update may write back rows computed from the rows the forward pass read, instead of
@@ -239,14 +238,14 @@ class EmbeddingEngine(tf.Module):
       return lambda: frozenset()  # re-read everything
     graph = tf.compat.v1.get_default_graph()
     counts = self._training_lookups.setdefault(graph, collections.Counter())
-    counts.update(table.name for table in step.batches)
+    counts.update(table.name for table in step.tables)
     first_gradient = [True]
 
     def reusable() -> frozenset:
       if not first_gradient[0] or tf.compat.v1.get_default_graph() is not graph:
         return frozenset()
       first_gradient[0] = False
-      return frozenset(table.name for table in step.batches if counts[table.name] == 1)
+      return frozenset(table.name for table in step.tables if counts[table.name] == 1)
 
     return reusable
 
@@ -271,7 +270,7 @@ class EmbeddingEngine(tf.Module):
 
   def _apply_gradients(
     self,
-    per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]],
+    per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]],
     reusable: frozenset = frozenset(),
     static: bool = False,
   ):

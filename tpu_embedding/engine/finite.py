@@ -8,34 +8,41 @@ what held it, before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
 
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import inputs
 
 _REMEDY = "(check_finite=True stops it here; nothing was written to the table)"
 
 
-def check_weights(step: lookup.Step) -> None:
-  """Checks each weighted bag's gains (weight x combiner scale) while the step is prepared."""
-  for bag in step.bags:
-    if bag.gains is not None:
-      bag.gains = tf.debugging.check_numerics(
-        bag.gains,
-        f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
-        f"weights hold a non-finite value, or their sum overflows {_REMEDY}",
-      )
+def check_weights(step: inputs.Step) -> inputs.Step:
+  """`step`, each weighted bag's gains (weight x combiner scale) checked on their way to a
+  lookup."""
+  return inputs.Step([_checked_gains(bag) for bag in step.bags])
+
+
+def _checked_gains(bag: inputs.Bags) -> inputs.Bags:
+  if bag.gains is None:
+    return bag
+  gains = tf.debugging.check_numerics(
+    bag.gains,
+    f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): its "
+    f"weights hold a non-finite value, or their sum overflows {_REMEDY}",
+  )
+  return dataclasses.replace(bag, gains=gains)
 
 
 def guard_gradients(
-  activations: Sequence[tf.Tensor], bags: Sequence[lookup.Bags]
+  activations: Sequence[tf.Tensor], bags: Sequence[inputs.Bags]
 ) -> list[tf.Tensor]:
   """The activations, unchanged, whose gradients are checked on their way back to the tables."""
   return [_checked_gradient(a, bag) for a, bag in zip(activations, bags)]
 
 
-def _checked_gradient(activation: tf.Tensor, bag: lookup.Bags) -> tf.Tensor:
+def _checked_gradient(activation: tf.Tensor, bag: inputs.Bags) -> tf.Tensor:
   message = (
     f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): the gradient of "
     f"its activations holds a non-finite value {_REMEDY}"

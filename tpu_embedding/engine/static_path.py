@@ -32,13 +32,14 @@ dropped.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
 
 from tpu_embedding import optimizers
 from tpu_embedding.engine import exchange
+from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import updates
 
@@ -58,18 +59,20 @@ def compiling() -> bool:
 # Forward
 
 
-def activations(step: lookup.Step, read_table: Callable[[Any], Tensor]) -> list[Tensor]:
-  """Every bag's activations, in input order: one gather per id occurrence, one segment sum."""
-  by_bag = {}
-  for table, batch in step.batches.items():
-    variable = read_table(table)
-    for bag in batch.bags:
-      rows = lookup.quantize(tf.gather(variable, bag.ids), table)
-      by_bag[id(bag)] = lookup.shape_activations(bag, _combine(bag, rows))
-  return [by_bag[id(bag)] for bag in step.bags]
+def look_up_table(
+  table: TableConfig, variable: Tensor, bags: tuple[inputs.Bags, ...]
+) -> tuple[lookup.TableLookup, list[Tensor]]:
+  """A table's activations (`lookup.look_up`): one gather per id occurrence, one segment sum."""
+  activations = [
+    lookup.shape_activations(
+      bag, _combine(bag, lookup.quantize(tf.gather(variable, bag.ids), table))
+    )
+    for bag in bags
+  ]
+  return lookup.TableLookup(bags, lookup.Kernel.XLA), activations
 
 
-def _combine(bag: lookup.Bags, rows: Tensor) -> Tensor:
+def _combine(bag: inputs.Bags, rows: Tensor) -> Tensor:
   if bag.gains is not None:
     rows = rows * bag.gains[:, None]
   if bag.samples is None:
@@ -82,7 +85,7 @@ def _combine(bag: lookup.Bags, rows: Tensor) -> Tensor:
 
 
 def apply_gradients(
-  per_table: Sequence[tuple[TableConfig, lookup.TableBatch, list]], state_of: StateOf
+  per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]], state_of: StateOf
 ) -> None:
   """One update per table from this replica's activation gradients, summed over replicas."""
   summed = exchange.replicas_to_sum() > 1
