@@ -14,7 +14,9 @@ from tpu_embedding import config as config_lib
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import static_path
+from tpu_embedding.engine import updates
 from tpu_embedding.engine.engine import EmbeddingEngine
+from tpu_embedding.engine.state import TableState
 
 E = tf.tpu.experimental.embedding
 
@@ -61,15 +63,13 @@ def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(stra
     engine = EmbeddingEngine(config)
     engine.build()
   variables = engine.variables_by_table["t"]
-  names = [n for n in variables if n != "parameters"]
-
-  def state_of(_):
-    return names, [variables["parameters"]] + [variables[n] for n in names]
+  rule = updates.rule_for(optimizer)
+  state = TableState.of(variables, rule.slot_names)
 
   def replica_step(ids, upstream):
     step = lookup.Step.prepare(config, {"f": ids})
     static_path.activations(step, engine.parameters)
-    static_path.apply_gradients(step.upstream_by_table([upstream]), state_of)
+    static_path.apply_gradients(step.upstream_by_table([upstream]), lambda _: rule, lambda _: state)
 
   per_replica = strategy.experimental_distribute_values_from_function(
     lambda context: (
