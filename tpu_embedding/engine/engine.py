@@ -26,6 +26,7 @@ from tensorflow.python.saved_model import save_context  # whether a SavedModel i
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding.engine import exchange
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
@@ -289,64 +290,13 @@ class EmbeddingEngine(tf.Module):
     if static:  # fixed shapes, and an all-reduce where several replicas train
       static_path.apply_gradients(trainable, self._rule, self._state)
       return
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not exchange.in_replica():
       for table, batch, upstream in trainable:
         rows = batch.looked_up_rows if table.name in reusable else None
         self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim), rows)
       return
-    # In a replica: hand every occurrence's (id, gradient) to one cross-replica update, so the
-    # tables get the sum over the global batch, in the same order as on a single device.
-    strategy = tf.distribute.get_strategy()
-    context = tf.distribute.get_replica_context()
-    bags, sizes = [], []
-    for table, batch, upstream in trainable:
-      bag_sizes = [tf.size(b.ids) for b in batch.bags]
-      split = functools.partial(
-        tf.split, num_or_size_splits=tf.stack(bag_sizes), num=len(bag_sizes)
-      )
-      grads = batch.occurrence_gradients(upstream, table.dim)
-      bags.append(list(zip(split(batch.occurrence_ids), split(grads))))
-      sizes.extend(bag_sizes)
-    sizes = tf.stack(sizes)[None]  # [1, bags]: gathered into [replicas, bags]
-    multi_worker = len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
-    if multi_worker:
-      # Replicas on other workers can only be reached by a collective gather, which needs equal
-      # shapes: pad each bag to the largest size any replica has; the merge drops the padding.
-      largest = tf.reduce_max(context.all_gather(sizes, axis=0), axis=0)
-      flat = [pair for table_bags in bags for pair in table_bags]
-      padded = iter(
-        [(_pad_rows(i, largest[n]), _pad_rows(g, largest[n])) for n, (i, g) in enumerate(flat)]
-      )
-      bags = [[next(padded) for _ in table_bags] for table_bags in bags]
-    context.merge_call(
-      functools.partial(self._merge_and_update, [t for t, _, _ in trainable], multi_worker),
-      args=(bags, sizes),
-    )
-
-  def _merge_and_update(self, tables, multi_worker, strategy, bags, sizes) -> None:
-    if multi_worker:
-      all_sizes = strategy.gather(sizes, axis=0)  # [replicas, bags]
-
-    def gather(value, bag_index):
-      if not multi_worker:  # every replica is on this worker: concatenate, no communication
-        return tf.concat(strategy.experimental_local_results(value), axis=0)
-      replica_sizes = all_sizes[:, bag_index]
-      gathered = strategy.gather(value, axis=0)
-      width = tf.shape(gathered)[0] // tf.size(replica_sizes)
-      return tf.boolean_mask(
-        gathered, tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1])
-      )
-
-    position = 0
-    for table, table_bags in zip(tables, bags):
-      ids, grads = [], []
-      for bag_ids, bag_grads in table_bags:
-        ids.append(gather(bag_ids, position))
-        grads.append(gather(bag_grads, position))
-        position += 1
-      unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int64)
-      row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
-      self._update(table, unique_ids, row_grads)
+    # In a replica: one update per table from every replica's (id, gradient) pairs.
+    exchange.gather_and_update(trainable, self._update)
 
   def _update(
     self,
@@ -439,11 +389,6 @@ def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Ten
 
 def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
   variable.assign(value(), read_value=False)
-
-
-def _pad_rows(x: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-  padding = [[0, size - tf.shape(x)[0]]] + [[0, 0]] * (x.shape.rank - 1)
-  return tf.pad(x, padding)
 
 
 def _refuse_training(table: TableConfig) -> None:
