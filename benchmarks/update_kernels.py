@@ -32,6 +32,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tpu_embedding.engine import native  # pylint: disable=g-import-not-at-top
 from tpu_embedding.engine import updates  # pylint: disable=g-import-not-at-top
+from tpu_embedding.engine.state import TableState  # pylint: disable=g-import-not-at-top
 
 E = tf.tpu.experimental.embedding
 DIM = 32
@@ -91,7 +92,8 @@ def _variables(optimizer, vocab: int):
 def _candidates(optimizer, table, slots) -> Dict[str, Callable]:
   """Update functions (row_ids, grads, lr) for each applicable candidate."""
   rule = updates.rule_for(optimizer)
-  slot_vars = tuple(slots[n] for n in optimizer._slot_names())  # pylint: disable=protected-access
+  state = TableState.of({"parameters": table, **slots}, rule.slot_names)
+  slot_vars = state.slots
   compiled = tf.function(rule.compute, jit_compile=True)
 
   def gcs(ids, g, lr):
@@ -103,7 +105,7 @@ def _candidates(optimizer, table, slots) -> Dict[str, Callable]:
     updates.scatter_rows(table, slot_vars, ids, rows)
 
   def chosen(ids, g, lr):
-    updates.apply_sparse_update(optimizer, table, slots, ids, g, lr)
+    updates.apply_sparse_update(rule, state, ids, g, lr)
 
   out = {}
   if not rule.updates_every_row:

@@ -15,7 +15,7 @@ import tf_keras
 
 import reference
 import tpu_embedding
-from tpu_embedding.engine import static_path
+from tpu_embedding.engine import updates
 
 E = tf.tpu.experimental.embedding
 
@@ -138,8 +138,8 @@ def test_jit_compiled_steps_match_reference(
   """The same under `jit_compile=True` (the static-shape path), with each of its two update
   formulations whatever the table's size; fewer examples, as each one compiles with XLA."""
   if formulation == "whole_table":  # what summed replicas take, on one replica
-    chosen = static_path.update_for
-    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+    chosen = updates.UpdateRule.xla_form
+    monkeypatch.setattr(updates.UpdateRule, "xla_form", lambda rule, summed: chosen(rule, True))
   run_step = tf.function(_step, reduce_retracing=True, jit_compile=True)
   _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 import child_process
 from tpu_embedding.engine import native
 from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import TableState
 
 E = tf.tpu.experimental.embedding
 
@@ -177,8 +178,11 @@ def _run(
     for name in optimizer._slot_names()
   }  # pylint: disable=protected-access
 
+  rule = updates.rule_for(optimizer)
+  state = TableState.of({"parameters": table, **slots}, rule.slot_names)
+
   def step(ids, grads, learning_rate):
-    updates.apply_sparse_update(optimizer, table, slots, ids, grads, learning_rate)
+    updates.apply_sparse_update(rule, state, ids, grads, learning_rate)
 
   if compiled:
     step = tf.function(step, reduce_retracing=True)

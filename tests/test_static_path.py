@@ -13,6 +13,7 @@ from tensorflow.python.tpu import tpu_replication  # the context TPUStrategy's r
 import reference
 import tpu_embedding
 from tpu_embedding.engine import static_path
+from tpu_embedding.engine import updates
 
 E = tf.tpu.experimental.embedding
 
@@ -85,8 +86,8 @@ def _choose(monkeypatch, formulation: str) -> None:
   """Forces the whole-table formulation (what summed replicas take) on one replica; lazy rules
   take unique rows by themselves."""
   if formulation == "whole_table":
-    chosen = static_path.update_for
-    monkeypatch.setattr(static_path, "update_for", lambda rule, summed: chosen(rule, True))
+    chosen = updates.UpdateRule.xla_form
+    monkeypatch.setattr(updates.UpdateRule, "xla_form", lambda rule, summed: chosen(rule, True))
 
 
 @pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -18,6 +19,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import reference  # pylint: disable=g-import-not-at-top
 from tpu_embedding.engine import updates  # pylint: disable=g-import-not-at-top
+from tpu_embedding.engine.state import TableState  # pylint: disable=g-import-not-at-top
 
 E = tf.tpu.experimental.embedding
 MODES = ("eager", "function")
@@ -45,13 +47,17 @@ def make_variables(optimizer, table: np.ndarray) -> Tuple[tf.Variable, Dict[str,
   )
 
 
+def rule_and_state(optimizer, table, slots) -> Tuple[updates.UpdateRule, TableState]:
+  rule = updates.rule_for(optimizer)
+  return rule, TableState.of({"parameters": table, **slots}, rule.slot_names)
+
+
 def updater(optimizer, table, slots, mode: str, lr: float = LR):
   """A (row_ids, grads) -> None step, eager or inside one tf.function."""
+  rule, state = rule_and_state(optimizer, table, slots)
 
   def step(row_ids, grads):
-    updates.apply_sparse_update(
-      optimizer, table, slots, row_ids, grads, tf.constant(lr, tf.float32)
-    )
+    updates.apply_sparse_update(rule, state, row_ids, grads, tf.constant(lr, tf.float32))
 
   return step if mode == "eager" else tf.function(step, reduce_retracing=True)
 
@@ -344,9 +350,9 @@ def test_lazy_update_builds_no_table_sized_tensor(make):
   """The cost must follow the touched rows: no op may output a [V, ...] tensor."""
   vocab, dim = 9973, 3
   opt = make()
-  table, slots = make_variables(opt, np.zeros([vocab, dim]))
+  rule, state = rule_and_state(opt, *make_variables(opt, np.zeros([vocab, dim])))
   fn = tf.function(
-    lambda ids, g: updates.apply_sparse_update(opt, table, slots, ids, g, tf.constant(0.1))
+    lambda ids, g: updates.apply_sparse_update(rule, state, ids, g, tf.constant(0.1))
   )
   graph = fn.get_concrete_function(
     tf.TensorSpec([None], tf.int32), tf.TensorSpec([None, dim], tf.float32)
@@ -554,11 +560,12 @@ def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(
   for atomic in (True, False):
     table, slots = make_variables(optimizer, table0)
 
-    @tf.function
-    def step(atomic=atomic, table=table, slots=slots):
-      updates.apply_sparse_update(
-        optimizer, table, slots, ids, grads, tf.constant(0.25), atomic=atomic
+    rule, state = rule_and_state(optimizer, table, slots)
+    step = tf.function(
+      functools.partial(
+        updates.apply_sparse_update, rule, state, ids, grads, tf.constant(0.25), atomic=atomic
       )
+    )
 
     step()
     results.append([table.numpy()] + [v.numpy() for v in slots.values()])
@@ -577,3 +584,69 @@ def test_atomic_updates_use_tfs_locked_kernels_with_the_same_result(
     params,
   )
   np.testing.assert_allclose(results[0][0], want, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ each rule's forms
+
+
+@pytest.mark.parametrize(
+  "make_optimizer",
+  [lambda: E.SGD(learning_rate=0.25), lambda: E.Adagrad(learning_rate=0.25)],
+  ids=["sgd", "adagrad"],
+)
+def test_locked_form_computes_the_reference_step(make_optimizer):
+  optimizer = make_optimizer()
+  table0 = np.arange(12, dtype=np.float64).reshape(6, 2) / 8
+  ids, grads = np.array([4, 1, 3]), np.array([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5]])
+  rule, state = rule_and_state(optimizer, *make_variables(optimizer, table0))
+  rule.locked_form()(state, tf.constant(ids), tf.constant(grads, tf.float32), tf.constant(0.25))
+  params = reference.params_from_optimizer(optimizer)
+  want_table, want_slots = reference.apply_step(
+    table0, reference.initial_slots(params, table0.shape), ids, grads, 0.25, params
+  )
+  np.testing.assert_allclose(state.parameters.numpy(), want_table, rtol=1e-6, atol=1e-7)
+  for name, slot in zip(rule.slot_names, state.slots):
+    np.testing.assert_allclose(slot.numpy(), want_slots[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+  "optimizer",
+  [
+    E.SGD(learning_rate=0.1, clipvalue=1.0),
+    E.SGD(learning_rate=0.1, weight_decay_factor=0.1),
+    E.Adagrad(learning_rate=0.1, clip_weight_max=1.0),
+    E.AdagradMomentum(learning_rate=0.1, momentum=0.5),
+    E.Adam(learning_rate=0.1),
+    E.FTRL(learning_rate=0.1),
+  ],
+  ids=["sgd_clipped", "sgd_decayed", "adagrad_weights_clipped", "adagrad_momentum", "adam", "ftrl"],
+)
+def test_no_locked_form_where_tfs_kernels_do_not_compute_the_spec(optimizer):
+  assert updates.rule_for(optimizer).locked_form() is None
+
+
+@pytest.mark.parametrize(
+  "optimizer,alone,summed",
+  [
+    (E.SGD(learning_rate=0.1), "UNIQUE_ROWS", "WHOLE_TABLE"),
+    (E.Adagrad(learning_rate=0.1), "UNIQUE_ROWS", "WHOLE_TABLE"),
+    (E.Adam(learning_rate=0.1, lazy_adam=True), "UNIQUE_ROWS", "WHOLE_TABLE"),
+    (E.Adam(learning_rate=0.1, lazy_adam=False), "WHOLE_TABLE", "WHOLE_TABLE"),
+    (E.FTRL(learning_rate=0.1), "UNIQUE_ROWS", "WHOLE_TABLE"),
+  ],
+  ids=["sgd", "adagrad", "lazy_adam", "adam", "ftrl"],
+)
+def test_xla_form_is_the_whole_table_where_replicas_sum_or_every_row_changes(
+  optimizer, alone, summed
+):
+  rule = updates.rule_for(optimizer)
+  assert rule.xla_form(summed=False) is updates.XlaForm[alone]
+  assert rule.xla_form(summed=True) is updates.XlaForm[summed]
+
+
+def test_rules_of_equal_optimizers_are_equal_so_their_traces_are_shared():
+  rule = updates.rule_for(E.Adam(learning_rate=0.1, lazy_adam=False))
+  assert rule == updates.rule_for(E.Adam(learning_rate=0.1, lazy_adam=False))
+  assert hash(rule) == hash(updates.rule_for(E.Adam(learning_rate=0.1, lazy_adam=False)))
+  assert rule != updates.rule_for(E.Adam(learning_rate=0.2, lazy_adam=False))
+  assert updates.rule_for(E.SGD(learning_rate=0.1)) != updates.rule_for(E.Adagrad(0.1))

@@ -17,7 +17,7 @@ import functools
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
@@ -26,12 +26,15 @@ from tensorflow.python.saved_model import save_context  # whether a SavedModel i
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding.engine import exchange
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine import static_path
-from tpu_embedding.engine.updates import apply_sparse_update
+from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import PendingUpdate
+from tpu_embedding.engine.state import TableState
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -77,7 +80,9 @@ class EmbeddingEngine(tf.Module):
       optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables
     )
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
-    self._pending: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
+    self._pending: dict[str, PendingUpdate] = self._no_dependency({})
+    # The update rule of each table the engine trains, resolved once.
+    self._rules: dict[str, updates.UpdateRule] = self._no_dependency({})
     # Tables row-sharded over parameter servers: the locks their updates hold.
     self._shard_locks: dict[str, sharded.ShardLocks] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
@@ -118,6 +123,7 @@ class EmbeddingEngine(tf.Module):
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and not self._keras_managed:
+      self._rules[table.name] = updates.rule_for(table.optimizer)
       variables.update(self._create_slots(table, parameters))
       if sharded.is_sharded(parameters) and self._pipelining:
         sharded.refuse_pipelining(table)
@@ -128,7 +134,7 @@ class EmbeddingEngine(tf.Module):
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and not self._keras_managed:
-      self._pending[table.name] = _pending_buffers(table)
+      self._pending[table.name] = PendingUpdate.create(table)
 
   def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
     optimizer = table.optimizer
@@ -281,66 +287,15 @@ class EmbeddingEngine(tf.Module):
       else:
         trainable.append((table, batch, upstream))
     if static:  # fixed shapes, and an all-reduce where several replicas train
-      static_path.apply_gradients(trainable, self._state)
+      static_path.apply_gradients(trainable, self._rule, self._state)
       return
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    if not exchange.in_replica():
       for table, batch, upstream in trainable:
         rows = batch.looked_up_rows if table.name in reusable else None
         self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim), rows)
       return
-    # In a replica: hand every occurrence's (id, gradient) to one cross-replica update, so the
-    # tables get the sum over the global batch, in the same order as on a single device.
-    strategy = tf.distribute.get_strategy()
-    context = tf.distribute.get_replica_context()
-    bags, sizes = [], []
-    for table, batch, upstream in trainable:
-      bag_sizes = [tf.size(b.ids) for b in batch.bags]
-      split = functools.partial(
-        tf.split, num_or_size_splits=tf.stack(bag_sizes), num=len(bag_sizes)
-      )
-      grads = batch.occurrence_gradients(upstream, table.dim)
-      bags.append(list(zip(split(batch.occurrence_ids), split(grads))))
-      sizes.extend(bag_sizes)
-    sizes = tf.stack(sizes)[None]  # [1, bags]: gathered into [replicas, bags]
-    multi_worker = len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
-    if multi_worker:
-      # Replicas on other workers can only be reached by a collective gather, which needs equal
-      # shapes: pad each bag to the largest size any replica has; the merge drops the padding.
-      largest = tf.reduce_max(context.all_gather(sizes, axis=0), axis=0)
-      flat = [pair for table_bags in bags for pair in table_bags]
-      padded = iter(
-        [(_pad_rows(i, largest[n]), _pad_rows(g, largest[n])) for n, (i, g) in enumerate(flat)]
-      )
-      bags = [[next(padded) for _ in table_bags] for table_bags in bags]
-    context.merge_call(
-      functools.partial(self._merge_and_update, [t for t, _, _ in trainable], multi_worker),
-      args=(bags, sizes),
-    )
-
-  def _merge_and_update(self, tables, multi_worker, strategy, bags, sizes) -> None:
-    if multi_worker:
-      all_sizes = strategy.gather(sizes, axis=0)  # [replicas, bags]
-
-    def gather(value, bag_index):
-      if not multi_worker:  # every replica is on this worker: concatenate, no communication
-        return tf.concat(strategy.experimental_local_results(value), axis=0)
-      replica_sizes = all_sizes[:, bag_index]
-      gathered = strategy.gather(value, axis=0)
-      width = tf.shape(gathered)[0] // tf.size(replica_sizes)
-      return tf.boolean_mask(
-        gathered, tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1])
-      )
-
-    position = 0
-    for table, table_bags in zip(tables, bags):
-      ids, grads = [], []
-      for bag_ids, bag_grads in table_bags:
-        ids.append(gather(bag_ids, position))
-        grads.append(gather(bag_grads, position))
-        position += 1
-      unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int64)
-      row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
-      self._update(table, unique_ids, row_grads)
+    # In a replica: one update per table from every replica's (id, gradient) pairs.
+    exchange.gather_and_update(trainable, self._update)
 
   def _update(
     self,
@@ -352,27 +307,21 @@ class EmbeddingEngine(tf.Module):
     learning_rate = optimizers.learning_rate_tensor(table.optimizer, where=f"Table {table.name!r}")
     if self._check_finite:
       learning_rate = finite.check_learning_rate(learning_rate, table.name)
-    names, state = self._state(table)
+    rule, state = self._rule(table), self._state(table)
     if table.name in self._shard_locks:
-      self._shard_locks[table.name].apply(table.optimizer, state, names, ids, grads, learning_rate)
+      self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
       return
     # Parameter-server workers update the shared tables concurrently.
     atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
-    apply = _row_applier(table.optimizer, names, atomic)
+    apply = functools.partial(updates.apply_sparse_update, rule, atomic=atomic)
     if not self._pipelining:
-      _on_each_copy(state, lambda *copy: apply(copy, ids, grads, learning_rate, table_rows))
+      for copy, _ in _on_each_device(state):
+        apply(copy, ids, grads, learning_rate, table_rows)
       return
-
-    def apply_pending_then_store(*copy):
-      """Pipelining: this step's update waits until after the next step's lookup (SPEC §6)."""
-      has, pending_ids, pending_grads, pending_lr = copy[-4:]
-      _apply_pending(apply, copy[:-4], has, pending_ids, pending_grads, pending_lr)
-      pending_ids.assign(ids)
-      pending_grads.assign(grads)
-      pending_lr.assign(learning_rate)
-      has.assign(True)
-
-    _on_each_copy(state + self._pending_state(table), apply_pending_then_store)
+    for copy, pending in _on_each_device(state, self._pending[table.name]):
+      # Pipelining: this step's update waits until after the next step's lookup (SPEC §6).
+      pending.apply(functools.partial(apply, copy))
+      pending.hold(ids, grads, learning_rate)
 
   def flush(self) -> None:
     """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
@@ -381,22 +330,15 @@ class EmbeddingEngine(tf.Module):
     for table in self._config.tables:
       if table.optimizer is None:
         continue
-      names, state = self._state(table)
-      apply = _row_applier(table.optimizer, names)
-      _on_each_copy(
-        state + self._pending_state(table),
-        lambda *copy: _apply_pending(apply, copy[:-4], *copy[-4:]),
-      )
+      rule = self._rule(table)
+      for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
+        pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
 
-  def _state(self, table: TableConfig) -> tuple[list[str], list[tf.Variable]]:
-    """Slot names, and the table followed by its slots in that order."""
-    variables = self._variables[table.name]
-    names = [n for n in variables if n != "parameters"]
-    return names, [variables["parameters"]] + [variables[n] for n in names]
+  def _rule(self, table: TableConfig) -> updates.UpdateRule:
+    return self._rules[table.name]
 
-  def _pending_state(self, table: TableConfig) -> list[tf.Variable]:
-    pending = self._pending[table.name]
-    return [pending["has"], pending["ids"], pending["grads"], pending["learning_rate"]]
+  def _state(self, table: TableConfig) -> TableState:
+    return TableState.of(self._variables[table.name], self._rule(table).slot_names)
 
 
 _COPY_IS_CHEAP_BYTES = 16 << 20
@@ -448,31 +390,6 @@ def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
   variable.assign(value(), read_value=False)
 
 
-def _pending_buffers(table: TableConfig) -> dict[str, tf.Variable]:
-  """Variable-length buffers holding one step's update until the next step has looked up."""
-  return {
-    "has": tf.Variable(False, trainable=False, name=f"{table.name}/pending_has"),
-    "ids": tf.Variable(
-      tf.zeros([0], tf.int64),
-      shape=tf.TensorShape([None]),
-      trainable=False,
-      name=f"{table.name}/pending_ids",
-    ),
-    "grads": tf.Variable(
-      tf.zeros([0, table.dim]),
-      shape=tf.TensorShape([None, table.dim]),
-      trainable=False,
-      name=f"{table.name}/pending_grads",
-    ),
-    "learning_rate": tf.Variable(0.0, trainable=False, name=f"{table.name}/pending_lr"),
-  }
-
-
-def _pad_rows(x: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-  padding = [[0, size - tf.shape(x)[0]]] + [[0, 0]] * (x.shape.rank - 1)
-  return tf.pad(x, padding)
-
-
 def _refuse_training(table: TableConfig) -> None:
   """Fails a training step on a table without optimizer, when the step runs.
 
@@ -489,44 +406,17 @@ def _refuse_training(table: TableConfig) -> None:
   tf.debugging.Assert(tf.constant(False), [message])
 
 
-def _row_applier(optimizer, slot_names: Sequence[str], atomic: bool = False) -> Callable:
-  """`apply(state, ids, grads, lr[, table_rows])` for one copy of a table's state (table, then
-  slots); `table_rows` are the table's rows at `ids` when the lookup has just read them;
-  `atomic` when other workers update the same variables concurrently."""
-
-  def apply(state, ids, grads, learning_rate, table_rows=None) -> None:
-    apply_sparse_update(
-      optimizer,
-      state[0],
-      dict(zip(slot_names, state[1:])),
-      ids,
-      grads,
-      learning_rate,
-      table_rows,
-      atomic=atomic,
-    )
-
-  return apply
-
-
-def _apply_pending(apply: Callable, state, has, ids, grads, learning_rate) -> None:
-  def run():
-    apply(state, ids.read_value(), grads.read_value(), learning_rate.read_value())
-    return tf.constant(True)
-
-  tf.cond(has.read_value(), run, lambda: tf.constant(False))
-  has.assign(False)
-
-
-def _on_each_copy(variables: Sequence[tf.Variable], fn: Callable) -> None:
-  """Calls `fn(*copies)` once per device holding the variables (once if not distributed).
+def _on_each_device(
+  state: TableState, pending: Optional[PendingUpdate] = None
+) -> Iterator[tuple[TableState, Optional[PendingUpdate]]]:
+  """Each device's copy of a table's state (and of its held update), with that device the
+  default while it is in hand; one copy if not distributed.
 
   Every copy of a mirrored variable receives the same update from the same global gradient,
   which keeps the copies identical without any table-sized communication.
   """
-  copies = [
-    list(v.values) if isinstance(v, tf.distribute.DistributedValues) else [v] for v in variables
-  ]
-  for per_device in zip(*copies):
-    with tf.device(per_device[0].device):
-      fn(*per_device)
+  copies = state.copies()
+  held = pending.copies() if pending is not None else [None] * len(copies)
+  for copy, pending_copy in zip(copies, held):
+    with tf.device(copy.parameters.device):
+      yield copy, pending_copy

@@ -1,21 +1,38 @@
-"""Cross-replica sums for the static-shape path: an all-reduce of fixed-shape gradients.
+"""Cross-replica sums of a step's table gradients, for both engine paths.
 
-The engine's other path gathers every replica's (id, gradient) pairs with `merge_call` and
-updates the tables once. Inside an XLA-compiled replica step that cannot work: a TPU replica
-context has no such merge, and shapes must be known at compile time. Here every replica instead
-contributes a tensor of one fixed shape (a whole-table row gradient and touched-row count), the
-sum over replicas reaches every replica, and each replica applies the same update to its own
-copy of the table, so the copies stay identical without ever moving a table.
+The graph path (`gather_and_update`) gathers every replica's (id, gradient) pairs with
+`merge_call` and updates the tables once, from the cross-replica context, with the sum over the
+global batch. Inside an XLA-compiled replica step that cannot work: a TPU replica context has no
+such merge, and shapes must be known at compile time. The static-shape path (`cross_replica_sum`)
+instead has every replica contribute a tensor of one fixed shape (a whole-table row gradient and
+touched-row count); the sum over replicas reaches every replica, and each replica applies the
+same update to its own copy of the table, so the copies stay identical without ever moving a
+table.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable, Sequence
+
 import tensorflow as tf
+
+from tpu_embedding.engine import lookup
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+# `update(table, unique ids, row gradients)`: one table's update from the global batch.
+Update = Callable[[TableConfig, tf.Tensor, tf.Tensor], None]
+
+
+def in_replica() -> bool:
+  """Whether this runs in one replica of a strategy's step, whose gradients are only part of
+  the global batch's."""
+  return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
 
 
 def replicas_to_sum() -> int:
   """How many replicas' gradients the current step must sum (1 outside a replica step)."""
-  if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+  if not in_replica():
     return 1
   return tf.distribute.get_replica_context().num_replicas_in_sync
 
@@ -30,3 +47,67 @@ def cross_replica_sum(value: tf.Tensor) -> tf.Tensor:
   if replicas_to_sum() == 1:
     return value
   return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def gather_and_update(per_table: Sequence[tuple[TableConfig, Any, list]], update: Update) -> None:
+  """From a replica: hands every id occurrence's (id, gradient) to one cross-replica merge, which
+  calls `update` once per table with the unique ids and row gradients of the global batch, in
+  the same order as on a single device.
+
+  `per_table` holds (table, the table's forward batch, its bags' activation gradients).
+  """
+  strategy = tf.distribute.get_strategy()
+  context = tf.distribute.get_replica_context()
+  bags, sizes = [], []
+  for table, batch, upstream in per_table:
+    bag_sizes = [tf.size(b.ids) for b in batch.bags]
+    split = functools.partial(tf.split, num_or_size_splits=tf.stack(bag_sizes), num=len(bag_sizes))
+    grads = batch.occurrence_gradients(upstream, table.dim)
+    bags.append(list(zip(split(batch.occurrence_ids), split(grads))))
+    sizes.extend(bag_sizes)
+  sizes = tf.stack(sizes)[None]  # [1, bags]: gathered into [replicas, bags]
+  multi_worker = len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync
+  if multi_worker:
+    # Replicas on other workers can only be reached by a collective gather, which needs equal
+    # shapes: pad each bag to the largest size any replica has; the merge drops the padding.
+    largest = tf.reduce_max(context.all_gather(sizes, axis=0), axis=0)
+    flat = [pair for table_bags in bags for pair in table_bags]
+    padded = iter(
+      [(_pad_rows(i, largest[n]), _pad_rows(g, largest[n])) for n, (i, g) in enumerate(flat)]
+    )
+    bags = [[next(padded) for _ in table_bags] for table_bags in bags]
+  context.merge_call(
+    functools.partial(_merge_and_update, [t for t, _, _ in per_table], multi_worker, update),
+    args=(bags, sizes),
+  )
+
+
+def _merge_and_update(tables, multi_worker, update: Update, strategy, bags, sizes) -> None:
+  if multi_worker:
+    all_sizes = strategy.gather(sizes, axis=0)  # [replicas, bags]
+
+  def gather(value, bag_index):
+    if not multi_worker:  # every replica is on this worker: concatenate, no communication
+      return tf.concat(strategy.experimental_local_results(value), axis=0)
+    replica_sizes = all_sizes[:, bag_index]
+    gathered = strategy.gather(value, axis=0)
+    width = tf.shape(gathered)[0] // tf.size(replica_sizes)
+    return tf.boolean_mask(
+      gathered, tf.reshape(tf.range(width)[None, :] < replica_sizes[:, None], [-1])
+    )
+
+  position = 0
+  for table, table_bags in zip(tables, bags):
+    ids, grads = [], []
+    for bag_ids, bag_grads in table_bags:
+      ids.append(gather(bag_ids, position))
+      grads.append(gather(bag_grads, position))
+      position += 1
+    unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int64)
+    row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
+    update(table, unique_ids, row_grads)
+
+
+def _pad_rows(x: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+  padding = [[0, size - tf.shape(x)[0]]] + [[0, 0]] * (x.shape.rank - 1)
+  return tf.pad(x, padding)

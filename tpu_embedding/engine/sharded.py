@@ -32,7 +32,8 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding.engine.updates import apply_sparse_update
+from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import TableState
 
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -164,31 +165,25 @@ class ShardLocks:
 
   def apply(
     self,
-    optimizer,
-    state: Sequence[ShardedVariable],
-    slot_names: Sequence[str],
+    rule: updates.UpdateRule,
+    state: TableState,
     ids: tf.Tensor,
     grads: tf.Tensor,
     learning_rate: tf.Tensor,
   ) -> None:
-    """Applies one step's unique (ids, row gradients) to `state` (table, then its slots)."""
-    partition = _Partition(state[0], ids)
-    per_shard = zip(
-      self._locks, zip(*(shards(v) for v in state)), partition.local_ids, partition.split(grads)
-    )
-    for lock, copy, local_ids, shard_grads in per_shard:
-      with tf.device(copy[0].device):
+    """Applies one step's unique (ids, row gradients) to a sharded table's state."""
+    partition = _Partition(state.parameters, ids)
+    per_shard = zip(self._locks, state.split(shards), partition.local_ids, partition.split(grads))
+    for lock, shard, local_ids, shard_grads in per_shard:
+      with tf.device(shard.parameters.device):
         lock.execute(
-          functools.partial(
-            _update_shard, optimizer, copy, slot_names, local_ids, shard_grads, learning_rate
-          )
+          functools.partial(_update_shard, rule, shard, local_ids, shard_grads, learning_rate)
         )
 
 
 def _update_shard(
-  optimizer,
-  copy: Sequence[tf.Variable],
-  slot_names: Sequence[str],
+  rule: updates.UpdateRule,
+  state: TableState,
   ids: tf.Tensor,
   grads: tf.Tensor,
   learning_rate: tf.Tensor,
@@ -198,7 +193,5 @@ def _update_shard(
   The critical section releases its lock once what this returns is computed; reading zero
   rows of each variable (ordered after the writes to it) makes that wait for every write.
   """
-  apply_sparse_update(
-    optimizer, copy[0], dict(zip(slot_names, copy[1:])), ids, grads, learning_rate, atomic=True
-  )
-  return [v.sparse_read(ids[:0]) for v in copy]
+  updates.apply_sparse_update(rule, state, ids, grads, learning_rate, atomic=True)
+  return [v.sparse_read(ids[:0]) for v in state.variables]

@@ -42,11 +42,10 @@ from tpu_embedding.engine import exchange
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import TableState
 
 Tensor = tf.Tensor
 TableConfig = tf.tpu.experimental.embedding.TableConfig
-# (slot names, [table, slots...]) of a table, as `EmbeddingEngine` holds them.
-StateOf = Callable[[TableConfig], tuple[list[str], list[tf.Variable]]]
 
 
 def compiling() -> bool:
@@ -85,29 +84,25 @@ def _combine(bag: inputs.Bags, rows: Tensor) -> Tensor:
 
 
 def apply_gradients(
-  per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]], state_of: StateOf
+  per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]],
+  rule_of: Callable[[TableConfig], updates.UpdateRule],
+  state_of: Callable[[TableConfig], TableState],
 ) -> None:
-  """One update per table from this replica's activation gradients, summed over replicas."""
+  """One update per table from this replica's activation gradients, summed over replicas, in
+  the formulation the table's rule takes (`UpdateRule.xla_form`, module docstring)."""
   summed = exchange.replicas_to_sum() > 1
   for table, batch, upstream in per_table:
     ids = _concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
-    rule = updates.rule_for(table.optimizer)
+    rule = rule_of(table)
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
-    _, state = state_of(table)
-    update = update_for(rule, summed)
-    update(rule, state, ids, grads, table.vocabulary_size, learning_rate)
-
-
-def update_for(rule: updates.UpdateRule, summed: bool) -> Callable[..., None]:
-  """The formulation a table's update takes (module docstring): whole table when replicas sum
-  their contributions or the rule rewrites every row, else unique rows (faster at every size)."""
-  return _update_whole_table if summed or rule.updates_every_row else _update_unique_rows
+    update = _FORMULATIONS[rule.xla_form(summed)]
+    update(rule, state_of(table), ids, grads, table.vocabulary_size, learning_rate)
 
 
 def _update_whole_table(
   rule: updates.UpdateRule,
-  state: list[tf.Variable],
+  state: TableState,
   ids: Tensor,
   grads: Tensor,
   vocabulary_size: int,
@@ -122,7 +117,7 @@ def _update_whole_table(
   optimizer = rule.optimizer
   row_grads = updates.clip_gradient(optimizer, row_grads)
   for copy in _copies(state):
-    old = tuple(variable.value() for variable in copy)
+    old = tuple(variable.value() for variable in copy.variables)
     new_table, new_slots = updates.update_rows(rule, old[0], old[1:], row_grads, learning_rate)
     if rule.updates_every_row:  # untouched rows take the g = 0 step, weight clipping included
       idle_table, idle_slots = rule.compute(
@@ -131,7 +126,7 @@ def _update_whole_table(
       idle = (updates.clip_weights(optimizer, idle_table),) + tuple(idle_slots)
     else:
       idle = old
-    for variable, new, kept in zip(copy, (new_table,) + tuple(new_slots), idle):
+    for variable, new, kept in zip(copy.variables, (new_table,) + tuple(new_slots), idle):
       mask = tf.reshape(touched, [-1] + [1] * (new.shape.rank - 1))
       tf.raw_ops.AssignVariableOp(
         resource=variable.handle, value=tf.cast(tf.where(mask, new, kept), variable.dtype)
@@ -140,7 +135,7 @@ def _update_whole_table(
 
 def _update_unique_rows(
   rule: updates.UpdateRule,
-  state: list[tf.Variable],
+  state: TableState,
   ids: Tensor,
   grads: Tensor,
   vocabulary_size: int,
@@ -150,11 +145,17 @@ def _update_unique_rows(
   row_grads = updates.clip_gradient(rule.optimizer, row_grads)
   read_ids = tf.minimum(unique_ids, vocabulary_size - 1)  # unused slots read a real row
   for copy in _copies(state):
-    table, slots = copy[0], tuple(copy[1:])
+    table, slots = copy.parameters, copy.slots
     rows = updates.update_rows(
       rule, *updates.gather_rows(table, slots, read_ids), row_grads, learning_rate
     )
     updates.scatter_rows(table, slots, unique_ids, rows)
+
+
+_FORMULATIONS = {
+  updates.XlaForm.WHOLE_TABLE: _update_whole_table,
+  updates.XlaForm.UNIQUE_ROWS: _update_unique_rows,
+}
 
 
 def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tensor, Tensor]:
@@ -176,15 +177,12 @@ def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tens
   return unique_ids, row_grads
 
 
-def _copies(state: list[tf.Variable]) -> list[Sequence[tf.Variable]]:
+def _copies(state: TableState) -> list[TableState]:
   """The copies of a table's state to update: in a replica step only this replica's own (the
   variables resolve to it); in a cross-replica context each device's copy."""
   if not tf.distribute.has_strategy() or not tf.distribute.in_cross_replica_context():
     return [state]
-  per_variable = [
-    v.values if isinstance(v, tf.distribute.DistributedValues) else [v] for v in state
-  ]
-  return list(zip(*per_variable))
+  return state.copies()
 
 
 def _concat(parts: Sequence[Tensor]) -> Tensor:

@@ -7,8 +7,9 @@ order of SPEC §2.2:
     clip gradient -> weight decay (provisional) -> optimizer rule -> clip weights
 
 The shared steps are written once here; the maths of each optimizer lives in
-one `UpdateRule` subclass that names the mid-level optimizer class it serves.
-Adding an optimizer means adding one class.
+one `UpdateRule` subclass that names the mid-level optimizer class it serves
+and the forms that compute it (compiled kernel, locked TF kernel, XLA
+formulation). Adding an optimizer means adding one class.
 
 How rows move (chosen from `benchmarks/update_kernels.py`, see its table):
 on a CPU of this process, SGD, Adagrad and lazy Adam run as one compiled
@@ -29,11 +30,14 @@ pass is XLA-compiled so it streams each variable once.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type
+import dataclasses
+import enum
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 import tensorflow as tf
 
 from tpu_embedding.engine import native
+from tpu_embedding.engine.state import TableState
 
 Rows = Tuple[tf.Tensor, Tuple[tf.Tensor, ...]]
 """A table block and the matching blocks of its slots, in `_slot_names()` order."""
@@ -90,6 +94,12 @@ def has_weight_decay(optimizer) -> bool:
   return bool(getattr(optimizer, "weight_decay_factor", None))
 
 
+def _without_extras(optimizer) -> bool:
+  """No gradient clipping, weight decay or weight clipping: what TF's locked kernels lack."""
+  limits = gradient_limits(optimizer) + weight_limits(optimizer)
+  return not has_weight_decay(optimizer) and all(limit is None for limit in limits)
+
+
 def decay_weights(optimizer, rows: tf.Tensor, learning_rate: tf.Tensor) -> tf.Tensor:
   """SPEC §2.9 weight decay -- PROVISIONAL.
 
@@ -131,14 +141,28 @@ def _scatter(variable: tf.Variable, row_ids: tf.Tensor, rows: tf.Tensor) -> None
 # --------------------------------------------------------------------------
 
 
+LockedForm = Callable[[TableState, tf.Tensor, tf.Tensor, tf.Tensor], None]
+"""`form(state, row_ids, grads, learning_rate)`: one locked TF kernel applying a rule."""
+
+
+class XlaForm(enum.Enum):
+  """How the static-shape path (`static_path`) formulates a table's update for XLA."""
+
+  WHOLE_TABLE = "whole_table"
+  UNIQUE_ROWS = "unique_rows"
+
+
+@dataclasses.dataclass(frozen=True)
 class UpdateRule(abc.ABC):
-  """The maths of one optimizer applied to gathered rows.
+  """The maths of one optimizer applied to gathered rows, and which forms can compute it.
 
   Subclasses set `optimizer_class` (the `tf.tpu.experimental.embedding` class
   they implement) and `compute`; gathering, scattering, clipping and decay
-  are shared and live outside the rules.
+  are shared and live outside the rules. Rules of equal optimizers are equal,
+  so functions traced for one serve the other.
   """
 
+  optimizer: Any
   optimizer_class: ClassVar[type]
   _registry: ClassVar[Dict[type, Type["UpdateRule"]]] = {}
 
@@ -147,8 +171,10 @@ class UpdateRule(abc.ABC):
     if "optimizer_class" in cls.__dict__:
       UpdateRule._registry[cls.optimizer_class] = cls
 
-  def __init__(self, optimizer):
-    self.optimizer = optimizer
+  @property
+  def slot_names(self) -> Tuple[str, ...]:
+    """The optimizer's slots, in the order `compute` and every form take them."""
+    return tuple(self.optimizer._slot_names())  # pylint: disable=protected-access
 
   @property
   def updates_every_row(self) -> bool:
@@ -158,6 +184,19 @@ class UpdateRule(abc.ABC):
   def native_form(self) -> Optional[Tuple[str, Tuple[float, ...]]]:
     """(rule, hyperparameters) of the compiled kernel that computes `compute`, if one does."""
     return None
+
+  def locked_form(self) -> Optional[LockedForm]:
+    """One TF kernel that holds the variables' locks for the whole update and computes the
+    spec's maths exactly, if one does (none clips or decays)."""
+    return None
+
+  def xla_form(self, summed: bool) -> XlaForm:
+    """The formulation of the update under XLA (see `static_path`): the whole table when
+    replicas sum their contributions (`summed`, which needs a fixed shape) or the rule rewrites
+    every row, else unique rows (faster at every size)."""
+    if summed or self.updates_every_row:
+      return XlaForm.WHOLE_TABLE
+    return XlaForm.UNIQUE_ROWS
 
   @abc.abstractmethod
   def compute(
@@ -193,6 +232,15 @@ class SGDRule(UpdateRule):
   def native_form(self):
     return "sgd", ()
 
+  def locked_form(self):
+    return self._scatter_sub if _without_extras(self.optimizer) else None
+
+  @staticmethod
+  def _scatter_sub(state, row_ids, grads, learning_rate):
+    tf.raw_ops.ResourceScatterSub(
+      resource=state.parameters.handle, indices=row_ids, updates=learning_rate * grads
+    )
+
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     return table_rows - learning_rate * grads, ()
 
@@ -204,6 +252,23 @@ class AdagradRule(UpdateRule):
 
   def native_form(self):
     return "adagrad", ()
+
+  def locked_form(self):
+    return self._sparse_apply_adagrad if _without_extras(self.optimizer) else None
+
+  @staticmethod
+  def _sparse_apply_adagrad(state, row_ids, grads, learning_rate):
+    # A += g^2; W -= lr * g / (sqrt(A) + 0): the spec's Adagrad, which has no epsilon.
+    (accumulators,) = state.slots
+    tf.raw_ops.ResourceSparseApplyAdagradV2(
+      var=state.parameters.handle,
+      accum=accumulators.handle,
+      lr=learning_rate,
+      epsilon=tf.zeros([], state.parameters.dtype),
+      grad=grads,
+      indices=row_ids,
+      use_locking=True,
+    )
 
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     (accumulators,) = slot_rows
@@ -396,8 +461,7 @@ def gather_rows(
 
 def _apply_every_row(
   rule: UpdateRule,
-  table: tf.Variable,
-  slots: Tuple[tf.Variable, ...],
+  state: TableState,
   row_ids: tf.Tensor,
   grads: tf.Tensor,
   learning_rate: tf.Tensor,
@@ -409,26 +473,26 @@ def _apply_every_row(
   no dense gradient is built. Weight decay stays on touched rows only (the
   provisional §2.9 rule); weight clipping covers every row, as all are updated.
   """
+  table, slots = state.parameters, state.slots
   touched = update_rows(rule, *gather_rows(table, slots, row_ids, table_rows), grads, learning_rate)
-  _zero_gradient_pass(rule.optimizer, table, slots, learning_rate)
+  _zero_gradient_pass(rule, table, slots, learning_rate)
   scatter_rows(table, slots, row_ids, touched)
 
 
 @tf.function(jit_compile=True)
 def _zero_gradient_pass(
-  optimizer, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
+  rule: UpdateRule, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
 ) -> None:
   """Every row's update with g = 0, then weight clipping, in place.
 
   XLA fuses the whole pass into one sweep over table and slots (about 4x
   faster than separate TF ops, which each stream [V, D] through memory).
   """
-  rule = rule_for(optimizer)
   zero = tf.zeros([], table.dtype)
   new_table, new_slots = rule.compute(
     table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
   )
-  table.assign(clip_weights(optimizer, new_table))
+  table.assign(clip_weights(rule.optimizer, new_table))
   for variable, values in zip(slots, new_slots):
     variable.assign(values)
 
@@ -438,79 +502,41 @@ def _zero_gradient_pass(
 # --------------------------------------------------------------------------
 
 
-def _apply_locked(
-  optimizer,
-  table: tf.Variable,
-  slot_vars: Tuple[tf.Variable, ...],
-  row_ids: tf.Tensor,
-  grads: tf.Tensor,
-  learning_rate: tf.Tensor,
-) -> bool:
-  """One TF kernel that holds the variables' locks for the whole update, where one computes
-  the spec's maths exactly (SGD, Adagrad; no clipping or decay). Returns whether it applied."""
-  if has_weight_decay(optimizer) or any(
-    limit is not None for limit in gradient_limits(optimizer) + weight_limits(optimizer)
-  ):
-    return False
-  grads = tf.cast(grads, table.dtype)
-  if type(optimizer) is _embedding.SGD:  # pylint: disable=unidiomatic-typecheck
-    tf.raw_ops.ResourceScatterSub(
-      resource=table.handle, indices=row_ids, updates=learning_rate * grads
-    )
-    return True
-  if type(optimizer) is _embedding.Adagrad:  # pylint: disable=unidiomatic-typecheck
-    # A += g^2; W -= lr * g / (sqrt(A) + 0): the spec's Adagrad, which has no epsilon.
-    tf.raw_ops.ResourceSparseApplyAdagradV2(
-      var=table.handle,
-      accum=slot_vars[0].handle,
-      lr=learning_rate,
-      epsilon=tf.zeros([], table.dtype),
-      grad=grads,
-      indices=row_ids,
-      use_locking=True,
-    )
-    return True
-  return False
-
-
 def apply_sparse_update(
-  optimizer,
-  table: tf.Variable,
-  slots: Mapping[str, tf.Variable],
+  rule: UpdateRule,
+  state: TableState,
   row_ids: tf.Tensor,
   grads: tf.Tensor,
   learning_rate: tf.Tensor,
   table_rows: Optional[tf.Tensor] = None,
   atomic: bool = False,
 ) -> None:
-  """Applies one optimizer step to the touched rows of `table` and its slots.
+  """Applies one optimizer step to the touched rows of a table and its slots.
 
   Args:
-    optimizer: a `tf.tpu.experimental.embedding` optimizer (SGD, Adagrad,
-      AdagradMomentum, Adam, FTRL, CustomOptimizer).
-    table: the `[V, D]` table variable (any plain resource variable, e.g. one
-      replica's component of a MirroredVariable).
-    slots: slot variables keyed by `optimizer._slot_names()`.
+    rule: the update rule of the table's `tf.tpu.experimental.embedding` optimizer (SGD,
+      Adagrad, AdagradMomentum, Adam, FTRL, CustomOptimizer), from `rule_for`.
+    state: the `[V, D]` table and its slots (any plain resource variables, e.g. one replica's
+      component of a MirroredVariable), slots in `rule.slot_names` order.
     row_ids: `[U]` int32/int64 row ids, unique (the caller merged duplicates).
     grads: `[U, D]` gradient per row, already summed over the step (SPEC §2.1).
     learning_rate: scalar learning rate of this step (dynamic LRs evaluated).
-    table_rows: the current `[U, D]` rows of `table` at `row_ids`, when the caller has just
+    table_rows: the current `[U, D]` rows of the table at `row_ids`, when the caller has just
       read them (saves one random read per row); read here otherwise.
     atomic: other steps may update the same rows concurrently (parameter-server workers), so
       the read-modify-write of each row must not interleave with theirs. The compiled kernel
-      and, for SGD and Adagrad without clipping or decay, TF's locked kernels guarantee it;
+      and the rule's locked form (SGD and Adagrad without clipping or decay) guarantee it;
       the gather-compute-scatter path does not (updates may then be lost, as in any
       lock-free asynchronous training).
 
   Works eagerly and in `tf.function`. Rows outside `row_ids` are untouched,
   except with non-lazy Adam, which updates every row (SPEC §2.6).
   """
-  rule = rule_for(optimizer)
-  slot_names = optimizer._slot_names()  # pylint: disable=protected-access
-  slot_vars = tuple(slots[name] for name in slot_names)
+  optimizer = rule.optimizer
+  table, slot_vars = state.parameters, state.slots
   learning_rate = tf.cast(learning_rate, table.dtype)
   native_form = rule.native_form()
-  if native_form is not None and native.runs_on((table,) + slot_vars):
+  if native_form is not None and native.runs_on(state.variables):
     native.apply_rows(
       *native_form,
       table,
@@ -526,11 +552,13 @@ def apply_sparse_update(
       clip_weight=weight_limits(optimizer),
     )
     return
-  if atomic and _apply_locked(optimizer, table, slot_vars, row_ids, grads, learning_rate):
+  locked_form = rule.locked_form() if atomic else None
+  if locked_form is not None:
+    locked_form(state, row_ids, tf.cast(grads, table.dtype), learning_rate)
     return
   grads = clip_gradient(optimizer, tf.cast(grads, table.dtype))
   if rule.updates_every_row:
-    _apply_every_row(rule, table, slot_vars, row_ids, grads, learning_rate, table_rows)
+    _apply_every_row(rule, state, row_ids, grads, learning_rate, table_rows)
     return
   rows = update_rows(
     rule, *gather_rows(table, slot_vars, row_ids, table_rows), grads, learning_rate
