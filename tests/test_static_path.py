@@ -54,6 +54,10 @@ OPTIMIZERS = {
   "adagrad_momentum": lambda: E.AdagradMomentum(0.5, momentum=0.9, use_nesterov=True),
   "lazy_adam": lambda: E.Adam(0.5, lazy_adam=True),
   "adam": lambda: E.Adam(0.5, lazy_adam=False, clip_weight_min=-0.6, clip_weight_max=0.6),
+  # Untouched rows take g = 0, not clip(0) = 0.05, and no decay (SPEC §2.2, §2.9).
+  "adam_clipped_decayed": lambda: E.Adam(
+    0.5, lazy_adam=False, clipvalue=(0.05, 0.3), weight_decay_factor=0.1
+  ),
   "ftrl": lambda: E.FTRL(
     0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.5, clipvalue=0.3
   ),

@@ -117,22 +117,26 @@ def _update_whole_table(
   )
   row_grads, touched = summed[:, :-1], summed[:, -1] > 0
   optimizer = rule.optimizer
-  row_grads = updates.clip_gradient(optimizer, row_grads)
+  # Clipping and weight decay act on touched rows only (SPEC §2.2, §2.9); untouched rows get
+  # g = 0, the step non-lazy Adam gives them, so one pass of the rule serves every row.
+  row_grads = _touched_or(touched, updates.clip_gradient(optimizer, row_grads), 0.0)
   for copy in _copies(state):
     old = tuple(variable.value() for variable in copy)
-    new_table, new_slots = updates.update_rows(rule, old[0], old[1:], row_grads, learning_rate)
-    if rule.updates_every_row:  # untouched rows take the g = 0 step, weight clipping included
-      idle_table, idle_slots = rule.compute(
-        old[0], old[1:], tf.zeros([], old[0].dtype), learning_rate
-      )
-      idle = (updates.clip_weights(optimizer, idle_table),) + tuple(idle_slots)
-    else:
-      idle = old
-    for variable, new, kept in zip(copy, (new_table,) + tuple(new_slots), idle):
-      mask = tf.reshape(touched, [-1] + [1] * (new.shape.rank - 1))
-      tf.raw_ops.AssignVariableOp(
-        resource=variable.handle, value=tf.cast(tf.where(mask, new, kept), variable.dtype)
-      )
+    table = old[0]
+    if updates.has_weight_decay(optimizer):
+      table = _touched_or(touched, updates.decay_weights(optimizer, table, learning_rate), table)
+    new_table, new_slots = rule.compute(table, old[1:], row_grads, learning_rate)
+    new = (updates.clip_weights(optimizer, new_table),) + tuple(new_slots)
+    if not rule.updates_every_row:  # the other rules leave untouched rows bit-identical
+      new = tuple(_touched_or(touched, value, kept) for value, kept in zip(new, old))
+    for variable, value in zip(copy, new):
+      tf.raw_ops.AssignVariableOp(resource=variable.handle, value=tf.cast(value, variable.dtype))
+
+
+def _touched_or(touched: Tensor, value: Tensor, other: Any) -> Tensor:
+  """`value` on the touched rows, `other` elsewhere (rows are the first axis of either)."""
+  mask = tf.reshape(touched, [-1] + [1] * (value.shape.rank - 1))
+  return tf.where(mask, value, tf.cast(other, value.dtype))
 
 
 def _update_unique_rows(
