@@ -32,7 +32,7 @@ dropped.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
@@ -92,14 +92,26 @@ def apply_gradients(
     rule = updates.rule_for(table.optimizer)
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
     _, state = state_of(table)
-    update = update_for(rule, summed)
+    update = update_for(rule, summed, table.vocabulary_size, ids.shape[0])
     update(rule, state, ids, grads, table.vocabulary_size, learning_rate)
 
 
-def update_for(rule: updates.UpdateRule, summed: bool) -> Callable[..., None]:
+# Lazy rules on one replica take the whole-table formulation while the table has at most this
+# many rows per id slot of the step, unique rows above: where
+# `benchmarks/static_path_formulations.py` measures the two cross.
+WHOLE_TABLE_ROWS_PER_ID = 2
+
+
+def update_for(
+  rule: updates.UpdateRule, summed: bool, vocabulary_size: int, id_capacity: Optional[int]
+) -> Callable[..., None]:
   """The formulation a table's update takes (module docstring): whole table when replicas sum
-  their contributions or the rule rewrites every row, else unique rows (faster at every size)."""
-  return _update_whole_table if summed or rule.updates_every_row else _update_unique_rows
+  their contributions, when the rule rewrites every row, or when the table is small next to the
+  step's id capacity (unknown when the step was traced with a relaxed shape: then unique rows,
+  whose cost does not grow with the table)."""
+  small = id_capacity is not None and vocabulary_size <= WHOLE_TABLE_ROWS_PER_ID * id_capacity
+  whole = summed or rule.updates_every_row or small
+  return FORMULATIONS["whole table" if whole else "unique rows"]
 
 
 def _update_whole_table(
@@ -175,6 +187,13 @@ def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tens
   row_grads = tf.math.unsorted_segment_sum(grads, slot, size + 1)[:-1]
   unique_ids = tf.where(tf.equal(slot, positions), ids, tf.constant(vocabulary_size, tf.int64))
   return unique_ids, row_grads
+
+
+# Each formulation of a table's update by name, what `update_for` picks from.
+FORMULATIONS: dict[str, Callable[..., None]] = {
+  "whole table": _update_whole_table,
+  "unique rows": _update_unique_rows,
+}
 
 
 def _copies(state: list[tf.Variable]) -> list[Sequence[tf.Variable]]:
