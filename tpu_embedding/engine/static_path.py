@@ -7,23 +7,26 @@ depends on the number of unique ids: shapes follow the batch's id capacity (its 
 occurrences, fixed when the step compiles) or the table's size. The maths is the other paths'
 (`updates.UpdateRule.compute` and the shared clipping and decay), so the numbers are the same.
 
-Two formulations of a table's update, both exact:
+Two formulations of a table's update, both exact (`update_for` picks one per table):
 
 * **whole table**: the row gradient is one segment sum into `[V, D]` plus a touched-row count;
-  the rule runs on every row and `tf.where(touched, new, old)` keeps untouched rows bit-identical
-  (non-lazy Adam instead gives them the g = 0 step, as the TPU does). Its cost follows the
-  vocabulary. It is the only one whose per-replica contribution has a fixed shape, so it is what
-  several replicas sum (`exchange.cross_replica_sum`) before each applies it to its own copy; it
-  also serves non-lazy Adam (which rewrites every row anyway).
+  untouched rows get g = 0 and the rule runs once over every row, with gradient clipping and
+  weight decay masked to the touched rows; `tf.where(touched, new, old)` then keeps untouched
+  rows bit-identical, except under non-lazy Adam, whose g = 0 step they take (as the TPU does).
+  Its cost follows the vocabulary. It is the only one whose per-replica contribution has a fixed
+  shape, so it is what several replicas sum (`exchange.cross_replica_sum`) before each applies it
+  to its own copy; it also serves non-lazy Adam (which rewrites every row anyway).
 * **unique rows**: one replica, rules that leave untouched rows alone. Each id occurrence's
   position is scattered (min) into a `[V]` int32 array, so every occurrence finds its id's first
   occurrence, the slot its gradient is summed into (N = occurrences slots, no sort); the N gathered
   rows get the rule and are scattered back; unused slots point one past the table, which XLA's
-  scatter skips. Its cost follows the batch plus one int32 pass over V. One jit step of a 4096-id
-  Zipf batch, Adagrad, dim 16, on a shared 2-core CPU took (whole / unique rows) 1.4 / 0.44 ms at
-  10,000 rows, 4.3 / 0.33 ms at 65,536 and 45 / 1.0 ms at 1,048,576, so every table that one
-  replica updates lazily takes it. (A first version sorted the ids with XLA's sort: 2.4 ms at
-  16,384 rows, slower than the whole table below 65,536 rows.)
+  scatter skips. Its cost follows the step's id slots plus one int32 pass over V.
+
+On one replica a lazy rule takes the whole table while the table has at most
+`WHOLE_TABLE_ROWS_PER_ID` rows per id slot, unique rows above: the crossover that
+`benchmarks/static_path_formulations.py` measures (results in
+`benchmarks/results/static_path_formulations.md`, between 2 and 4 rows per id for Adagrad and lazy
+Adam at 1,024 and 4,096 ids per step).
 
 XLA cannot raise at run time, so an out-of-range id cannot fail the step here (the id checks of
 the other paths compile to nothing): its row reads are clamped to the table and its gradient is
