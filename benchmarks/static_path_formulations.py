@@ -42,7 +42,7 @@ OPTIMIZERS = {"adagrad": lambda: E.Adagrad(0.01), "lazy adam": lambda: E.Adam(0.
 FULL = {
   "optimizers": ("adagrad", "lazy adam"),
   "ids": (1024, 4096),
-  "rows": (256, 1024, 4096, 8192, 16384, 32768, 131072),
+  "rows": (256, 1024, 2048, 4096, 8192, 12288, 16384, 32768, 131072),
   "rounds": 7,
   "steps": 10,
 }
