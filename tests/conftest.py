@@ -20,10 +20,25 @@ except RuntimeError:  # already initialised by an earlier import in this process
 import pytest  # noqa: E402
 
 from tpu_embedding.engine import native  # noqa: E402
+from tpu_embedding.engine import static_path  # noqa: E402
+from tpu_embedding.engine import updates  # noqa: E402
 
 
 @pytest.fixture(params=["native", "tf_ops"])
 def engine_path(request, monkeypatch) -> str:
   """Runs a test on the engine's compiled kernels and again on TF's own ops (its two paths)."""
   monkeypatch.setenv(native.ENV_SWITCH, "1" if request.param == "native" else "0")
+  return request.param
+
+
+@pytest.fixture(params=list(updates.XlaForm), ids=lambda form: form.name.lower())
+def static_formulation(request, monkeypatch) -> updates.XlaForm:
+  """Runs a test on each update formulation of the static-shape path, whatever the table's size
+  (the whole table is what summed replicas take); rules that rewrite every row keep the whole
+  table, the only formulation that serves them."""
+
+  def forced(rule, *_):
+    return updates.XlaForm.WHOLE_TABLE if rule.updates_every_row else request.param
+
+  monkeypatch.setattr(static_path, "update_for", forced)
   return request.param

@@ -1,4 +1,5 @@
-"""The benchmark harness's own logic on fake numbers: no timing, no TensorFlow."""
+"""The benchmark harness's own logic on fake numbers (no timing, no TensorFlow), and tiny runs of
+the stand-alone benchmark scripts."""
 
 import json
 import os
@@ -155,3 +156,17 @@ def test_report_on_fake_results(tmp_path):
   assert "| partial emb | adagrad | ours-partial/xla | 15.0 (13.5–16.5, n=5) |" in text
   for png in ("dlrm.png", "table_size.png", "batch.png"):
     assert os.path.exists(tmp_path / png)
+
+
+def test_static_path_formulations_times_both_and_names_the_one_update_for_picks(tmp_path):
+  """One tiny run of the script (one table size, one round): its table and its saved results."""
+  from benchmarks import static_path_formulations as spf  # imports TensorFlow
+
+  settings = dict(optimizers=("adagrad",), ids=(16,), rows=(8, 64), rounds=1, steps=1)
+  text = spf.run(settings, str(tmp_path), "cmd")
+  lines = [line for line in text.splitlines() if line.startswith("| adagrad")]
+  assert [line.split(" | ")[2:4] for line in lines] == [["8", "0.5"], ["64", "4"]]
+  assert [line.split(" | ")[-2] for line in lines] == ["whole table", "unique rows"]
+  saved = json.loads((tmp_path / "static_path_formulations.json").read_text())
+  assert [len(r["us"]["whole table"]) for r in saved] == [1, 1]
+  assert (tmp_path / "static_path_formulations.md").read_text() == text

@@ -15,7 +15,6 @@ import tf_keras
 
 import reference
 import tpu_embedding
-from tpu_embedding.engine import updates
 
 E = tf.tpu.experimental.embedding
 
@@ -130,16 +129,11 @@ def test_engine_matches_reference(dim, combiner, optimizer, steps, weighted, com
   _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
 
 
-@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
+@pytest.mark.usefixtures("static_formulation")
 @_reference_examples(8, 2)
-def test_jit_compiled_steps_match_reference(
-  monkeypatch, formulation, dim, combiner, optimizer, steps, weighted, seed
-):
+def test_jit_compiled_steps_match_reference(dim, combiner, optimizer, steps, weighted, seed):
   """The same under `jit_compile=True` (the static-shape path), with each of its two update
   formulations whatever the table's size; fewer examples, as each one compiles with XLA."""
-  if formulation == "whole_table":  # what summed replicas take, on one replica
-    chosen = updates.UpdateRule.xla_form
-    monkeypatch.setattr(updates.UpdateRule, "xla_form", lambda rule, summed: chosen(rule, True))
   run_step = tf.function(_step, reduce_retracing=True, jit_compile=True)
   _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted, seed)
 

@@ -55,6 +55,10 @@ OPTIMIZERS = {
   "adagrad_momentum": lambda: E.AdagradMomentum(0.5, momentum=0.9, use_nesterov=True),
   "lazy_adam": lambda: E.Adam(0.5, lazy_adam=True),
   "adam": lambda: E.Adam(0.5, lazy_adam=False, clip_weight_min=-0.6, clip_weight_max=0.6),
+  # Untouched rows take g = 0, not clip(0) = 0.05, and no decay (SPEC §2.2, §2.9).
+  "adam_clipped_decayed": lambda: E.Adam(
+    0.5, lazy_adam=False, clipvalue=(0.05, 0.3), weight_decay_factor=0.1
+  ),
   "ftrl": lambda: E.FTRL(
     0.5, l1_regularization_strength=0.01, l2_regularization_strength=0.1, beta=0.5, clipvalue=0.3
   ),
@@ -82,20 +86,9 @@ def _inputs():
   }
 
 
-def _choose(monkeypatch, formulation: str) -> None:
-  """Forces the whole-table formulation (what summed replicas take) on one replica; lazy rules
-  take unique rows by themselves."""
-  if formulation == "whole_table":
-    chosen = updates.UpdateRule.xla_form
-    monkeypatch.setattr(updates.UpdateRule, "xla_form", lambda rule, summed: chosen(rule, True))
-
-
-@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
+@pytest.mark.usefixtures("static_formulation")
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(
-  monkeypatch, name, formulation
-):
-  _choose(monkeypatch, formulation)
+def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(name):
   rng = np.random.default_rng(0)
   values = rng.uniform(-0.5, 0.5, size=(7, 2)).astype(np.float32)  # row 6 is never looked up
   optimizer = OPTIMIZERS[name]()
@@ -135,11 +128,10 @@ def test_a_jit_compiled_step_on_every_input_kind_matches_the_reference(
     np.testing.assert_array_equal(variables["parameters"].numpy()[6], values[6])
 
 
-@pytest.mark.parametrize("formulation", ["whole_table", "unique_rows"])
-def test_under_xla_an_out_of_range_id_changes_no_row(monkeypatch, formulation):
+@pytest.mark.usefixtures("static_formulation")
+def test_under_xla_an_out_of_range_id_changes_no_row():
   """XLA cannot raise: the ids 7 and 9 of a 4-row table must drop their gradient, neither write
   a clamped row nor take the slot of the row they clamp to (7 comes before row 3's id)."""
-  _choose(monkeypatch, formulation)
   values = np.arange(8, dtype=np.float32).reshape(4, 2)
   table = E.TableConfig(4, 2, name="t", initializer=tf.constant_initializer(values))
   layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table), E.SGD(0.5))
@@ -172,3 +164,16 @@ def test_pipelining_under_jit_compile_is_refused_with_the_reason():
 
   with pytest.raises(ValueError, match="pipeline_execution_with_tensor_core.*jit_compile"):
     step(tf.constant([1, 2]))
+
+
+def test_update_for_takes_the_whole_table_while_it_is_small_next_to_the_steps_ids():
+  """The size rule that `benchmarks/static_path_formulations.py` measures, at its boundary."""
+  lazy = updates.rule_for(E.Adagrad(0.1))
+  every_row = updates.rule_for(E.Adam(0.1, lazy_adam=False))
+  whole, unique = updates.XlaForm.WHOLE_TABLE, updates.XlaForm.UNIQUE_ROWS
+  limit = static_path.WHOLE_TABLE_ROWS_PER_ID * 100
+  assert static_path.update_for(lazy, False, limit, 100) is whole
+  assert static_path.update_for(lazy, False, limit + 1, 100) is unique
+  assert static_path.update_for(lazy, False, 10, None) is unique  # capacity unknown at trace
+  assert static_path.update_for(lazy, True, 10**6, 100) is whole  # replicas sum whole tables
+  assert static_path.update_for(every_row, False, 10**6, None) is whole

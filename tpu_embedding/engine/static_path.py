@@ -7,23 +7,26 @@ depends on the number of unique ids: shapes follow the batch's id capacity (its 
 occurrences, fixed when the step compiles) or the table's size. The maths is the other paths'
 (`updates.UpdateRule.compute` and the shared clipping and decay), so the numbers are the same.
 
-Two formulations of a table's update, both exact:
+Two formulations of a table's update, both exact (`update_for` picks one per table):
 
-* **whole table**: the row gradient is one segment sum into `[V, D]` plus a touched-row count;
-  the rule runs on every row and `tf.where(touched, new, old)` keeps untouched rows bit-identical
-  (non-lazy Adam instead gives them the g = 0 step, as the TPU does). Its cost follows the
-  vocabulary. It is the only one whose per-replica contribution has a fixed shape, so it is what
-  several replicas sum (`exchange.cross_replica_sum`) before each applies it to its own copy; it
-  also serves non-lazy Adam (which rewrites every row anyway).
+* **whole table**: the row gradient is one segment sum into `[V, D]`, the touch count one into
+  `[V]`; untouched rows get g = 0 and the rule runs once over every row, with gradient clipping
+  and weight decay masked to the touched rows; `tf.where(touched, new, old)` then keeps untouched
+  rows bit-identical, except under non-lazy Adam, whose g = 0 step they take (as the TPU does).
+  Its cost follows the vocabulary. It is the only one whose per-replica contribution has a fixed
+  shape, so it is what several replicas sum (`exchange.cross_replica_sum`) before each applies it
+  to its own copy; it also serves non-lazy Adam (which rewrites every row anyway).
 * **unique rows**: one replica, rules that leave untouched rows alone. Each id occurrence's
   position is scattered (min) into a `[V]` int32 array, so every occurrence finds its id's first
   occurrence, the slot its gradient is summed into (N = occurrences slots, no sort); the N gathered
   rows get the rule and are scattered back; unused slots point one past the table, which XLA's
-  scatter skips. Its cost follows the batch plus one int32 pass over V. One jit step of a 4096-id
-  Zipf batch, Adagrad, dim 16, on a shared 2-core CPU took (whole / unique rows) 1.4 / 0.44 ms at
-  10,000 rows, 4.3 / 0.33 ms at 65,536 and 45 / 1.0 ms at 1,048,576, so every table that one
-  replica updates lazily takes it. (A first version sorted the ids with XLA's sort: 2.4 ms at
-  16,384 rows, slower than the whole table below 65,536 rows.)
+  scatter skips. Its cost follows the step's id slots plus one int32 pass over V.
+
+On one replica a lazy rule takes the whole table while the table has at most
+`WHOLE_TABLE_ROWS_PER_ID` rows per id slot, unique rows above: the crossover that
+`benchmarks/static_path_formulations.py` measures (results in
+`benchmarks/results/static_path_formulations.md`, between 2 and 4 rows per id for Adagrad and lazy
+Adam at 1,024 and 4,096 ids per step).
 
 XLA cannot raise at run time, so an out-of-range id cannot fail the step here (the id checks of
 the other paths compile to nothing): its row reads are clamped to the table and its gradient is
@@ -32,7 +35,7 @@ dropped.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
@@ -89,15 +92,32 @@ def apply_gradients(
   state_of: Callable[[TableConfig], TableState],
 ) -> None:
   """One update per table from this replica's activation gradients, summed over replicas, in
-  the formulation the table's rule takes (`UpdateRule.xla_form`, module docstring)."""
+  the formulation `update_for` picks (module docstring)."""
   summed = exchange.replicas_to_sum() > 1
   for table, batch, upstream in per_table:
     ids = _concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
     rule = rule_of(table)
     learning_rate = optimizers.learning_rate_tensor(table.optimizer)
-    update = _FORMULATIONS[rule.xla_form(summed)]
+    update = FORMULATIONS[update_for(rule, summed, table.vocabulary_size, ids.shape[0])]
     update(rule, state_of(table), ids, grads, table.vocabulary_size, learning_rate)
+
+
+# Lazy rules on one replica take the whole-table formulation while the table has at most this
+# many rows per id slot of the step, unique rows above: where
+# `benchmarks/static_path_formulations.py` measures the two cross.
+WHOLE_TABLE_ROWS_PER_ID = 2
+
+
+def update_for(
+  rule: updates.UpdateRule, summed: bool, vocabulary_size: int, id_capacity: Optional[int]
+) -> updates.XlaForm:
+  """The formulation a table's update takes (module docstring): the one its rule needs
+  (`UpdateRule.xla_form`: whole table when replicas sum their contributions or the rule rewrites
+  every row), else whole table too while the table is small next to the step's id capacity (unknown when the step was traced with a relaxed shape: then unique rows,
+  whose cost does not grow with the table)."""
+  small = id_capacity is not None and vocabulary_size <= WHOLE_TABLE_ROWS_PER_ID * id_capacity
+  return updates.XlaForm.WHOLE_TABLE if small else rule.xla_form(summed)
 
 
 def _update_whole_table(
@@ -108,29 +128,32 @@ def _update_whole_table(
   vocabulary_size: int,
   learning_rate: Tensor,
 ) -> None:
-  # One all-reduce carries both the row gradients and how often each row was touched.
-  counts = tf.ones([tf.size(ids), 1], grads.dtype)
-  summed = exchange.cross_replica_sum(
-    tf.math.unsorted_segment_sum(tf.concat([grads, counts], 1), ids, vocabulary_size)
-  )
-  row_grads, touched = summed[:, :-1], summed[:, -1] > 0
+  # Row gradients and touch counts in separate [V, D] and [V] arrays, summed over replicas each:
+  # faster than one [V, D + 1] array (`static_path_formulations.measure`, before and after).
+  row_grads = exchange.cross_replica_sum(tf.math.unsorted_segment_sum(grads, ids, vocabulary_size))
+  counts = tf.math.unsorted_segment_sum(tf.ones_like(ids, grads.dtype), ids, vocabulary_size)
+  touched = exchange.cross_replica_sum(counts) > 0
   optimizer = rule.optimizer
-  row_grads = updates.clip_gradient(optimizer, row_grads)
+  # Clipping and weight decay act on touched rows only (SPEC §2.2, §2.9); untouched rows get
+  # g = 0, the step non-lazy Adam gives them, so one pass of the rule serves every row.
+  row_grads = _touched_or(touched, updates.clip_gradient(optimizer, row_grads), 0.0)
   for copy in _copies(state):
     old = tuple(variable.value() for variable in copy.variables)
-    new_table, new_slots = updates.update_rows(rule, old[0], old[1:], row_grads, learning_rate)
-    if rule.updates_every_row:  # untouched rows take the g = 0 step, weight clipping included
-      idle_table, idle_slots = rule.compute(
-        old[0], old[1:], tf.zeros([], old[0].dtype), learning_rate
-      )
-      idle = (updates.clip_weights(optimizer, idle_table),) + tuple(idle_slots)
-    else:
-      idle = old
-    for variable, new, kept in zip(copy.variables, (new_table,) + tuple(new_slots), idle):
-      mask = tf.reshape(touched, [-1] + [1] * (new.shape.rank - 1))
-      tf.raw_ops.AssignVariableOp(
-        resource=variable.handle, value=tf.cast(tf.where(mask, new, kept), variable.dtype)
-      )
+    table = old[0]
+    if updates.has_weight_decay(optimizer):
+      table = _touched_or(touched, updates.decay_weights(optimizer, table, learning_rate), table)
+    new_table, new_slots = rule.compute(table, old[1:], row_grads, learning_rate)
+    new = (updates.clip_weights(optimizer, new_table),) + tuple(new_slots)
+    if not rule.updates_every_row:  # the other rules leave untouched rows bit-identical
+      new = tuple(_touched_or(touched, value, kept) for value, kept in zip(new, old))
+    for variable, value in zip(copy.variables, new):
+      tf.raw_ops.AssignVariableOp(resource=variable.handle, value=tf.cast(value, variable.dtype))
+
+
+def _touched_or(touched: Tensor, value: Tensor, other: Any) -> Tensor:
+  """`value` on the touched rows, `other` elsewhere (rows are the first axis of either)."""
+  mask = tf.reshape(touched, [-1] + [1] * (value.shape.rank - 1))
+  return tf.where(mask, value, tf.cast(other, value.dtype))
 
 
 def _update_unique_rows(
@@ -152,12 +175,6 @@ def _update_unique_rows(
     updates.scatter_rows(table, slots, unique_ids, rows)
 
 
-_FORMULATIONS = {
-  updates.XlaForm.WHOLE_TABLE: _update_whole_table,
-  updates.XlaForm.UNIQUE_ROWS: _update_unique_rows,
-}
-
-
 def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tensor, Tensor]:
   """(ids [N], summed gradients [N, D]) with one slot per distinct id, at the position of its
   first occurrence; the other slots hold `vocabulary_size` (out of range) and zero gradients.
@@ -175,6 +192,13 @@ def _deduplicate(ids: Tensor, grads: Tensor, vocabulary_size: int) -> tuple[Tens
   row_grads = tf.math.unsorted_segment_sum(grads, slot, size + 1)[:-1]
   unique_ids = tf.where(tf.equal(slot, positions), ids, tf.constant(vocabulary_size, tf.int64))
   return unique_ids, row_grads
+
+
+# The function computing each formulation of a table's update, which `update_for` picks.
+FORMULATIONS: dict[updates.XlaForm, Callable[..., None]] = {
+  updates.XlaForm.WHOLE_TABLE: _update_whole_table,
+  updates.XlaForm.UNIQUE_ROWS: _update_unique_rows,
+}
 
 
 def _copies(state: TableState) -> list[TableState]:

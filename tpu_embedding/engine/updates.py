@@ -148,8 +148,8 @@ LockedForm = Callable[[TableState, tf.Tensor, tf.Tensor, tf.Tensor], None]
 class XlaForm(enum.Enum):
   """How the static-shape path (`static_path`) formulates a table's update for XLA."""
 
-  WHOLE_TABLE = "whole_table"
-  UNIQUE_ROWS = "unique_rows"
+  WHOLE_TABLE = "whole table"
+  UNIQUE_ROWS = "unique rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,8 @@ class UpdateRule(abc.ABC):
   def xla_form(self, summed: bool) -> XlaForm:
     """The formulation of the update under XLA (see `static_path`): the whole table when
     replicas sum their contributions (`summed`, which needs a fixed shape) or the rule rewrites
-    every row, else unique rows (faster at every size)."""
+    every row; else unique rows, whose cost does not grow with the table (`static_path.update_for`
+    still takes the whole table where it is small)."""
     if summed or self.updates_every_row:
       return XlaForm.WHOLE_TABLE
     return XlaForm.UNIQUE_ROWS
