@@ -535,7 +535,9 @@ def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(
     E.FeatureConfig(table=table()), "sgd", embedding_feature=hardware.EmbeddingFeature.V1
   )
-  assert layer.path is hardware.Path.CPU
+  assert layer.execution_path is hardware.ExecutionPath.CPU
+  with pytest.warns(DeprecationWarning, match="TPUEmbedding.path is deprecated; use .*execution"):
+    assert layer.path is hardware.ExecutionPath.CPU
 
 
 def test_tables_exist_before_the_first_call_and_can_be_replaced():

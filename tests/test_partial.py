@@ -529,7 +529,7 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
   with strategy.scope():
     layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
     graph = _traced_step(layer)
-  assert layer.tpu_embedding.path is hardware.Path.TPU_V1
+  assert layer.tpu_embedding.execution_path is hardware.ExecutionPath.TPU_V1
   (proto,) = recorded.config_protos
   assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [
     ("b", 20),
@@ -621,7 +621,7 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
     concrete = step.get_concrete_function(
       tf.nest.map_structure(tf.TensorSpec.from_tensor, features)
     )
-  assert layer.tpu_embedding.path is hardware.Path.TPU_V2
+  assert layer.tpu_embedding.execution_path is hardware.ExecutionPath.TPU_V2
   assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
   # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
   assert set(layer.tpu_embedding.variables_by_table) == {"b_c"}

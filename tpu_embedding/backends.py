@@ -46,7 +46,7 @@ def retrieve_from_tpu(mid_level: tf.Module) -> None:
 class Backend(abc.ABC):
   """What the layer needs from an execution path."""
 
-  path: hardware.Path
+  path: hardware.ExecutionPath
   needs_trap: bool  # whether the layer must pass a dummy trainable variable to `lookup`
 
   def __init__(self, config: config_lib.EmbeddingConfig):
@@ -93,7 +93,7 @@ class Backend(abc.ABC):
 class CpuBackend(Backend):
   """Non-TPU strategies: our engine, TPU-faithful by default."""
 
-  path = hardware.Path.CPU
+  path = hardware.ExecutionPath.CPU
 
   def __init__(
     self,
@@ -149,7 +149,7 @@ class TpuV0Backend(Backend):
   and no slot variables are created (TF would create them and never update them).
   """
 
-  path = hardware.Path.TPU_V0
+  path = hardware.ExecutionPath.TPU_V0
   needs_trap = False
 
   def __init__(self, config, user_optimizer: Any = None):
@@ -218,7 +218,7 @@ def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimi
     if isinstance(optimizer, typing.get_args(optimizers.MidLevelOptimizer)):
       raise ValueError(
         f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
-        f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
+        f"has no embedding engine (path {hardware.ExecutionPath.TPU_V0.name}, embedding feature "
         "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
         "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
         "Keras optimizer (or its name) and apply that same optimizer to the model."
@@ -228,7 +228,7 @@ def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimi
 class TpuV1Backend(Backend):
   """TPU embedding engine: enqueue on the host, dequeue in the step, gradients via the trap."""
 
-  path = hardware.Path.TPU_V1
+  path = hardware.ExecutionPath.TPU_V1
   needs_trap = True
 
   def __init__(self, config, pipelining: bool = False, batch_size: Optional[int] = None):
@@ -287,7 +287,7 @@ class TpuV1Backend(Backend):
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
 
 
-def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.Path) -> None:
+def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.ExecutionPath) -> None:
   missing = [table.name for table in config.tables if table.optimizer is None]
   if missing:
     raise ValueError(
@@ -311,7 +311,7 @@ def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) ->
     ):
       raise ValueError(
         f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
-        f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
+        f"{hardware.ExecutionPath.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
         "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
         "FeatureConfig.max_sequence_length for a sequence feature."
       )
@@ -343,7 +343,7 @@ def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
 class TpuV2Backend(Backend):
   """SparseCore: one call does enqueue+dequeue; gradients go back with the preserved state."""
 
-  path = hardware.Path.TPU_V2
+  path = hardware.ExecutionPath.TPU_V2
   needs_trap = True
 
   def __init__(self, config, pipelining: bool = False, sparse_core_embedding_config=None):
@@ -399,7 +399,7 @@ def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
   if missing:
     raise ValueError(
       f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
-      f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
+      f"{hardware.ExecutionPath.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
       "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length])."
     )
 
@@ -422,14 +422,14 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
       if any(value is not None for value in values):
         raise ValueError(
           f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
-          f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
+          f"{hardware.ExecutionPath.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
           "gradient clipping, weight clipping or weight decay. Remove the setting for this "
           "path (the CPU, V1 and Keras paths apply it)."
         )
 
 
 def create(
-  path: hardware.Path,
+  path: hardware.ExecutionPath,
   config: config_lib.EmbeddingConfig,
   *,
   pipelining: bool,
@@ -440,7 +440,7 @@ def create(
   check_finite: bool = False,
 ) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
-  if path is hardware.Path.CPU:
+  if path is hardware.ExecutionPath.CPU:
     return CpuBackend(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
@@ -450,9 +450,9 @@ def create(
       "the tables itself and cannot stop at a non-finite value. Leave it off under a "
       "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu))."
     )
-  if path is hardware.Path.TPU_V0:
+  if path is hardware.ExecutionPath.TPU_V0:
     return TpuV0Backend(config, user_optimizer)
-  if path is hardware.Path.TPU_V1:
+  if path is hardware.ExecutionPath.TPU_V1:
     return TpuV1Backend(config, pipelining=pipelining, batch_size=batch_size)
   return TpuV2Backend(
     config, pipelining=pipelining, sparse_core_embedding_config=sparse_core_embedding_config

@@ -58,7 +58,7 @@ class TPUEmbeddingCore:
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
   @property
-  def execution_path(self) -> hardware.Path:
+  def execution_path(self) -> hardware.ExecutionPath:
     """The execution path chosen at construction."""
     return self._backend.path
 
@@ -101,7 +101,7 @@ class TPUEmbeddingCore:
     current = tf.distribute.get_strategy()
     if current is self._strategy:
       return
-    on_tpu = self.execution_path is not hardware.Path.CPU
+    on_tpu = self.execution_path is not hardware.ExecutionPath.CPU
     if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
       created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
       if created == called:
@@ -181,7 +181,7 @@ class TPUEmbeddingCore:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
     refuses a checkpoint that would silently leave the tables unchanged (a SparseCore one off
     SparseCore; one in another layout on SparseCore once the tables exist)."""
-    if self.execution_path is not hardware.Path.TPU_V2:
+    if self.execution_path is not hardware.ExecutionPath.TPU_V2:
       sparse_core.refuse_stacked_tables(
         path,
         {t.name for t in self._config.tables},

@@ -228,7 +228,7 @@ class PartialTPUEmbeddingCore:
         table_updates=table_updates,
         name="sharded_embedding",
       )
-      if self._tpu_embedding.execution_path is hardware.Path.CPU:
+      if self._tpu_embedding.execution_path is hardware.ExecutionPath.CPU:
         self._tpu_embedding.build(None)  # needs no shapes off TPU: tables exist from the start
 
     # The replicated engine needs no shapes: build it now, under the strategy in scope, so its
@@ -456,7 +456,7 @@ class PartialTPUEmbeddingCore:
     than left unrestored.
     """
     sharded = self._tpu_embedding
-    on_sparse_core = sharded is not None and sharded.execution_path is hardware.Path.TPU_V2
+    on_sparse_core = sharded is not None and sharded.execution_path is hardware.ExecutionPath.TPU_V2
     if not on_sparse_core:
       sparse_core.refuse_stacked_tables(
         path,
@@ -496,7 +496,7 @@ class PartialTPUEmbeddingCore:
     children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)
     sharded = children.pop("_tpu_embedding", None)
-    if sharded is not None and self._tpu_embedding.execution_path is not hardware.Path.CPU:
+    if sharded is not None and self._tpu_embedding.execution_path is not hardware.ExecutionPath.CPU:
       children[_SHARDED_LAYER_KEY] = sharded
     children[_TABLES_KEY] = self._tables_view
     children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
@@ -529,7 +529,7 @@ def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variab
 def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
   """On a TPU without embedding hardware TF replicates every table and trains it with the Keras
   optimizer (path V0), so the sharded side could not train as the replicated side does."""
-  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.Path.TPU_V0:
+  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.ExecutionPath.TPU_V0:
     raise ValueError(
       f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
       "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
