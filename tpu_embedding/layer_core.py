@@ -52,9 +52,9 @@ class TPUEmbeddingCore:
       user_optimizer=optimizer,
       check_finite=check_finite,
     )
-    self._tpu_embedding = self._backend.mid_level  # the checkpoint key tf-recommenders uses
+    self._tpu_embedding = self._backend.engine  # the checkpoint key tf-recommenders uses
     self.batch_size = batch_size
-    if self._backend.needs_trap:  # tables trained by their mid-level optimizers
+    if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
   @property
@@ -65,7 +65,7 @@ class TPUEmbeddingCore:
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
-    if self._backend.needs_trap:
+    if self._backend.table_updates == "engine":
       setattr(
         self,
         TRAP_NAME,
@@ -141,7 +141,7 @@ class TPUEmbeddingCore:
         f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}."
       )
     self._backend.replace_table(clone, embedding_table)
-    if not self._backend.needs_trap and self.built:
+    if self._backend.table_updates == "keras" and self.built:
       self._keras_trained_tables = self._backend.trainable_tables
 
   @property

@@ -190,7 +190,7 @@ class PartialTPUEmbeddingCore:
       raise ValueError(
         f"table_updates={table_updates!r}; expected one of {backends.TABLE_UPDATES}."
       )
-    self._keras_managed = table_updates == "keras"
+    self._table_updates = table_updates
     if size_threshold is not None and (
       isinstance(size_threshold, bool) or not isinstance(size_threshold, int) or size_threshold < 0
     ):
@@ -238,10 +238,10 @@ class PartialTPUEmbeddingCore:
       self._replicated = EmbeddingEngine(
         config_lib.prepare(per_side[REPLICATED], self._config.optimizer),
         pipelining=False,
-        keras_managed=self._keras_managed,
+        table_updates=table_updates,
       )
       self._replicated.build()
-      if not self._keras_managed:
+      if table_updates == "engine":
         optimizers.warn_if_bias_correction_dropped(
           [table for table in self._config.tables if side_of[table.name] == REPLICATED]
         )
@@ -360,7 +360,7 @@ class PartialTPUEmbeddingCore:
   def build(self, input_shape: Any) -> None:
     if self._tpu_embedding is not None and not self._tpu_embedding.built:
       self._tpu_embedding.build(self._sharded_shapes(input_shape))
-    if self._replicated is not None and self._keras_managed:
+    if self._replicated is not None and self._table_updates == "keras":
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())
     elif self._replicated is not None:
@@ -479,7 +479,7 @@ class PartialTPUEmbeddingCore:
       checkpoints.validate(
         self,
         self._config,
-        not self._keras_managed,
+        self._table_updates == "engine",
         path,
         layer="PartialTPUEmbedding",
         tables_key=_TABLES_KEY,

@@ -49,7 +49,8 @@ class EmbeddingEngine(tf.Module):
     config: the prepared feature configuration.
     pipelining: emulate `pipeline_execution_with_tensor_core=True`: a step's lookups see the
       tables without the previous step's update, as on TPU.
-    keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
+    table_updates: "engine" (each table's mid-level optimizer, through the trap) or "keras":
+      tables are trainable variables updated by the user's Keras optimizer (the
       tf-recommenders behaviour); no slots are created and no trap is used.
     check_finite: raise at the first non-finite gradient, weight or learning rate on its way
       to a table (`finite`), instead of letting it poison the rows as the TPU does.
@@ -64,13 +65,13 @@ class EmbeddingEngine(tf.Module):
     self,
     config: config_lib.EmbeddingConfig,
     pipelining: bool = False,
-    keras_managed: bool = False,
+    table_updates: str = "engine",
     check_finite: bool = False,
   ):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
-    self._keras_managed = keras_managed
+    self._keras_managed = table_updates == "keras"
     self._check_finite = check_finite
     self._follows_keras_optimizer = any(
       optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables
