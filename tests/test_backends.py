@@ -79,8 +79,8 @@ def test_each_tpu_path_builds_tfs_own_class_from_the_cloned_config(tpu, path):
   with strategy.scope():
     layer, user_config = make_layer(path)
   assert layer.execution_path is path
-  assert type(layer._tpu_embedding) is CLASS_OF[path]
-  given = layer._config.feature_config
+  assert type(layer.engine) is CLASS_OF[path]
+  given = layer.embedding_config.feature_config
   for key in user_config:
     assert given[key] is not user_config[key]
     assert given[key].table is not user_config[key].table
@@ -92,7 +92,7 @@ def test_each_tpu_path_builds_tfs_own_class_from_the_cloned_config(tpu, path):
 def test_the_cpu_path_builds_the_engine_and_no_mid_level_object():
   layer, _ = make_layer(ExecutionPath.CPU)
   assert layer.execution_path is ExecutionPath.CPU
-  assert isinstance(layer._tpu_embedding, EmbeddingEngine)
+  assert isinstance(layer.engine, EmbeddingEngine)
 
 
 def test_forcing_unsupported_on_a_v1_tpu_builds_v0(tpu):
@@ -100,7 +100,7 @@ def test_forcing_unsupported_on_a_v1_tpu_builds_v0(tpu):
   with strategy.scope():
     layer, _ = make_layer(ExecutionPath.TPU_V1, embedding_feature=EmbeddingFeature.UNSUPPORTED)
   assert layer.execution_path is ExecutionPath.TPU_V0
-  assert type(layer._tpu_embedding) is emb.TPUEmbeddingV0
+  assert type(layer.engine) is emb.TPUEmbeddingV0
 
 
 @pytest.mark.parametrize("pipelining", [False, True])
@@ -241,7 +241,7 @@ def test_the_keras3_layer_builds_v1_as_the_tf_keras_layer_and_traces_one_engine_
     layer = _keras3_layer(feature_config())
     layer.build({k: (BATCH,) for k in feature_config()})
   assert layer.execution_path is ExecutionPath.TPU_V1
-  assert type(layer._tpu_embedding) is emb.TPUEmbedding
+  assert type(layer.engine) is emb.TPUEmbedding
   reference, proto = recorded.config_protos
   assert proto == reference
   assert [(f.name, list(f.input_shape)) for f in proto.feature_descriptor] == [
@@ -298,11 +298,11 @@ def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_looku
     layer = _keras3_layer(_sparse_core_config())
     layer.build({k: (BATCH,) for k in feature_config()})
   assert layer.execution_path is ExecutionPath.TPU_V2
-  assert type(layer._tpu_embedding) is emb.TPUEmbeddingV2
+  assert type(layer.engine) is emb.TPUEmbeddingV2
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
   reference = {t.name: np.asarray(v) for t, v in tf_keras_layer.embedding_tables.items()}
-  layouts = layer._tpu_embedding.embedding_layouts
-  stacked = layer._tpu_embedding.embedding_tables
+  layouts = layer.engine.embedding_layouts
+  stacked = layer.engine.embedding_tables
   assert sorted(tables) == sorted(reference) == ["user_table", "video_table"]
   for name, (dim, offset) in {"video_table": (4, 0.0), "user_table": (2, 10000.0)}.items():
     by_hand = tpu_harness.logical_by_hand(

@@ -355,7 +355,7 @@ def test_slots_are_left_out_unless_asked_for(exported, tmp_path):
   size = lambda d: sum(os.path.getsize(p) for p in glob.glob(f"{d}/variables/*"))  # noqa: E731
   assert size(directory) + 4 * (100 * 4 + 2 * 50 * 8) <= size(with_slots)
   loaded = tf.saved_model.load(with_slots)
-  engine = model.embedding._tpu_embedding.variables_by_table
+  engine = model.embedding.variables_by_table
   np.testing.assert_array_equal(
     loaded.optimizer_slots["movie"]["velocities"].numpy(), engine["movie"]["velocities"].numpy()
   )

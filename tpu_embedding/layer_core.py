@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import tensorflow as tf
 
 from tpu_embedding import backends
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
@@ -52,7 +53,9 @@ class TPUEmbeddingCore:
       user_optimizer=optimizer,
       check_finite=check_finite,
     )
-    self._tpu_embedding = self._backend.engine  # the checkpoint key tf-recommenders uses
+    # Tracked under tf-recommenders' name only (not also under the attribute's).
+    self._engine = self._no_dependency(self._backend.engine)
+    self._track_trackable(self._engine, name=checkpoints.TABLES_KEY)
     self.batch_size = batch_size
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
@@ -61,6 +64,13 @@ class TPUEmbeddingCore:
   def execution_path(self) -> hardware.ExecutionPath:
     """The execution path chosen at construction."""
     return self._backend.path
+
+  @property
+  def engine(self) -> tf.Module:
+    """The object holding the tables on this path: the CPU/GPU `EmbeddingEngine`, or on TPU
+    TF's `TPUEmbeddingV0`, `TPUEmbedding` or `TPUEmbeddingV2` (checkpointed as `_tpu_embedding`,
+    the name tf-recommenders gives its mid-level object)."""
+    return self._engine
 
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
@@ -186,7 +196,7 @@ class TPUEmbeddingCore:
         path,
         {t.name for t in self._config.tables},
         f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
-        "_tpu_embedding",
+        checkpoints.TABLES_KEY,
       )
     elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(
