@@ -505,7 +505,7 @@ def test_a_signature_needs_an_input_signature(exported, tmp_path):
 def _export_and_hang(directory, marker):
   """Subprocess: export, but stop for good once the files are written, before moving them."""
   model = trained_model(seed=1)
-  write = serving._write_saved_model
+  write = tf.saved_model.save
 
   def write_then_hang(*args, **kwargs):
     write(*args, **kwargs)
@@ -513,7 +513,7 @@ def _export_and_hang(directory, marker):
       f.write(args[1])
     time.sleep(600)
 
-  serving._write_saved_model = write_then_hang
+  tf.saved_model.save = write_then_hang  # this subprocess only
   serving.export_for_serving(model, directory, signatures(model), overwrite=True)
 
 
