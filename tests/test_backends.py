@@ -14,21 +14,21 @@ import tf_keras
 import tpu_harness
 from tpu_embedding import serving
 from tpu_embedding.engine.engine import EmbeddingEngine
-from tpu_embedding.hardware import EmbeddingFeature, Path
+from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
 from tpu_embedding.layer import TPUEmbedding
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
 
 CLASS_OF = {
-  Path.TPU_V0: emb.TPUEmbeddingV0,
-  Path.TPU_V1: emb.TPUEmbedding,
-  Path.TPU_V2: emb.TPUEmbeddingV2,
+  ExecutionPath.TPU_V0: emb.TPUEmbeddingV0,
+  ExecutionPath.TPU_V1: emb.TPUEmbedding,
+  ExecutionPath.TPU_V2: emb.TPUEmbeddingV2,
 }
 FEATURE_OF = {
-  Path.TPU_V0: EmbeddingFeature.UNSUPPORTED,
-  Path.TPU_V1: EmbeddingFeature.V1,
-  Path.TPU_V2: EmbeddingFeature.V2,
+  ExecutionPath.TPU_V0: EmbeddingFeature.UNSUPPORTED,
+  ExecutionPath.TPU_V1: EmbeddingFeature.V1,
+  ExecutionPath.TPU_V2: EmbeddingFeature.V2,
 }
 
 
@@ -65,7 +65,7 @@ def features():
 def make_layer(path, **kwargs):
   kwargs.setdefault("optimizer", tf_keras.optimizers.legacy.SGD(learning_rate=0.1))
   # SC-API requires output_shape (SPEC §3.6); the others derive it from the inputs.
-  config = feature_config([BATCH] if path is Path.TPU_V2 else None)
+  config = feature_config([BATCH] if path is ExecutionPath.TPU_V2 else None)
   return TPUEmbedding(config, **kwargs), config
 
 
@@ -73,14 +73,14 @@ def make_layer(path, **kwargs):
 # Construction: which class, from which config
 
 
-@pytest.mark.parametrize("path", [Path.TPU_V0, Path.TPU_V1, Path.TPU_V2])
+@pytest.mark.parametrize("path", [ExecutionPath.TPU_V0, ExecutionPath.TPU_V1, ExecutionPath.TPU_V2])
 def test_each_tpu_path_builds_tfs_own_class_from_the_cloned_config(tpu, path):
   strategy, _ = tpu(path)
   with strategy.scope():
     layer, user_config = make_layer(path)
-  assert layer.path is path
-  assert type(layer._tpu_embedding) is CLASS_OF[path]
-  given = layer._config.feature_config
+  assert layer.execution_path is path
+  assert type(layer.engine) is CLASS_OF[path]
+  given = layer.embedding_config.feature_config
   for key in user_config:
     assert given[key] is not user_config[key]
     assert given[key].table is not user_config[key].table
@@ -90,24 +90,24 @@ def test_each_tpu_path_builds_tfs_own_class_from_the_cloned_config(tpu, path):
 
 
 def test_the_cpu_path_builds_the_engine_and_no_mid_level_object():
-  layer, _ = make_layer(Path.CPU)
-  assert layer.path is Path.CPU
-  assert isinstance(layer._tpu_embedding, EmbeddingEngine)
+  layer, _ = make_layer(ExecutionPath.CPU)
+  assert layer.execution_path is ExecutionPath.CPU
+  assert isinstance(layer.engine, EmbeddingEngine)
 
 
 def test_forcing_unsupported_on_a_v1_tpu_builds_v0(tpu):
-  strategy, _ = tpu(Path.TPU_V1)
+  strategy, _ = tpu(ExecutionPath.TPU_V1)
   with strategy.scope():
-    layer, _ = make_layer(Path.TPU_V1, embedding_feature=EmbeddingFeature.UNSUPPORTED)
-  assert layer.path is Path.TPU_V0
-  assert type(layer._tpu_embedding) is emb.TPUEmbeddingV0
+    layer, _ = make_layer(ExecutionPath.TPU_V1, embedding_feature=EmbeddingFeature.UNSUPPORTED)
+  assert layer.execution_path is ExecutionPath.TPU_V0
+  assert type(layer.engine) is emb.TPUEmbeddingV0
 
 
 @pytest.mark.parametrize("pipelining", [False, True])
 def test_v1_writes_the_pipelining_flag_into_its_config(tpu, pipelining):
-  strategy, recorded = tpu(Path.TPU_V1)
+  strategy, recorded = tpu(ExecutionPath.TPU_V1)
   with strategy.scope():
-    layer, _ = make_layer(Path.TPU_V1, pipeline_execution_with_tensor_core=pipelining)
+    layer, _ = make_layer(ExecutionPath.TPU_V1, pipeline_execution_with_tensor_core=pipelining)
     layer.build({k: tf.TensorShape([BATCH, None]) for k in feature_config()})
   (proto,) = recorded.config_protos
   assert proto.pipeline_execution_with_tensor_core is pipelining
@@ -134,7 +134,7 @@ def test_cpu_layer_called_under_another_strategy_is_refused(create, call):
   """CPU path, real strategies: the refusal names both strategies."""
   created_under, called_under = create(), call()
   with created_under.scope():
-    layer, _ = make_layer(Path.CPU)
+    layer, _ = make_layer(ExecutionPath.CPU)
   with called_under.scope():
     with pytest.raises(RuntimeError) as error:
       layer(features())
@@ -146,14 +146,14 @@ def test_cpu_layer_called_under_another_strategy_is_refused(create, call):
 def test_cpu_layer_created_under_a_strategy_may_be_called_outside_any():
   """CPU path, real strategies: plain eager use after creating in a scope."""
   with _one_device().scope():
-    layer, _ = make_layer(Path.CPU)
+    layer, _ = make_layer(ExecutionPath.CPU)
   assert layer(features())["watched"].shape == [BATCH, 4]
 
 
 def test_tpu_layer_called_under_a_different_strategy_is_refused(tpu):
-  strategy, _ = tpu(Path.TPU_V1)
+  strategy, _ = tpu(ExecutionPath.TPU_V1)
   with strategy.scope():
-    layer, _ = make_layer(Path.TPU_V1)
+    layer, _ = make_layer(ExecutionPath.TPU_V1)
   with _one_device().scope():
     with pytest.raises(RuntimeError) as error:
       layer(features())
@@ -161,7 +161,7 @@ def test_tpu_layer_called_under_a_different_strategy_is_refused(tpu):
   assert "StandInTPUStrategy" in message and "OneDeviceStrategy" in message
 
 
-@pytest.mark.parametrize("path", [Path.TPU_V0, Path.TPU_V1, Path.TPU_V2])
+@pytest.mark.parametrize("path", [ExecutionPath.TPU_V0, ExecutionPath.TPU_V1, ExecutionPath.TPU_V2])
 def test_tpu_layer_called_outside_its_strategy_is_refused_before_building(tpu, path):
   """A refused call must not initialise the TPU nor create tables."""
   strategy, recorded = tpu(path)
@@ -174,7 +174,7 @@ def test_tpu_layer_called_outside_its_strategy_is_refused_before_building(tpu, p
   assert not layer.built and recorded.config_protos == [] and recorded.loads == 0
 
 
-@pytest.mark.parametrize("path", [Path.TPU_V1, Path.TPU_V2])
+@pytest.mark.parametrize("path", [ExecutionPath.TPU_V1, ExecutionPath.TPU_V2])
 def test_no_optimizer_is_refused_on_the_embedding_engines(tpu, path):
   """Failure 7: optimizer=None (serving-only layers) has no meaning where the TPU trains."""
   strategy, _ = tpu(path)
@@ -185,7 +185,7 @@ def test_no_optimizer_is_refused_on_the_embedding_engines(tpu, path):
 
 def test_sparse_core_needs_every_output_shape(tpu):
   """Failure 7: TPUEmbeddingV2 cannot derive output shapes from the inputs."""
-  strategy, _ = tpu(Path.TPU_V2)
+  strategy, _ = tpu(ExecutionPath.TPU_V2)
   config = feature_config([BATCH])
   config["friends"].output_shape = tf.TensorShape(None)
   with strategy.scope():
@@ -193,7 +193,7 @@ def test_sparse_core_needs_every_output_shape(tpu):
       TPUEmbedding(config, optimizer="sgd")
 
 
-@pytest.mark.parametrize("path", [Path.TPU_V0, Path.TPU_V1])
+@pytest.mark.parametrize("path", [ExecutionPath.TPU_V0, ExecutionPath.TPU_V1])
 def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
   """Failure 3: export read attributes TF's real V0/V1 classes do not have."""
   strategy, _ = tpu(path)
@@ -234,14 +234,14 @@ def test_the_keras3_layer_builds_v1_as_the_tf_keras_layer_and_traces_one_engine_
   """A Keras 3 layer (given Keras 3's tuple shapes) writes the tf-keras layer's V1 config proto,
   and its training step enqueues, receives and sends once under one name, the gradients sent
   being one [batch, dim] tensor per feature (traced by TF's real class, never run)."""
-  strategy, recorded = tpu(Path.TPU_V1)
+  strategy, recorded = tpu(ExecutionPath.TPU_V1)
   with strategy.scope():
-    tf_keras_layer, _ = make_layer(Path.TPU_V1)
+    tf_keras_layer, _ = make_layer(ExecutionPath.TPU_V1)
     tf_keras_layer.build({k: tf.TensorShape([BATCH]) for k in feature_config()})
     layer = _keras3_layer(feature_config())
     layer.build({k: (BATCH,) for k in feature_config()})
-  assert layer.execution_path is Path.TPU_V1
-  assert type(layer._tpu_embedding) is emb.TPUEmbedding
+  assert layer.execution_path is ExecutionPath.TPU_V1
+  assert type(layer.engine) is emb.TPUEmbedding
   reference, proto = recorded.config_protos
   assert proto == reference
   assert [(f.name, list(f.input_shape)) for f in proto.feature_descriptor] == [
@@ -290,19 +290,19 @@ def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_looku
   """On SparseCore (TF's real TPUEmbeddingV2, stacking and padding on CPU) the Keras 3 layer
   holds the same logical tables as the tf-keras layer, and its lookup traces TF's SparseCore
   matmul once per stack with one [batch, dim] activation per feature."""
-  strategy, _ = tpu(Path.TPU_V2)
+  strategy, _ = tpu(ExecutionPath.TPU_V2)
   shapes = {k: tf.TensorShape([BATCH]) for k in feature_config()}
   with strategy.scope():
     tf_keras_layer = TPUEmbedding(_sparse_core_config(), optimizer="sgd")
     tf_keras_layer.build(shapes)
     layer = _keras3_layer(_sparse_core_config())
     layer.build({k: (BATCH,) for k in feature_config()})
-  assert layer.execution_path is Path.TPU_V2
-  assert type(layer._tpu_embedding) is emb.TPUEmbeddingV2
+  assert layer.execution_path is ExecutionPath.TPU_V2
+  assert type(layer.engine) is emb.TPUEmbeddingV2
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
   reference = {t.name: np.asarray(v) for t, v in tf_keras_layer.embedding_tables.items()}
-  layouts = layer._tpu_embedding.embedding_layouts
-  stacked = layer._tpu_embedding.embedding_tables
+  layouts = layer.engine.embedding_layouts
+  stacked = layer.engine.embedding_tables
   assert sorted(tables) == sorted(reference) == ["user_table", "video_table"]
   for name, (dim, offset) in {"video_table": (4, 0.0), "user_table": (2, 10000.0)}.items():
     by_hand = tpu_harness.logical_by_hand(
@@ -332,7 +332,7 @@ def test_the_keras3_layer_holds_the_tf_keras_layers_sparse_core_tables_and_looku
 
 def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
   """On V0 the model's optimizer would have to train the tables, which Keras 3 cannot."""
-  strategy, _ = tpu(Path.TPU_V0)
+  strategy, _ = tpu(ExecutionPath.TPU_V0)
   with strategy.scope():
     with pytest.raises(ValueError, match="TPU_V0: these tables would be trained by the model's"):
       _keras3_layer(feature_config())

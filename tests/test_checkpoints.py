@@ -51,7 +51,9 @@ def batch(names=("movie", "user")):
 
 
 def train(model, optimizer, steps=STEPS):
-  features = batch([k for k in ("movie", "user") if k in model.embedding._config.feature_config])
+  features = batch(
+    [k for k in ("movie", "user") if k in model.embedding.embedding_config.feature_config]
+  )
   for step in range(steps):
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean((model(features) - float(step)) ** 2)
@@ -62,7 +64,7 @@ def train(model, optimizer, steps=STEPS):
 def engine_variables(model):
   """{"<table>" or "<table>/<slot>": values} of the layer's engine."""
   out = {}
-  for table, entries in model.embedding._tpu_embedding.variables_by_table.items():
+  for table, entries in model.embedding.engine.variables_by_table.items():
     for slot, variable in entries.items():
       out[table if slot == "parameters" else f"{table}/{slot}"] = variable.numpy()
   return out
@@ -176,7 +178,7 @@ def test_restore_into_a_serving_only_model(trained):
   status = tf.train.Checkpoint(model=model).restore(path)
   model(batch())
   status.assert_existing_objects_matched()
-  engine = model.embedding._tpu_embedding.variables_by_table
+  engine = model.embedding.engine.variables_by_table
   assert {t: sorted(v) for t, v in engine.items()} == {
     "user": ["parameters"],
     "movie": ["parameters"],
@@ -194,9 +196,7 @@ def test_restores_into_the_mid_level_serving_api(trained, tmp_path, route):
     model = Ranker(feature_config())
     tf.train.Checkpoint(model=model).restore(path).expect_partial()
     model(batch())
-    path = tf.train.Checkpoint(embedding=model.embedding._tpu_embedding).save(
-      str(tmp_path / "engine")
-    )
+    path = tf.train.Checkpoint(embedding=model.embedding.engine).save(str(tmp_path / "engine"))
   serving = E.TPUEmbeddingForServing(feature_config(optimizers=False), optimizer=None)
   if route == "engine":
     root = tf.train.Checkpoint(embedding=serving)
@@ -222,7 +222,7 @@ def test_mid_level_checkpoint_restores_into_the_layer(tmp_path):
   tf.train.Checkpoint(model=model).restore(path).expect_partial()
   for config, variable in serving.embedding_tables.items():
     np.testing.assert_array_equal(
-      model.embedding._tpu_embedding.variables_by_table[config.name]["parameters"].numpy(),
+      model.embedding.engine.variables_by_table[config.name]["parameters"].numpy(),
       variable.numpy(),
     )
 
@@ -315,9 +315,11 @@ def test_keras_managed_tables_expect_no_slots(trained):
 
 def test_expected_shapes_are_what_the_engine_creates():
   model = built_model(7)
-  engine = model.embedding._tpu_embedding
-  tracked = {name: list(v.shape) for name, v in engine._trackable_children().items()}
-  expected = checkpoints.expected_shapes(engine._config, with_slots=True)
+  engine = model.embedding.engine
+  tracked = {
+    name: list(v.shape) for name, v in tf.train.TrackableView(engine).children(engine).items()
+  }
+  expected = checkpoints.expected_shapes(model.embedding.embedding_config, with_slots=True)
   assert tracked == {name: shape for name, (_, shape) in expected.items()}
 
 
@@ -386,11 +388,7 @@ def test_tfrs_checkpoint_restores_every_table_and_slot(
   path = tfrs_checkpoints[(layer_name, optimizer_name)]
   model, optimizer = our_model(layer_name, optimizer_name)
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-  variables = (
-    model.embedding.variables_by_table
-    if layer_name == "TPUEmbedding"
-    else model.embedding._variables_by_table()
-  )
+  variables = model.embedding.variables_by_table
   restored = 0
   for table in ("small", "large"):
     expected = {"parameters": tf.train.load_variable(path, tfrs_key(layer_name, table))}
@@ -415,11 +413,7 @@ def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints, la
   path = tfrs_checkpoints[(layer_name, "adagrad")]
   model, optimizer = our_model(layer_name, "adagrad", table_updates="keras")
   tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-  tables = (
-    model.embedding.variables_by_table
-    if layer_name == "TPUEmbedding"
-    else model.embedding._variables_by_table()
-  )
+  tables = model.embedding.variables_by_table
   assert sorted(tables) == ["large", "small"]
   for table, variables in tables.items():
     np.testing.assert_array_equal(
@@ -435,14 +429,7 @@ def test_tfrs_checkpoint_restores_into_keras_managed_tables(tfrs_checkpoints, la
 def test_tfrs_slots_of_another_optimizer_are_refused_by_name(tfrs_checkpoints, layer_name):
   path = tfrs_checkpoints[(layer_name, "adagrad")]
   model, optimizer = our_model(layer_name, "adam")
-  before = {
-    t: v["parameters"].numpy()
-    for t, v in (
-      model.embedding.variables_by_table
-      if layer_name == "TPUEmbedding"
-      else model.embedding._variables_by_table()
-    ).items()
-  }
+  before = {t: v["parameters"].numpy() for t, v in model.embedding.variables_by_table.items()}
   with pytest.raises(ValueError) as error:
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
   message = str(error.value)
@@ -453,11 +440,7 @@ def test_tfrs_slots_of_another_optimizer_are_refused_by_name(tfrs_checkpoints, l
         f"slot '{table}/{slot}' of table '{table}' (shape {shape} in this layer) is "
         "missing from the checkpoint"
       ) in message
-  after = (
-    model.embedding.variables_by_table
-    if layer_name == "TPUEmbedding"
-    else model.embedding._variables_by_table()
-  )
+  after = model.embedding.variables_by_table
   for table, value in before.items():
     np.testing.assert_array_equal(after[table]["parameters"].numpy(), value, err_msg=table)
 
@@ -489,11 +472,7 @@ def test_our_checkpoint_loads_back_into_tfrs(tmp_path, layer_name, table_updates
   )
   assert result.returncode == 0, result.stderr[-3000:]
   loaded = np.load(out)
-  tables = (
-    model.embedding.variables_by_table
-    if layer_name == "TPUEmbedding"
-    else model.embedding._variables_by_table()
-  )
+  tables = model.embedding.variables_by_table
   assert sorted(tables) == ["large", "small"]
   for table, variables in tables.items():
     np.testing.assert_array_equal(loaded[table], variables["parameters"].numpy())

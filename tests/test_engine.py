@@ -188,7 +188,7 @@ def _check_against_reference(run_step, dim, combiner, optimizer, steps, weighted
     )
     if len(row_ids) or (params["kind"] == "adam" and not params["lazy_adam"]):
       w, slots = reference.apply_step(w, slots, row_ids, grads, optimizer.learning_rate, params)
-  variables = layer._tpu_embedding.variables_by_table["t"]
+  variables = layer.variables_by_table["t"]
   np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=2e-4, atol=2e-5)
   for name, value in slots.items():
     np.testing.assert_allclose(variables[name].numpy(), value, rtol=2e-4, atol=2e-5)
@@ -309,7 +309,7 @@ def test_without_pipelining_each_lookup_sees_the_previous_update():
 def test_pipelining_lookups_see_step_n_minus_2_and_flush_applies_the_rest():
   layer, seen = _constant_gradient_lookups(True)
   assert seen == [0.0, 0.0, -1.0, -2.0]
-  table = layer._tpu_embedding.variables_by_table["t"]["parameters"]
+  table = layer.variables_by_table["t"]["parameters"]
   assert table.numpy()[1, 0] == -3.0  # step 4's update is still pending
   layer.flush()
   assert table.numpy()[1, 0] == -4.0
@@ -376,7 +376,7 @@ def test_keras_managed_tables_are_trained_by_the_users_optimizer():
   )
   model = Probe(layer)
   _step(model, tf_keras.optimizers.SGD(0.5), tf.constant([2, 2]), None, tf.ones([2, 2]))
-  assert list(layer._tpu_embedding.variables_by_table["t"]) == ["parameters"]  # no slots
+  assert list(layer.variables_by_table["t"]) == ["parameters"]  # no slots
   assert layer.embedding_tables[table] in [v.ref().deref() for v in model.trainable_variables]
   expected = values.copy()
   expected[2] -= 0.5 * 2.0  # Keras SGD on the summed gradient of two occurrences
@@ -420,8 +420,8 @@ def test_translated_optimizer_slots_round_trip_through_a_checkpoint(
   fresh_model = Probe(fresh)
   fresh_model((tf.ragged.constant([[0]]), None, tf.zeros([1, 2])))
   tf.train.Checkpoint(model=fresh_model).read(path).assert_consumed()
-  before = trained._tpu_embedding.variables_by_table["t"]
-  after = fresh._tpu_embedding.variables_by_table["t"]
+  before = trained.variables_by_table["t"]
+  after = fresh.variables_by_table["t"]
   assert sorted(after) == sorted(["parameters"] + slot_names)
   for name in after:
     np.testing.assert_array_equal(after[name].numpy(), before[name].numpy())

@@ -107,7 +107,7 @@ def test_check_finite_is_refused_on_tpu_paths():
     ValueError, match="check_finite=True is an option of the CPU/GPU engine; on TPU_V1"
   ):
     backends.create(
-      hardware.Path.TPU_V1,
+      hardware.ExecutionPath.TPU_V1,
       config,
       pipelining=False,
       batch_size=None,

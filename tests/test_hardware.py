@@ -12,14 +12,14 @@ import tensorflow as tf
 
 import tpu_harness
 from tpu_embedding import hardware
-from tpu_embedding.hardware import EmbeddingFeature, Path
+from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
 
 FEATURES = [EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1, EmbeddingFeature.V2]
 OVERRIDES = [None] + FEATURES
 PATH_OF = {
-  EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
-  EmbeddingFeature.V1: Path.TPU_V1,
-  EmbeddingFeature.V2: Path.TPU_V2,
+  EmbeddingFeature.UNSUPPORTED: ExecutionPath.TPU_V0,
+  EmbeddingFeature.V1: ExecutionPath.TPU_V1,
+  EmbeddingFeature.V2: ExecutionPath.TPU_V2,
 }
 
 NON_TPU_STRATEGIES = {
@@ -33,12 +33,12 @@ NON_TPU_STRATEGIES = {
 def test_non_tpu_strategies_take_the_cpu_path_whatever_the_override(kind, override):
   strategy = NON_TPU_STRATEGIES[kind]()
   assert hardware.detect_embedding_feature(strategy) is None
-  assert hardware.choose_path(strategy, override) is Path.CPU
+  assert hardware.choose_path(strategy, override) is ExecutionPath.CPU
 
 
 def test_the_strategy_in_scope_is_what_is_examined():
   with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
-    assert hardware.choose_path(tf.distribute.get_strategy()) is Path.CPU
+    assert hardware.choose_path(tf.distribute.get_strategy()) is ExecutionPath.CPU
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_overriding_with_the_detected_feature_changes_nothing(fake_tpu, detected
 @pytest.mark.parametrize("detected", FEATURES)
 def test_forcing_unsupported_is_always_allowed(fake_tpu, detected):
   strategy = fake_tpu(detected)
-  assert hardware.choose_path(strategy, EmbeddingFeature.UNSUPPORTED) is Path.TPU_V0
+  assert hardware.choose_path(strategy, EmbeddingFeature.UNSUPPORTED) is ExecutionPath.TPU_V0
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_every_case_of_the_matrix_is_decided():
     if override is None or override == detected:
       expected[detected, override] = PATH_OF[detected]
     elif override == EmbeddingFeature.UNSUPPORTED:
-      expected[detected, override] = Path.TPU_V0
+      expected[detected, override] = ExecutionPath.TPU_V0
     else:
       expected[detected, override] = ValueError
   assert list(expected.values()).count(ValueError) == 4
@@ -118,14 +118,14 @@ def test_detection_reads_the_runtime_feature_of_a_tpu_strategy(feature):
 def test_a_subclass_of_a_tpu_strategy_is_still_a_tpu_strategy():
   # Users and frameworks subclass TPUStrategy; the CPU path must never be taken under one.
   subclass = type("MyCompanyStrategy", (tpu_harness.StandInTPUStrategy,), {})
-  assert hardware.choose_path(subclass(EmbeddingFeature.V1)) is Path.TPU_V1
+  assert hardware.choose_path(subclass(EmbeddingFeature.V1)) is ExecutionPath.TPU_V1
 
 
 def test_a_class_merely_named_like_a_tpu_strategy_is_not_one():
   named = type("TPUStrategyLookalike", (tf.distribute.OneDeviceStrategy,), {})
   strategy = named("/cpu:0")
   assert not hardware.is_tpu_strategy(strategy)
-  assert hardware.choose_path(strategy) is Path.CPU
+  assert hardware.choose_path(strategy) is ExecutionPath.CPU
 
 
 def test_real_tpu_strategy_classes_are_recognised_by_type():
@@ -154,7 +154,7 @@ def test_an_unknown_embedding_feature_is_refused_not_replicated(override):
     hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown), override)
   assert (
     hardware.choose_path(tpu_harness.StandInTPUStrategy(unknown), EmbeddingFeature.UNSUPPORTED)
-    is Path.TPU_V0
+    is ExecutionPath.TPU_V0
   )
 
 

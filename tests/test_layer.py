@@ -178,7 +178,7 @@ def test_default_table_names_follow_first_use():
     {"a": E.FeatureConfig(table=first), "b": E.FeatureConfig(table=second)}, "sgd"
   )
   layer({"a": tf.constant([1]), "b": tf.constant([1])})
-  assert sorted(layer._tpu_embedding.variables_by_table) == ["table_1", "video"]
+  assert sorted(layer.variables_by_table) == ["table_1", "video"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_two_adagrad_steps_match_numpy_and_only_touched_rows_move():
     acc[touched] += g[touched] ** 2
     w[touched] -= 0.5 * g[touched] / np.sqrt(acc[touched])
   np.testing.assert_allclose(layer.embedding_tables[t].numpy(), w, rtol=1e-5, atol=1e-6)
-  slots = layer._tpu_embedding.variables_by_table["table_0"]
+  slots = layer.variables_by_table["table_0"]
   np.testing.assert_allclose(slots["accumulators"].numpy(), acc, rtol=1e-5)
 
 
@@ -265,7 +265,7 @@ def test_training_without_any_optimizer_is_refused_but_serving_works():
   t = table(rows=3, dim=1, combiner="sum")
   layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=t, name="f")}, optimizer=None)
   assert layer({"f": tf.constant([2])})["f"].numpy()[0, 0] == 2.0
-  assert list(layer._tpu_embedding.variables_by_table["table_0"]) == ["parameters"]
+  assert list(layer.variables_by_table["table_0"]) == ["parameters"]
   model = Dot(layer, {"f": tf.ones([1, 1])})
   with pytest.raises(
     tf.errors.InvalidArgumentError, match=r"Table \\*'table_0\\*' has no optimizer"
@@ -535,7 +535,17 @@ def test_path_is_cpu_off_tpu_whatever_the_override():
   layer = tpu_embedding.TPUEmbedding(
     E.FeatureConfig(table=table()), "sgd", embedding_feature=hardware.EmbeddingFeature.V1
   )
-  assert layer.path is hardware.Path.CPU
+  assert layer.execution_path is hardware.ExecutionPath.CPU
+  with pytest.warns(DeprecationWarning, match="TPUEmbedding.path is deprecated; use .*execution"):
+    assert layer.path is hardware.ExecutionPath.CPU
+
+
+def test_the_engine_is_checkpointed_under_the_tfrs_name_only():
+  """tf-recommenders' checkpoints name the tables `<layer>/_tpu_embedding/<table>`: the engine
+  (held at `engine`) is that one child, and no other name leads to it."""
+  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table(name="t")), "adagrad")
+  children = tf.train.TrackableView(layer).children(layer)
+  assert [name for name, child in children.items() if child is layer.engine] == ["_tpu_embedding"]
 
 
 def test_tables_exist_before_the_first_call_and_can_be_replaced():

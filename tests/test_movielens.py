@@ -211,7 +211,7 @@ def test_tfds_records_become_the_same_movielens() -> None:
       [b"Kolya (1996)", b"Heavyweights (1994)", "Caf\u00e9 (1990)".encode()], object
     ),
   }
-  data = movielens._from_tfds_arrays(ratings, movies)
+  data = movielens.from_tfds_arrays(ratings, movies)
   expected = MovieLens(
     user_ids=np.array([196, 22], np.int32),
     movie_ids=np.array([242, 377], np.int32),
@@ -251,7 +251,7 @@ def test_split_is_80_20_disjoint_and_deterministic(synthetic: MovieLens, split) 
 
 def test_to_dataset_scales_labels_and_batches(split) -> None:
   _, test = split
-  small = movielens._take(test, np.arange(10))
+  small = test.take(np.arange(10))
   batches = list(movielens.to_dataset(small, batch_size=4))
   assert [len(labels) for _, labels in batches] == [4, 4, 2]
   features, labels = batches[0]

@@ -298,8 +298,8 @@ def test_switch_and_placement_decide_where_the_kernel_runs(monkeypatch):
 def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
   """Another task's process may not have loaded the kernels."""
   assert (
-    native._same_task(
-      tf.DeviceSpec.from_string(device),  # pylint: disable=protected-access
+    native.same_task(
+      tf.DeviceSpec.from_string(device),
       tf.DeviceSpec.from_string(local),
     )
     == same

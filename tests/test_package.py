@@ -60,3 +60,13 @@ def test_top_level_names_are_imported_on_first_use():
   assert set(tpu_embedding.__all__) <= set(dir(tpu_embedding))
   with pytest.raises(AttributeError, match="no attribute 'Missing'"):
     tpu_embedding.Missing  # pylint: disable=pointless-statement
+
+
+def test_the_old_name_path_warns_and_gives_execution_path():
+  import tpu_embedding  # pylint: disable=g-import-not-at-top
+  from tpu_embedding import hardware  # pylint: disable=g-import-not-at-top
+
+  assert tpu_embedding.ExecutionPath is hardware.ExecutionPath
+  with pytest.warns(DeprecationWarning, match=r"tpu_embedding.Path is deprecated; use .*Exec"):
+    assert tpu_embedding.Path is hardware.ExecutionPath
+  assert "Path" not in tpu_embedding.__all__

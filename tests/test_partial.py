@@ -296,8 +296,8 @@ def test_parity_with_tpu_embedding_after_two_steps(make_optimizer, threshold):
     want = train_step(reference, features, weights)
     for g, w in zip(got, want):
       np.testing.assert_array_equal(g, w)
-  partial_state = slots_by_table(partial._variables_by_table())
-  reference_state = slots_by_table(reference._tpu_embedding.variables_by_table)
+  partial_state = slots_by_table(partial.variables_by_table)
+  reference_state = slots_by_table(reference.variables_by_table)
   assert sorted(partial_state) == sorted(reference_state)
   for key, value in reference_state.items():
     np.testing.assert_array_equal(partial_state[key], value, err_msg=str(key))
@@ -387,13 +387,13 @@ def test_checkpoint_written_with_threshold_0_restores_under_none_and_10(tmp_path
   for name in ("a", "b", "table_2"):
     assert f"embedding/_tpu_embedding/{name}/.ATTRIBUTES/VARIABLE_VALUE" in keys
     assert f"embedding/_tpu_embedding/{name}.Saccumulators/.ATTRIBUTES/VARIABLE_VALUE" in keys
-  expected = slots_by_table(saved._variables_by_table())
+  expected = slots_by_table(saved.variables_by_table)
   assert not np.array_equal(expected[("a", "accumulators")], np.full([5, 2], 0.1, np.float32))
 
   for threshold in (None, 10):
     restored = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=threshold)
     tf.train.Checkpoint(embedding=restored).restore(path).assert_consumed()
-    got = slots_by_table(restored._variables_by_table())
+    got = slots_by_table(restored.variables_by_table)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
       np.testing.assert_array_equal(got[key], value, err_msg=f"{threshold} {key}")
@@ -402,28 +402,28 @@ def test_checkpoint_written_with_threshold_0_restores_under_none_and_10(tmp_path
 def test_checkpoint_restores_back_and_interoperates_with_tpu_embedding(tmp_path):
   saved = trained_layer(10, emb.Adagrad(0.5))
   path = tf.train.Checkpoint(embedding=saved).save(str(tmp_path / "partial"))
-  expected = slots_by_table(saved._variables_by_table())
+  expected = slots_by_table(saved.variables_by_table)
   # Into every table sharded...
   restored = PartialTPUEmbedding(ckpt_config(), emb.Adagrad(0.5), size_threshold=0)
   tf.train.Checkpoint(embedding=restored).restore(path).assert_consumed()
-  for key, value in slots_by_table(restored._variables_by_table()).items():
+  for key, value in slots_by_table(restored.variables_by_table).items():
     np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
   # ...and into a plain TPUEmbedding, which uses the same names.
   plain = tpu_embedding.TPUEmbedding(ckpt_config(), emb.Adagrad(0.5))
   plain(ckpt_features())
   tf.train.Checkpoint(embedding=plain).restore(path).assert_existing_objects_matched()
-  for key, value in slots_by_table(plain._tpu_embedding.variables_by_table).items():
+  for key, value in slots_by_table(plain.variables_by_table).items():
     np.testing.assert_array_equal(value, expected[key], err_msg=str(key))
 
 
 def assert_refused_and_unchanged(path, layer, *messages):
-  before = slots_by_table(layer._variables_by_table())
+  before = slots_by_table(layer.variables_by_table)
   with pytest.raises(ValueError) as error:
     tf.train.Checkpoint(embedding=layer).restore(path)
   assert "into this PartialTPUEmbedding layer" in str(error.value)
   for message in messages:
     assert message in str(error.value)
-  after = slots_by_table(layer._variables_by_table())
+  after = slots_by_table(layer.variables_by_table)
   assert sorted(after) == sorted(before)
   for key, value in before.items():
     np.testing.assert_array_equal(after[key], value, err_msg=str(key))
@@ -440,9 +440,7 @@ def test_restore_of_a_small_table_of_another_shape_is_refused_and_changes_nothin
   assert_refused_and_unchanged(
     path, layer, "table 'a' has shape [6, 2] in this layer but [5, 2] in the checkpoint"
   )
-  np.testing.assert_array_equal(
-    layer._variables_by_table()["b"]["parameters"].numpy(), values(20, 3)
-  )
+  np.testing.assert_array_equal(layer.variables_by_table["b"]["parameters"].numpy(), values(20, 3))
 
 
 def test_restore_of_a_checkpoint_missing_a_table_is_refused_by_name(tmp_path):
@@ -488,7 +486,7 @@ def test_keras_mode_tables_are_trainable_variables_with_keras_slots(threshold):
     name = "large" if feature == "c" else "small"
     for row in rows:
       grads[name][row] += 2 * start[name][row]  # d sum(o * o) / d o
-  tables = layer._variables_by_table()
+  tables = layer.variables_by_table
   for name, value in start.items():
     accumulator = 0.1 + grads[name] ** 2  # Keras (legacy) Adagrad, untouched rows included
     variable = tables[name]["parameters"]
@@ -529,7 +527,7 @@ def test_on_tpu_v1_only_large_tables_go_to_the_embedding_engine(tpu_v1):
   with strategy.scope():
     layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
     graph = _traced_step(layer)
-  assert layer.tpu_embedding.path is hardware.Path.TPU_V1
+  assert layer.tpu_embedding.execution_path is hardware.ExecutionPath.TPU_V1
   (proto,) = recorded.config_protos
   assert [(t.name, t.vocabulary_size) for t in proto.table_descriptor] == [
     ("b", 20),
@@ -568,9 +566,10 @@ def test_on_tpu_v1_checkpoint_keeps_the_mid_level_object(tpu_v1):
   with strategy.scope():
     layer = PartialTPUEmbedding(ckpt_config(), emb.SGD(learning_rate=0.5), size_threshold=10)
     _traced_step(layer)
-  children = layer._trackable_children()
+  children = tf.train.TrackableView(layer).children(layer)
   assert "_sharded_embedding" in children
-  names = set(children["_tpu_embedding"]._trackable_children())
+  tables = children["_tpu_embedding"]
+  names = set(tf.train.TrackableView(tables).children(tables))
   assert names == {"a", "b", "table_2", "_tpu_embedding"}  # the last: tfrs's names, aliases
 
 
@@ -621,7 +620,7 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
     concrete = step.get_concrete_function(
       tf.nest.map_structure(tf.TensorSpec.from_tensor, features)
     )
-  assert layer.tpu_embedding.path is hardware.Path.TPU_V2
+  assert layer.tpu_embedding.execution_path is hardware.ExecutionPath.TPU_V2
   assert [layer.side(name) for name in "abc"] == ["replicated", "sharded", "sharded"]
   # TF stacks "b" and "c" (one optimizer) into one variable: one SparseCore lookup for both.
   assert set(layer.tpu_embedding.variables_by_table) == {"b_c"}
@@ -636,7 +635,7 @@ def test_on_sparse_core_large_tables_are_stacked_and_read_back_as_logical_tables
   np.testing.assert_array_equal(tables["a"], tpu_harness.pattern_table(5, 2, 0.0))
   # TF initialises the padded, dealt stack; each table is read back through its layout.
   stacked = tpu_harness.stacked_by_hand(layer.tpu_embedding.variables_by_table["b_c"]["parameters"])
-  layouts = layer.tpu_embedding._tpu_embedding.embedding_layouts
+  layouts = layer.tpu_embedding.engine.embedding_layouts
   for name, offset in {"b": 10000.0, "c": 20000.0}.items():
     np.testing.assert_array_equal(
       tables[name], tpu_harness.logical_by_hand(stacked, layouts[name]), err_msg=name
@@ -785,8 +784,8 @@ def test_under_mirrored_strategy_replicated_tables_are_mirrored_and_sum_the_glob
     strategy.run(replica_step, args=(batch,))
 
   step(batch)
-  want = slots_by_table(single._variables_by_table())
-  got = slots_by_table(mirrored._variables_by_table())
+  want = slots_by_table(single.variables_by_table)
+  got = slots_by_table(mirrored.variables_by_table)
   for key, value in want.items():
     np.testing.assert_allclose(got[key], value, rtol=1e-6, err_msg=str(key))
 
@@ -822,7 +821,7 @@ def _expected_tables(optimizer, bags_by_table, upstream_by_table, steps):
 
 
 def _check_tables(layer, expected):
-  variables = layer._variables_by_table()
+  variables = layer.variables_by_table
   for name, want in expected.items():
     for key, value in want.items():
       np.testing.assert_allclose(

@@ -355,7 +355,7 @@ def test_slots_are_left_out_unless_asked_for(exported, tmp_path):
   size = lambda d: sum(os.path.getsize(p) for p in glob.glob(f"{d}/variables/*"))  # noqa: E731
   assert size(directory) + 4 * (100 * 4 + 2 * 50 * 8) <= size(with_slots)
   loaded = tf.saved_model.load(with_slots)
-  engine = model.embedding._tpu_embedding.variables_by_table
+  engine = model.embedding.variables_by_table
   np.testing.assert_array_equal(
     loaded.optimizer_slots["movie"]["velocities"].numpy(), engine["movie"]["velocities"].numpy()
   )
@@ -505,7 +505,7 @@ def test_a_signature_needs_an_input_signature(exported, tmp_path):
 def _export_and_hang(directory, marker):
   """Subprocess: export, but stop for good once the files are written, before moving them."""
   model = trained_model(seed=1)
-  write = serving._write_saved_model
+  write = tf.saved_model.save
 
   def write_then_hang(*args, **kwargs):
     write(*args, **kwargs)
@@ -513,7 +513,7 @@ def _export_and_hang(directory, marker):
       f.write(args[1])
     time.sleep(600)
 
-  serving._write_saved_model = write_then_hang
+  tf.saved_model.save = write_then_hang  # this subprocess only
   serving.export_for_serving(model, directory, signatures(model), overwrite=True)
 
 

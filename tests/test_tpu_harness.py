@@ -50,15 +50,3 @@ def test_the_stand_in_is_a_real_tpu_strategy_for_tf_and_for_us(monkeypatch):
   assert strategy.num_replicas_in_sync == 2
   with strategy.scope():
     assert tf.distribute.get_strategy() is strategy
-
-
-@pytest.mark.parametrize("cls", [emb.TPUEmbeddingV0, emb.TPUEmbedding, emb.TPUEmbeddingV2])
-def test_the_private_members_backends_reads_are_still_set_by_tf(cls):
-  """backends.tf_variables_by_table reads `_variables`, backends.retrieve_from_tpu calls V1's
-  `_retrieve_variables`: TF must still define them."""
-  sources = [
-    inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("tensorflow.python.tpu")
-  ]
-  assert any("self._variables = " in source for source in sources), cls
-  if cls is emb.TPUEmbedding:
-    assert callable(cls._retrieve_variables)  # pylint: disable=protected-access

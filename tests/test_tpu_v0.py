@@ -77,7 +77,7 @@ def test_v0_matches_the_cpu_engine_in_keras_mode(v0):
   """Same activations, [B, D] for [B, 1] ids, and the same tables after one Keras SGD step."""
   with v0.scope():
     layer = TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.5))
-    assert layer.path is hardware.Path.TPU_V0
+    assert layer.execution_path is hardware.ExecutionPath.TPU_V0
     tpu_activations, tpu_tables = _train(layer)
   cpu_activations, cpu_tables = _train(
     TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.5), table_updates="keras")

@@ -48,12 +48,12 @@ def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking
   value is read back un-dealt, un-rotated and un-padded."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2, replicas)
   layer = _layer(strategy, stacking)
-  layouts = layer._tpu_embedding.embedding_layouts
+  layouts = layer.engine.embedding_layouts
   stacks = {layouts[name].stacked_table_name for name in SIZES}
   assert stacks == ({"user_video"} if stacking else {"video", "user"})
   assert all(layouts[name].unsharded_padded_shape[1] == 8 for name in SIZES)
   tables = {t.name: np.asarray(v) for t, v in layer.embedding_tables.items()}
-  stacked = layer._tpu_embedding.embedding_tables
+  stacked = layer.engine.embedding_tables
   for name, (vocabulary, dim, offset) in SIZES.items():
     want = logical_by_hand(
       stacked_by_hand(stacked[layouts[name].stacked_table_name]), layouts[name]
@@ -165,10 +165,10 @@ def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_p
   """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
   tables and Adagrad accumulators."""
   _, layer, path = _written_layer(monkeypatch, tmp_path, seed=1)
-  stacked = layer._tpu_embedding.variables["user_video"]
+  stacked = layer.engine.variables["user_video"]
   cpu = _cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
-  layouts = layer._tpu_embedding.embedding_layouts
+  layouts = layer.engine.embedding_layouts
   for name, variables in cpu.variables_by_table.items():
     for slot in ("parameters", "accumulators"):
       want = logical_by_hand(stacked_by_hand(stacked[slot]), layouts[name])
@@ -231,8 +231,7 @@ def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoi
   cpu = _cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   serving = emb.TPUEmbeddingForServing(_config(), emb.Adagrad(0.1))
-  holder = tf.Module()
-  holder._tpu_embedding = serving  # the path the layer saved under
+  holder = tf.train.Checkpoint(_tpu_embedding=serving)  # the path the layer saved under
   tf.train.Checkpoint(layer=holder).read(path).expect_partial()
   serving.build()
   want = _by_name(cpu.embedding_tables)

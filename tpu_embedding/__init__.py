@@ -6,19 +6,30 @@ on first use, so importing one flavour never loads the other Keras.
 """
 
 import importlib
+import warnings
 from typing import Any
 
 _MODULE_OF = {
+  "ExecutionPath": "tpu_embedding.hardware",
   "PartialTPUEmbedding": "tpu_embedding.partial",
-  "Path": "tpu_embedding.hardware",
   "TPUEmbedding": "tpu_embedding.layer",
   "translate_keras_optimizer": "tpu_embedding.optimizers",
 }
+
+# Old names kept for code written against them: {old name: current name}.
+_RENAMED = {"Path": "ExecutionPath"}  # `Path` read like a feature's path in the nest
 
 __all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
+  if name in _RENAMED:
+    warnings.warn(
+      f"tpu_embedding.{name} is deprecated; use tpu_embedding.{_RENAMED[name]}.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    name = _RENAMED[name]
   if name not in _MODULE_OF:
     raise AttributeError(f"module 'tpu_embedding' has no attribute {name!r}")
   return getattr(importlib.import_module(_MODULE_OF[name]), name)

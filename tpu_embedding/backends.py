@@ -1,7 +1,8 @@
 """One backend per execution path; the layer holds exactly one and never re-tests the hardware.
 
-Each backend owns the object stored at the layer's `_tpu_embedding` attribute (the checkpoint
-path tf-recommenders uses), so a table's checkpoint key is the same on the CPU, V0 and V1 paths;
+Each backend owns the path's `engine`, the object holding the tables: our `EmbeddingEngine` off
+TPU, TF's mid-level object on TPU. The layer saves it under `_tpu_embedding` (the checkpoint key
+tf-recommenders uses), so a table's checkpoint key is the same on the CPU, V0 and V1 paths;
 SparseCore saves stacked tables instead (see `tpu_embedding.sparse_core`).
 The TPU backends drive TF's mid-level classes as their documentation prescribes; their tests run
 those real classes with only the TPU runtime stubbed (tests/tpu_harness.py).
@@ -22,40 +23,35 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
+from tpu_embedding import tf_mid_level
 from tpu_embedding.engine.engine import EmbeddingEngine
 
 _PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
 
 _embedding = tf.tpu.experimental.embedding
 
+# Who updates the tables (the layers' `table_updates`): "engine", each table's own mid-level
+# optimizer, reached through the gradient trap; "keras", the Keras optimizer the model applies
+# to the tables as trainable variables.
 TABLE_UPDATES = ("engine", "keras")
-
-
-# The two TF-internal members of the mid-level classes this module uses, each in one place
-# (tests/test_tpu_harness.py checks that TF still has them).
-def tf_variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:
-  """The mid-level object's {table name: {"parameters" or slot name: variable}}."""
-  return mid_level._variables  # pylint: disable=protected-access
-
-
-def retrieve_from_tpu(mid_level: tf.Module) -> None:
-  """Copies V1's tables and slots from TPU memory into their host variables (as a save does)."""
-  mid_level._retrieve_variables()  # pylint: disable=protected-access
 
 
 class Backend(abc.ABC):
   """What the layer needs from an execution path."""
 
-  path: hardware.Path
-  needs_trap: bool  # whether the layer must pass a dummy trainable variable to `lookup`
+  path: hardware.ExecutionPath
+  table_updates: str  # one of TABLE_UPDATES; "engine" needs the gradient trap in `lookup`
 
   def __init__(self, config: config_lib.EmbeddingConfig):
     self.config = config
 
+  _engine: tf.Module  # set by each backend's constructor
+
   @property
-  @abc.abstractmethod
-  def mid_level(self) -> tf.Module:
-    """The trackable holding the tables, stored by the layer as `_tpu_embedding`."""
+  def engine(self) -> tf.Module:
+    """The trackable holding (and on most paths training) the tables: our `EmbeddingEngine`
+    off TPU, TF's mid-level `TPUEmbeddingV0`/`TPUEmbedding`/`TPUEmbeddingV2` on TPU."""
+    return self._engine
 
   @abc.abstractmethod
   def build(self, per_replica_input_shapes: Any) -> None: ...
@@ -65,12 +61,12 @@ class Backend(abc.ABC):
 
   @property
   def embedding_tables(self) -> dict:
-    return self.mid_level.embedding_tables
+    return self.engine.embedding_tables
 
   @property
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
-    """{table name: {"parameters": table, slot name: slot}}; TF's classes keep this privately."""
-    return tf_variables_by_table(self.mid_level)
+    """{table name: {"parameters": table, slot name: slot}}, the engine's own dict."""
+    return tf_mid_level.variables_by_table(self.engine)
 
   def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
     """Makes `variable` the table everywhere; TF's classes track their variables dict."""
@@ -93,7 +89,7 @@ class Backend(abc.ABC):
 class CpuBackend(Backend):
   """Non-TPU strategies: our engine, TPU-faithful by default."""
 
-  path = hardware.Path.CPU
+  path = hardware.ExecutionPath.CPU
 
   def __init__(
     self,
@@ -105,15 +101,10 @@ class CpuBackend(Backend):
     super().__init__(config)
     if table_updates not in TABLE_UPDATES:
       raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
-    keras_managed = table_updates == "keras"
-    self.needs_trap = not keras_managed
+    self.table_updates = table_updates
     self._engine = EmbeddingEngine(
-      config, pipelining=pipelining, keras_managed=keras_managed, check_finite=check_finite
+      config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
-
-  @property
-  def mid_level(self) -> EmbeddingEngine:
-    return self._engine
 
   def build(self, per_replica_input_shapes: Any) -> None:
     self._engine.build()
@@ -134,7 +125,7 @@ class CpuBackend(Backend):
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
-    return [] if self.needs_trap else list(self._engine.embedding_tables.values())
+    return [] if self.table_updates == "engine" else list(self._engine.embedding_tables.values())
 
   def flush(self) -> None:
     self._engine.flush()
@@ -149,25 +140,21 @@ class TpuV0Backend(Backend):
   and no slot variables are created (TF would create them and never update them).
   """
 
-  path = hardware.Path.TPU_V0
-  needs_trap = False
+  path = hardware.ExecutionPath.TPU_V0
+  table_updates = "keras"
 
   def __init__(self, config, user_optimizer: Any = None):
     super().__init__(config)
     _refuse_mid_level_optimizers(config, user_optimizer)
     for table in config.tables:
       table.optimizer = None  # slots would live in the Keras optimizer, not here
-    self._mid_level = _embedding.TPUEmbeddingV0(config.feature_config, None)
-
-  @property
-  def mid_level(self):
-    return self._mid_level
+    self._engine = _embedding.TPUEmbeddingV0(config.feature_config, None)
 
   def build(self, per_replica_input_shapes):
-    self._mid_level.build()
+    self._engine.build()
 
   def lookup(self, features, weights, trap):
-    activations = self._mid_level(features, weights)
+    activations = self._engine(features, weights)
     return tf.nest.pack_sequence_as(
       self.config.feature_config,
       [
@@ -180,7 +167,7 @@ class TpuV0Backend(Backend):
 
   @property
   def trainable_tables(self) -> list[tf.Variable]:
-    return list(self._mid_level.embedding_tables.values())
+    return list(self._engine.embedding_tables.values())
 
 
 def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:
@@ -218,7 +205,7 @@ def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimi
     if isinstance(optimizer, typing.get_args(optimizers.MidLevelOptimizer)):
       raise ValueError(
         f"{where} is a tf.tpu.experimental.embedding.{type(optimizer).__name__}, but this TPU "
-        f"has no embedding engine (path {hardware.Path.TPU_V0.name}, embedding feature "
+        f"has no embedding engine (path {hardware.ExecutionPath.TPU_V0.name}, embedding feature "
         "UNSUPPORTED): its replicated tables are trained by the Keras optimizer your train "
         "step applies, which cannot follow a mid-level optimizer's TPU semantics. Pass a "
         "Keras optimizer (or its name) and apply that same optimizer to the model."
@@ -228,20 +215,16 @@ def _refuse_mid_level_optimizers(config: config_lib.EmbeddingConfig, user_optimi
 class TpuV1Backend(Backend):
   """TPU embedding engine: enqueue on the host, dequeue in the step, gradients via the trap."""
 
-  path = hardware.Path.TPU_V1
-  needs_trap = True
+  path = hardware.ExecutionPath.TPU_V1
+  table_updates = "engine"
 
   def __init__(self, config, pipelining: bool = False, batch_size: Optional[int] = None):
     super().__init__(config)
     self._batch_size = batch_size
     _require_optimizers(config, self.path)
     _give_packing_status_as_enum(config)
-    self._mid_level = _embedding.TPUEmbedding(config.feature_config, config.optimizer, pipelining)
+    self._engine = _embedding.TPUEmbedding(config.feature_config, config.optimizer, pipelining)
     self._call_ids = itertools.count(1)
-
-  @property
-  def mid_level(self):
-    return self._mid_level
 
   @property
   def embedding_tables(self) -> dict:
@@ -251,33 +234,33 @@ class TpuV1Backend(Backend):
     between), so the tables are retrieved as a save would, eagerly even inside a trace.
     """
     with tf.init_scope():
-      retrieve_from_tpu(self._mid_level)
+      tf_mid_level.retrieve_from_tpu(self._engine)
     variables = self.variables_by_table
     return {table: variables[table.name]["parameters"] for table in self.config.tables}
 
   def flush(self) -> None:
     """Copies the tables and slots from TPU memory into their host variables, so that what
     export reads is current (TF's own checkpoint saver does the same before a save)."""
-    retrieve_from_tpu(self._mid_level)
+    tf_mid_level.retrieve_from_tpu(self._engine)
 
   def build(self, per_replica_input_shapes):
     if self._batch_size is None:
-      self._mid_level.build(per_replica_input_shapes=per_replica_input_shapes)
+      self._engine.build(per_replica_input_shapes=per_replica_input_shapes)
     else:
-      self._mid_level.build(per_replica_batch_size=self._batch_size)
+      self._engine.build(per_replica_batch_size=self._batch_size)
 
   def lookup(self, features, weights, trap):
     _refuse_wide_dense_ids(self.config, features)
     # A name pairs this call's enqueue, dequeue and apply_gradients within one traced step.
     name = str(next(self._call_ids))
-    self._mid_level.enqueue(features, weights, training=True, name=name)
+    self._engine.enqueue(features, weights, training=True, name=name)
 
     @tf.custom_gradient
     def gradient_trap(dummy):
-      activations = tf.nest.flatten(self._mid_level.dequeue(name=name))
+      activations = tf.nest.flatten(self._engine.dequeue(name=name))
 
       def grad(*upstream):
-        self._mid_level.apply_gradients(
+        self._engine.apply_gradients(
           tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)), name=name
         )
         return tf.zeros_like(dummy)
@@ -287,7 +270,7 @@ class TpuV1Backend(Backend):
     return tf.nest.pack_sequence_as(self.config.feature_config, gradient_trap(trap))
 
 
-def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.Path) -> None:
+def _require_optimizers(config: config_lib.EmbeddingConfig, path: hardware.ExecutionPath) -> None:
   missing = [table.name for table in config.tables if table.optimizer is None]
   if missing:
     raise ValueError(
@@ -311,7 +294,7 @@ def _refuse_wide_dense_ids(config: config_lib.EmbeddingConfig, features: Any) ->
     ):
       raise ValueError(
         f"Feature {feature.name!r}: dense ids of shape {shape.as_list()}, but on path "
-        f"{hardware.Path.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
+        f"{hardware.ExecutionPath.TPU_V1.name} a dense Tensor must hold one id per sample ([B] or "
         "[B, 1]). Pass bags of ids as a RaggedTensor or SparseTensor, or set "
         "FeatureConfig.max_sequence_length for a sequence feature."
       )
@@ -343,24 +326,20 @@ def _give_packing_status_as_enum(config: config_lib.EmbeddingConfig) -> None:
 class TpuV2Backend(Backend):
   """SparseCore: one call does enqueue+dequeue; gradients go back with the preserved state."""
 
-  path = hardware.Path.TPU_V2
-  needs_trap = True
+  path = hardware.ExecutionPath.TPU_V2
+  table_updates = "engine"
 
   def __init__(self, config, pipelining: bool = False, sparse_core_embedding_config=None):
     super().__init__(config)
     _require_optimizers(config, self.path)
     _require_output_shapes(config)
     _refuse_what_sparse_core_ignores(config)
-    self._mid_level = _embedding.TPUEmbeddingV2(
+    self._engine = _embedding.TPUEmbeddingV2(
       config.feature_config, config.optimizer, pipelining, sparse_core_embedding_config
     )
 
-  @property
-  def mid_level(self):
-    return self._mid_level
-
   def build(self, per_replica_input_shapes):
-    self._mid_level.build()
+    self._engine.build()
 
   @property
   def embedding_tables(self) -> dict:
@@ -371,19 +350,24 @@ class TpuV2Backend(Backend):
     tables as configured (write through a checkpoint restore, not through these).
     """
     return sparse_core.logical_tables(
-      self._mid_level.embedding_tables, self._mid_level.embedding_layouts, self.config.tables
+      self._engine.embedding_tables, self._engine.embedding_layouts, self.config.tables
     )
 
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{stacked table name: {"parameters"/slot: variable}}: SparseCore keeps them by stack."""
+    return self._engine.variables
+
   def needs_relayout(self, path: str) -> bool:
-    return sparse_core.needs_relayout(path, self._mid_level)
+    return sparse_core.needs_relayout(path, self._engine)
 
   def lookup(self, features, weights, trap):
     @tf.custom_gradient
     def gradient_trap(dummy):
-      activations, preserved = self._mid_level(features, weights)
+      activations, preserved = self._engine(features, weights)
 
       def grad(*upstream):
-        self._mid_level.apply_gradients(
+        self._engine.apply_gradients(
           tf.nest.pack_sequence_as(self.config.feature_config, list(upstream)),
           preserved_outputs=preserved,
         )
@@ -399,7 +383,7 @@ def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
   if missing:
     raise ValueError(
       f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
-      f"{hardware.Path.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
+      f"{hardware.ExecutionPath.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
       "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length])."
     )
 
@@ -422,14 +406,14 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
       if any(value is not None for value in values):
         raise ValueError(
           f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
-          f"{hardware.Path.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
+          f"{hardware.ExecutionPath.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
           "gradient clipping, weight clipping or weight decay. Remove the setting for this "
           "path (the CPU, V1 and Keras paths apply it)."
         )
 
 
 def create(
-  path: hardware.Path,
+  path: hardware.ExecutionPath,
   config: config_lib.EmbeddingConfig,
   *,
   pipelining: bool,
@@ -440,7 +424,7 @@ def create(
   check_finite: bool = False,
 ) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
-  if path is hardware.Path.CPU:
+  if path is hardware.ExecutionPath.CPU:
     return CpuBackend(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
@@ -450,9 +434,9 @@ def create(
       "the tables itself and cannot stop at a non-finite value. Leave it off under a "
       "TPUStrategy (e.g. TPUEmbedding(..., check_finite=not on_tpu))."
     )
-  if path is hardware.Path.TPU_V0:
+  if path is hardware.ExecutionPath.TPU_V0:
     return TpuV0Backend(config, user_optimizer)
-  if path is hardware.Path.TPU_V1:
+  if path is hardware.ExecutionPath.TPU_V1:
     return TpuV1Backend(config, pipelining=pipelining, batch_size=batch_size)
   return TpuV2Backend(
     config, pipelining=pipelining, sparse_core_embedding_config=sparse_core_embedding_config

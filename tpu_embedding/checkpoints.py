@@ -29,6 +29,12 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
 from tpu_embedding import tf_restore
 
+# The checkpoint name of the object holding the tables. tf-recommenders' layer keeps its
+# mid-level object at the attribute `_tpu_embedding`, so its checkpoints name every table
+# `.../_tpu_embedding/<table>`; the layers here track their tables under the same name, byte for
+# byte, so that those checkpoints restore (and theirs restore into tf-recommenders).
+TABLES_KEY = "_tpu_embedding"
+
 
 def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[int]]]:
   """{dependency name: (table name, shape)} for every variable the engine tracks.
@@ -170,13 +176,11 @@ def _adopt_tfrs_partial_layout(
     child(nodes[tables_node], table.name) is not None for table in config.tables
   ):
     return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
-  if (
-    child(proto, "_keras_embedding_layers") is None and follow(tables_key, "_tpu_embedding") is None
-  ):
+  if child(proto, "_keras_embedding_layers") is None and follow(tables_key, TABLES_KEY) is None:
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:
-    candidates = [(tables_key, "_tpu_embedding", table.name)] + [
+    candidates = [(tables_key, TABLES_KEY, table.name)] + [
       ("_keras_embedding_layers", feature.path, "embeddings")
       for feature in config.features_of(table)
     ]

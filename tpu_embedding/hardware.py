@@ -14,7 +14,7 @@ import tensorflow as tf
 EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 
 
-class Path(enum.Enum):
+class ExecutionPath(enum.Enum):
   """An execution path; each has one backend class in `tpu_embedding.backends`."""
 
   CPU = "cpu"  # any non-TPU strategy: our CPU/GPU engine
@@ -24,9 +24,9 @@ class Path(enum.Enum):
 
 
 _PATH_OF_FEATURE = {
-  EmbeddingFeature.UNSUPPORTED: Path.TPU_V0,
-  EmbeddingFeature.V1: Path.TPU_V1,
-  EmbeddingFeature.V2: Path.TPU_V2,
+  EmbeddingFeature.UNSUPPORTED: ExecutionPath.TPU_V0,
+  EmbeddingFeature.V1: ExecutionPath.TPU_V1,
+  EmbeddingFeature.V2: ExecutionPath.TPU_V2,
 }
 
 
@@ -61,7 +61,7 @@ def detect_embedding_feature(strategy: tf.distribute.Strategy) -> Optional[Embed
 
 def choose_path(
   strategy: tf.distribute.Strategy, override: Optional[EmbeddingFeature] = None
-) -> Path:
+) -> ExecutionPath:
   """Maps the hardware (and an optional user override) to a path.
 
   Forcing UNSUPPORTED (replicated tables) is always allowed on a TPU; forcing a feature the
@@ -70,9 +70,9 @@ def choose_path(
   """
   detected = detect_embedding_feature(strategy)
   if detected is None:
-    return Path.CPU
+    return ExecutionPath.CPU
   if override == EmbeddingFeature.UNSUPPORTED:
-    return Path.TPU_V0
+    return ExecutionPath.TPU_V0
   if detected not in _PATH_OF_FEATURE:
     raise ValueError(
       f"This TPU reports the embedding feature {detected!r}, which this package does not know "

@@ -8,6 +8,7 @@ everything the layer does in `tpu_embedding.layer_core`, shared with the Keras 3
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import tf_keras
@@ -63,6 +64,11 @@ class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
     raise ValueError(_RELOAD_REFUSAL)
 
   @property
-  def path(self) -> hardware.Path:
-    """The execution path chosen at construction (`execution_path`, the name both flavours share)."""
+  def path(self) -> hardware.ExecutionPath:
+    """Deprecated: `execution_path` (Keras 3 layers have a `path` of their own, their name)."""
+    warnings.warn(
+      "TPUEmbedding.path is deprecated; use TPUEmbedding.execution_path.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
     return self.execution_path

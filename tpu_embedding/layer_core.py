@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import tensorflow as tf
 
 from tpu_embedding import backends
+from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
@@ -53,20 +54,29 @@ class TPUEmbeddingCore:
       user_optimizer=optimizer,
       check_finite=check_finite,
     )
-    self._tpu_embedding = self._backend.mid_level  # the checkpoint key tf-recommenders uses
+    # Tracked under tf-recommenders' name only (not also under the attribute's).
+    self._engine = self._no_dependency(self._backend.engine)
+    self._track_trackable(self._engine, name=checkpoints.TABLES_KEY)
     self.batch_size = batch_size
-    if self._backend.needs_trap:  # tables trained by their mid-level optimizers
+    if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
   @property
-  def execution_path(self) -> hardware.Path:
+  def execution_path(self) -> hardware.ExecutionPath:
     """The execution path chosen at construction."""
     return self._backend.path
+
+  @property
+  def engine(self) -> tf.Module:
+    """The object holding the tables on this path: the CPU/GPU `EmbeddingEngine`, or on TPU
+    TF's `TPUEmbeddingV0`, `TPUEmbedding` or `TPUEmbeddingV2` (checkpointed as `_tpu_embedding`,
+    the name tf-recommenders gives its mid-level object)."""
+    return self._engine
 
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
-    if self._backend.needs_trap:
+    if self._backend.table_updates == "engine":
       setattr(
         self,
         TRAP_NAME,
@@ -103,7 +113,7 @@ class TPUEmbeddingCore:
     current = tf.distribute.get_strategy()
     if current is self._strategy:
       return
-    on_tpu = self.execution_path is not hardware.Path.CPU
+    on_tpu = self.execution_path is not hardware.ExecutionPath.CPU
     if on_tpu or hardware.is_tpu_strategy(current) or tf.distribute.has_strategy():
       created, called = hardware.strategy_name(self._strategy), hardware.strategy_name(current)
       if created == called:
@@ -143,7 +153,7 @@ class TPUEmbeddingCore:
         f"{getattr(getattr(embedding_table, 'dtype', None), 'name', '')}."
       )
     self._backend.replace_table(clone, embedding_table)
-    if not self._backend.needs_trap and self.built:
+    if self._backend.table_updates == "keras" and self.built:
       self._keras_trained_tables = self._backend.trainable_tables
 
   @property
@@ -183,12 +193,12 @@ class TPUEmbeddingCore:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint:
     refuses a checkpoint that would silently leave the tables unchanged (a SparseCore one off
     SparseCore; one in another layout on SparseCore once the tables exist)."""
-    if self.execution_path is not hardware.Path.TPU_V2:
+    if self.execution_path is not hardware.ExecutionPath.TPU_V2:
       sparse_core.refuse_stacked_tables(
         path,
         {t.name for t in self._config.tables},
         f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
-        "_tpu_embedding",
+        checkpoints.TABLES_KEY,
       )
     elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(

@@ -47,8 +47,6 @@ SHARDED = "sharded"
 
 _FLOAT32_BYTES = 4
 _TRAP_NAME = "partial_embedding_helper_dummy"
-# The checkpoint name of the object holding every table, the attribute path `TPUEmbedding` uses.
-_TABLES_KEY = "_tpu_embedding"
 # On TPU paths the sharded layer stays in the checkpoint too, under this name, so TensorFlow's
 # save/restore callbacks move the tables between TPU memory and their host variables.
 _SHARDED_LAYER_KEY = "_sharded_embedding"
@@ -163,6 +161,14 @@ class ReplicatedTable:
     return self.table.dim
 
 
+class CheckpointNode(autotrackable.AutoTrackable):
+  """A node of the checkpoint's object graph whose children are named freely: table names,
+  `<table>/<slot>` and feature paths, which need not be Python identifiers."""
+
+  def add(self, name: str, child: Any) -> None:
+    self._track_trackable(child, name=name, overwrite=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The layer
 
@@ -190,7 +196,7 @@ class PartialTPUEmbeddingCore:
       raise ValueError(
         f"table_updates={table_updates!r}; expected one of {backends.TABLE_UPDATES}."
       )
-    self._keras_managed = table_updates == "keras"
+    self._table_updates = table_updates
     if size_threshold is not None and (
       isinstance(size_threshold, bool) or not isinstance(size_threshold, int) or size_threshold < 0
     ):
@@ -217,10 +223,10 @@ class PartialTPUEmbeddingCore:
       per_side[side_of[feature.table.name]][feature.path] = feature.config
     self._paths = tuple((f.path, side_of[f.table.name]) for f in self._config.features)
 
-    self._tpu_embedding = None
+    self._sharded = None  # the TPUEmbedding layer serving the sharded tables
     if per_side[SHARDED]:
       _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
-      self._tpu_embedding = self.sharded_layer_class(
+      self._sharded = self.sharded_layer_class(
         per_side[SHARDED],
         self._config.optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
@@ -228,8 +234,8 @@ class PartialTPUEmbeddingCore:
         table_updates=table_updates,
         name="sharded_embedding",
       )
-      if self._tpu_embedding.execution_path is hardware.Path.CPU:
-        self._tpu_embedding.build(None)  # needs no shapes off TPU: tables exist from the start
+      if self._sharded.execution_path is hardware.ExecutionPath.CPU:
+        self._sharded.build(None)  # needs no shapes off TPU: tables exist from the start
 
     # The replicated engine needs no shapes: build it now, under the strategy in scope, so its
     # variables are that strategy's replicated variables (TensorCore memory on TPU).
@@ -238,18 +244,18 @@ class PartialTPUEmbeddingCore:
       self._replicated = EmbeddingEngine(
         config_lib.prepare(per_side[REPLICATED], self._config.optimizer),
         pipelining=False,
-        keras_managed=self._keras_managed,
+        table_updates=table_updates,
       )
       self._replicated.build()
-      if not self._keras_managed:
+      if table_updates == "engine":
         optimizers.warn_if_bias_correction_dropped(
           [table for table in self._config.tables if side_of[table.name] == REPLICATED]
         )
 
-    self._tables_view = self._no_dependency(autotrackable.AutoTrackable())
+    self._tables_view = self._no_dependency(CheckpointNode())
     # tf-recommenders' names for the same variables (see `_track_tables`).
-    self._tfrs_sharded_view = self._no_dependency(autotrackable.AutoTrackable())
-    self._tfrs_keras_layers_view = self._no_dependency(autotrackable.AutoTrackable())
+    self._tfrs_sharded_view = self._no_dependency(CheckpointNode())
+    self._tfrs_keras_layers_view = self._no_dependency(CheckpointNode())
     self._track_tables()
 
   # -------------------------------------------------------------------------------------------
@@ -258,7 +264,7 @@ class PartialTPUEmbeddingCore:
   @property
   def tpu_embedding(self) -> Optional[TPUEmbeddingCore]:
     """The `TPUEmbedding` layer serving the sharded tables, or None when none is sharded."""
-    return self._tpu_embedding
+    return self._sharded
 
   @property
   def keras_embedding_layers(self) -> dict[str, ReplicatedTable]:
@@ -341,26 +347,24 @@ class PartialTPUEmbeddingCore:
           for name, variables in self._replicated.variables_by_table.items()
         }
       )
-    if self._tpu_embedding is not None and self._tpu_embedding.built:
-      by_name.update(
-        {table.name: value for table, value in self._tpu_embedding.embedding_tables.items()}
-      )
+    if self._sharded is not None and self._sharded.built:
+      by_name.update({table.name: value for table, value in self._sharded.embedding_tables.items()})
     return {
       self._config.user_tables[t]: by_name[t.name] for t in self._config.tables if t.name in by_name
     }
 
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
-    if self._tpu_embedding is not None:
-      self._tpu_embedding.flush()
+    if self._sharded is not None:
+      self._sharded.flush()
 
   # -------------------------------------------------------------------------------------------
   # Keras
 
   def build(self, input_shape: Any) -> None:
-    if self._tpu_embedding is not None and not self._tpu_embedding.built:
-      self._tpu_embedding.build(self._sharded_shapes(input_shape))
-    if self._replicated is not None and self._keras_managed:
+    if self._sharded is not None and not self._sharded.built:
+      self._sharded.build(self._sharded_shapes(input_shape))
+    if self._replicated is not None and self._table_updates == "keras":
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())
     elif self._replicated is not None:
@@ -391,7 +395,7 @@ class PartialTPUEmbeddingCore:
 
     outputs = {}
     if inputs[SHARDED]:
-      outputs.update(self._tpu_embedding(inputs[SHARDED], weights=side_weights(SHARDED)))
+      outputs.update(self._sharded(inputs[SHARDED], weights=side_weights(SHARDED)))
     if inputs[REPLICATED]:
       outputs.update(
         self._replicated.lookup(
@@ -403,13 +407,15 @@ class PartialTPUEmbeddingCore:
   # -------------------------------------------------------------------------------------------
   # Checkpoints: one name per table and slot, whatever its side
 
-  def _variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
-    """{table name: {"parameters": ..., slot: ...}} over both sides, for the built ones."""
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}} over both sides, for the built ones
+    (as `TPUEmbedding.variables_by_table`)."""
     variables = {}
     if self._replicated is not None:
       variables.update(self._replicated.variables_by_table)
-    if self._tpu_embedding is not None and self._tpu_embedding.built:
-      variables.update(_sharded_variables(self._tpu_embedding))
+    if self._sharded is not None and self._sharded.built:
+      variables.update(_sharded_variables(self._sharded))
     return variables
 
   def _track_tables(self) -> None:
@@ -423,27 +429,20 @@ class PartialTPUEmbeddingCore:
     `_tpu_embedding/_tpu_embedding/<table>`), so its tables load into that class too. A checkpoint
     stores a variable once, however many names lead to it.
     """
-    variables_by_table = self._variables_by_table()
+    variables_by_table = self.variables_by_table
     for table_name, variables in variables_by_table.items():
       for key, variable in variables.items():
-        name = table_name if key == "parameters" else f"{table_name}/{key}"
-        self._tables_view._track_trackable(variable, name=name, overwrite=True)  # pylint: disable=protected-access
-      self._tfrs_sharded_view._track_trackable(  # pylint: disable=protected-access
-        variables["parameters"], name=table_name, overwrite=True
-      )
-    self._tables_view._track_trackable(  # pylint: disable=protected-access
-      self._tfrs_sharded_view, name="_tpu_embedding", overwrite=True
-    )
+        self._tables_view.add(
+          table_name if key == "parameters" else f"{table_name}/{key}", variable
+        )
+      self._tfrs_sharded_view.add(table_name, variables["parameters"])
+    self._tables_view.add(checkpoints.TABLES_KEY, self._tfrs_sharded_view)
     for feature in self._config.features:
       if feature.table.name not in variables_by_table:
         continue
-      keras_layer = autotrackable.AutoTrackable()
-      keras_layer._track_trackable(  # pylint: disable=protected-access
-        variables_by_table[feature.table.name]["parameters"], name="embeddings"
-      )
-      self._tfrs_keras_layers_view._track_trackable(  # pylint: disable=protected-access
-        keras_layer, name=feature.path, overwrite=True
-      )
+      keras_layer = CheckpointNode()
+      keras_layer.add("embeddings", variables_by_table[feature.table.name]["parameters"])
+      self._tfrs_keras_layers_view.add(feature.path, keras_layer)
 
   def _checkpoint_adapter(self, path: str) -> Any:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
@@ -455,14 +454,14 @@ class PartialTPUEmbeddingCore:
     per-table variables cannot receive a SparseCore checkpoint's stacks: both refused rather
     than left unrestored.
     """
-    sharded = self._tpu_embedding
-    on_sparse_core = sharded is not None and sharded.execution_path is hardware.Path.TPU_V2
+    sharded = self._sharded
+    on_sparse_core = sharded is not None and sharded.execution_path is hardware.ExecutionPath.TPU_V2
     if not on_sparse_core:
       sparse_core.refuse_stacked_tables(
         path,
         {t.name for t in self._config.tables},
         f"the PartialTPUEmbedding layer {self.name!r}",
-        f"{_SHARDED_LAYER_KEY}/{_TABLES_KEY}",
+        f"{_SHARDED_LAYER_KEY}/{checkpoints.TABLES_KEY}",
       )
     if on_sparse_core and sharded.checkpoint_needs_relayout(path):
       names = sorted(name for name, side in self._sides if side == SHARDED)
@@ -479,10 +478,10 @@ class PartialTPUEmbeddingCore:
       checkpoints.validate(
         self,
         self._config,
-        not self._keras_managed,
+        self._table_updates == "engine",
         path,
         layer="PartialTPUEmbedding",
-        tables_key=_TABLES_KEY,
+        tables_key=checkpoints.TABLES_KEY,
       )
     return super()._checkpoint_adapter(path)
 
@@ -495,10 +494,10 @@ class PartialTPUEmbeddingCore:
     children.pop(_TRAP_NAME, None)
     children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)
-    sharded = children.pop("_tpu_embedding", None)
-    if sharded is not None and self._tpu_embedding.execution_path is not hardware.Path.CPU:
+    sharded = children.pop("_sharded", None)
+    if sharded is not None and self._sharded.execution_path is not hardware.ExecutionPath.CPU:
       children[_SHARDED_LAYER_KEY] = sharded
-    children[_TABLES_KEY] = self._tables_view
+    children[checkpoints.TABLES_KEY] = self._tables_view
     children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
     return children
 
@@ -529,7 +528,7 @@ def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variab
 def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
   """On a TPU without embedding hardware TF replicates every table and trains it with the Keras
   optimizer (path V0), so the sharded side could not train as the replicated side does."""
-  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.Path.TPU_V0:
+  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.ExecutionPath.TPU_V0:
     raise ValueError(
       f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
       "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "

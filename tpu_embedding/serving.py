@@ -188,7 +188,7 @@ def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
   """A SparseCore layer's variables are TF's stacked, padded, row-dealt stacks: an export of
   them could not hold its tables by name (`embedding_tables`, `tables=`)."""
   for layer in layers:
-    if layer.execution_path is hardware.Path.TPU_V2:
+    if layer.execution_path is hardware.ExecutionPath.TPU_V2:
       raise ValueError(
         f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
         f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "

@@ -56,6 +56,16 @@ class MovieLens:
   def __len__(self) -> int:
     return len(self.ratings)
 
+  def take(self, rows: np.ndarray) -> "MovieLens":
+    """The ratings at `rows` (indices into the arrays), with the same ids, titles and source."""
+    return dataclasses.replace(
+      self,
+      user_ids=self.user_ids[rows],
+      movie_ids=self.movie_ids[rows],
+      ratings=self.ratings[rows],
+      timestamps=self.timestamps[rows],
+    )
+
 
 def load_movielens(
   source: str | None = None, data_dir: str | os.PathLike | None = None, seed: int = 42
@@ -94,7 +104,7 @@ def train_test_split(
     raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
   order = np.random.default_rng(seed).permutation(len(data))
   num_test = int(round(len(data) * test_fraction))
-  return _take(data, order[num_test:]), _take(data, order[:num_test])
+  return data.take(order[num_test:]), data.take(order[:num_test])
 
 
 def rating_labels(data: MovieLens) -> np.ndarray:
@@ -127,16 +137,6 @@ def mean_rating_rmse(train: MovieLens, test: MovieLens) -> float:
   return float(np.sqrt(np.mean((rating_labels(test) - mean) ** 2)))
 
 
-def _take(data: MovieLens, rows: np.ndarray) -> MovieLens:
-  return dataclasses.replace(
-    data,
-    user_ids=data.user_ids[rows],
-    movie_ids=data.movie_ids[rows],
-    ratings=data.ratings[rows],
-    timestamps=data.timestamps[rows],
-  )
-
-
 def _load_tfds(data_dir: str | os.PathLike | None) -> MovieLens:
   """Reads an already prepared TFDS copy and never downloads.
 
@@ -161,11 +161,12 @@ def _load_tfds(data_dir: str | os.PathLike | None) -> MovieLens:
       "source='local' with data_dir pointing at an ml-100k directory (u.data, u.item), or "
       "source='synthetic'."
     ) from err
-  return _from_tfds_arrays(*arrays)
+  return from_tfds_arrays(*arrays)
 
 
-def _from_tfds_arrays(ratings: dict[str, np.ndarray], movies: dict[str, np.ndarray]) -> MovieLens:
-  """TFDS stores ids as byte strings; parse them to the integer ids of the original files."""
+def from_tfds_arrays(ratings: dict[str, np.ndarray], movies: dict[str, np.ndarray]) -> MovieLens:
+  """MovieLens from TFDS's `movielens/100k-ratings` and `-movies` as NumPy arrays (a prepared copy
+  read with `batch_size=-1`). TFDS stores ids as byte strings: parsed to the files' integer ids."""
   user_ids = ratings["user_id"].astype(np.int32)
   movie_ids = ratings["movie_id"].astype(np.int32)
   titles = {

@@ -53,7 +53,8 @@ class EmbeddingEngine(tf.Module):
     config: the prepared feature configuration.
     pipelining: emulate `pipeline_execution_with_tensor_core=True`: a step's lookups see the
       tables without the previous step's update, as on TPU.
-    keras_managed: tables are trainable variables updated by the user's Keras optimizer (the
+    table_updates: "engine" (each table's mid-level optimizer, through the trap) or "keras":
+      tables are trainable variables updated by the user's Keras optimizer (the
       tf-recommenders behaviour); no slots are created and no trap is used.
     check_finite: raise at the first non-finite gradient, weight or learning rate on its way
       to a table (`finite`), instead of letting it poison the rows as the TPU does.
@@ -68,13 +69,13 @@ class EmbeddingEngine(tf.Module):
     self,
     config: config_lib.EmbeddingConfig,
     pipelining: bool = False,
-    keras_managed: bool = False,
+    table_updates: str = "engine",
     check_finite: bool = False,
   ):
     super().__init__(name="embedding_engine")
     self._config = self._no_dependency(config)
     self._pipelining = pipelining
-    self._keras_managed = keras_managed
+    self._updates_tables = table_updates == "engine"  # else Keras's optimizer does
     self._check_finite = check_finite
     self._follows_keras_optimizer = any(
       optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables
@@ -119,10 +120,10 @@ class EmbeddingEngine(tf.Module):
     initializer = table.initializer or tf.initializers.TruncatedNormal(
       mean=0.0, stddev=1.0 / (table.dim**0.5)
     )
-    parameters = _new_variable(initializer, shape, table.name, self._keras_managed)
+    parameters = _new_variable(initializer, shape, table.name, trainable=not self._updates_tables)
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
-    if table.optimizer is not None and not self._keras_managed:
+    if table.optimizer is not None and self._updates_tables:
       self._rules[table.name] = updates.rule_for(table.optimizer)
       variables.update(self._create_slots(table, parameters))
       if sharded.is_sharded(parameters) and self._pipelining:
@@ -133,7 +134,7 @@ class EmbeddingEngine(tf.Module):
       if on_parameter_servers and not self._pipelining:
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
-    if self._pipelining and not self._keras_managed:
+    if self._pipelining and self._updates_tables:
       self._pending[table.name] = PendingUpdate.create(table)
 
   def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
@@ -158,7 +159,7 @@ class EmbeddingEngine(tf.Module):
   def _checkpoint_adapter(self, path: str):
     # TF's per-object restore hook, called before any table or slot of this engine is bound:
     # refuse the whole restore here if any of them is missing or has another shape.
-    checkpoints.validate(self, self._config, not self._keras_managed, path)
+    checkpoints.validate(self, self._config, self._updates_tables, path)
     return super()._checkpoint_adapter(path)
 
   @property

@@ -54,12 +54,14 @@ def runs_on(variables: Sequence[tf.Variable]) -> bool:
     if variable.dtype != tf.float32:
       return False
     device = tf.DeviceSpec.from_string(variable.device)
-    if device.device_type != "CPU" or not _same_task(device, local):
+    if device.device_type != "CPU" or not same_task(device, local):
       return False
   return True
 
 
-def _same_task(device: tf.DeviceSpec, local: tf.DeviceSpec) -> bool:
+def same_task(device: tf.DeviceSpec, local: tf.DeviceSpec) -> bool:
+  """Whether `device` belongs to the task (process) `local` names; a job-less or "localhost"
+  device is always this process's."""
   if device.job in (None, "localhost"):
     return True
   return (device.job, device.replica or 0, device.task or 0) == (

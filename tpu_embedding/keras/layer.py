@@ -81,7 +81,7 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
       batch_size=batch_size,
       check_finite=check_finite,
     )
-    if not self._backend.needs_trap:
+    if self._backend.table_updates == "keras":
       raise ValueError(
         f"TPUEmbedding for Keras 3 on {self.execution_path.name}: these tables would be trained "
         "by the model's optimizer (table_updates='keras', or a TPU without an embedding "

@@ -1,0 +1,72 @@
+"""tpu_embedding.tf_mid_level on TF's real mid-level classes, with only the TPU runtime stubbed
+(tests/tpu_harness.py): a TF upgrade that moves what the adapter reads fails here, by name."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+
+import tpu_harness
+from tpu_embedding import tf_mid_level
+from tpu_embedding.hardware import EmbeddingFeature
+
+emb = tf.tpu.experimental.embedding
+BATCH = 2
+# Protobuf >= 5 refuses TF's default packing status (the bool False) in V1's config proto.
+UNSPECIFIED_PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status.UNSPECIFIED
+
+
+def test_checked_tf_version_is_the_installed_one():
+  assert tf.__version__ in tf_mid_level.CHECKED_AGAINST, (
+    f"tpu_embedding.tf_mid_level was checked against TF {tf_mid_level.CHECKED_AGAINST}, this "
+    f"is {tf.__version__}: re-check the two members it reads, then add the version."
+  )
+
+
+def built(monkeypatch, feature):
+  """A built V0 (no optimizer, as the V0 backend builds it) or V1 (Adagrad) object."""
+  strategy, recorded = tpu_harness.tpu_strategy(monkeypatch, feature)
+  video, user = tpu_harness.video_and_user_tables()
+  config = {"watched": emb.FeatureConfig(table=video), "friends": emb.FeatureConfig(table=user)}
+  with strategy.scope():
+    if feature is EmbeddingFeature.UNSUPPORTED:
+      mid_level = emb.TPUEmbeddingV0(config, None)
+      mid_level.build()
+    else:
+      mid_level = emb.TPUEmbedding(
+        config,
+        emb.Adagrad(
+          0.1, initial_accumulator_value=0.5, low_dimensional_packing_status=UNSPECIFIED_PACKING
+        ),
+      )
+      mid_level.build(per_replica_batch_size=BATCH)
+  return mid_level, recorded
+
+
+@pytest.mark.parametrize("feature", [EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1])
+def test_variables_by_table_is_the_dict_the_object_looks_up_from(monkeypatch, feature):
+  mid_level, _ = built(monkeypatch, feature)
+  variables = tf_mid_level.variables_by_table(mid_level)
+  slots = [] if feature is EmbeddingFeature.UNSUPPORTED else ["accumulators"]
+  assert {name: sorted(v) for name, v in variables.items()} == {
+    "video": sorted(["parameters", *slots]),
+    "user": sorted(["parameters", *slots]),
+  }
+  table = variables["video"]["parameters"]
+  value = table.variables[0] if feature is EmbeddingFeature.V1 else table  # V1: one host shard
+  np.testing.assert_array_equal(value.numpy(), np.arange(8.0).reshape(2, 4))
+  if slots:
+    accumulators = variables["user"]["accumulators"].variables[0].numpy()
+    np.testing.assert_array_equal(accumulators, np.full((4, 2), 0.5))
+  else:  # V0 reads its tables from this dict: a replaced entry is what it looks up
+    replacement = tf.Variable(np.full((2, 4), 7.0, np.float32))
+    variables["video"]["parameters"] = replacement
+    looked_up = mid_level({"watched": tf.constant([1]), "friends": tf.constant([0])})
+    np.testing.assert_array_equal(looked_up["watched"].numpy(), np.full((1, 4), 7.0))
+
+
+def test_retrieve_from_tpu_runs_tfs_retrieval_of_every_table(monkeypatch):
+  mid_level, recorded = built(monkeypatch, EmbeddingFeature.V1)
+  before = recorded.retrieves
+  tf_mid_level.retrieve_from_tpu(mid_level)
+  assert recorded.retrieves == before + 1

@@ -1,0 +1,32 @@
+"""The one place that reaches into TensorFlow's mid-level TPU embedding objects.
+
+Checked against TensorFlow 2.21.0 (`CHECKED_AGAINST`). TF has no public way to:
+- reach the dict `TPUEmbeddingV0` and `TPUEmbedding` (V1) keep their variables in,
+  {table name: {"parameters" or slot name: variable}}, which they set as `_variables` when
+  built: their public `embedding_tables` gives copies of the tables only (V1's refuses on a TPU
+  outside a checkpoint save), while the layer needs the slots too (checkpoint validation,
+  export) and replaces a table by writing into this dict, which the class reads on every lookup
+  (`update_embedding_table`, as tf-recommenders does). `TPUEmbeddingV2` gives the same dict
+  publicly (its `variables`), so it is not read here;
+- copy V1's tables and slots from TPU memory into their host variables, which TF does only in
+  its checkpoint-save callback, through `_retrieve_variables`.
+`tests/test_tf_mid_level.py` runs both on the real classes (TPU runtime stubbed), so a TF
+upgrade that moves either fails there rather than in a user's model.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+CHECKED_AGAINST = ("2.21.0",)
+
+
+def variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:
+  """The built mid-level object's own {table name: {"parameters"/slot: variable}}: editing it
+  edits what the object looks up and trains."""
+  return mid_level._variables  # pylint: disable=protected-access
+
+
+def retrieve_from_tpu(mid_level: tf.Module) -> None:
+  """Copies V1's tables and slots from TPU memory into their host variables, as a save does."""
+  mid_level._retrieve_variables()  # pylint: disable=protected-access
