@@ -139,7 +139,8 @@ class EmbeddingEngine(tf.Module):
 
   def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
     optimizer = table.optimizer
-    names = optimizer._slot_names()  # pylint: disable=protected-access
+    shapes = config_lib.slot_shapes(table)
+    names = [name for name, _ in shapes]
     initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
@@ -149,8 +150,8 @@ class EmbeddingEngine(tf.Module):
     else:
       with sharded.colocated_with(parameters):
         slots = {
-          name: _new_variable(initializer, shape, f"{table.name}/{name}", False)
-          for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers)
+          name: _new_variable(initializer, shape, f"{table.name}/{name}", trainable=False)
+          for (name, shape), initializer in zip(shapes, initializers)
         }
     for name, slot in slots.items():
       self._track_trackable(slot, name=f"{table.name}/{name}")
