@@ -31,7 +31,8 @@ Learning rates are never frozen: a translated optimizer's `learning_rate` is a
 `KerasLearningRate`, which reads the Keras optimizer's rate (schedule at `iterations`, variable,
 or callable) each time it is called. The user's Keras optimizer advances `iterations` in its own
 `apply_gradients`; the embedding update of a step sees the rate of that step if it runs before
-that increment, as Keras's own update does.
+that increment, as Keras's own update does. Only functions traced while a SavedModel is saved
+take the rate at that time, as a constant: the SavedModel need not reach the Keras optimizer.
 
 Mid-level optimizers pass through untouched, except that a `learning_rate` which is neither a
 number nor a callable (e.g. a `tf.Variable`) is refused: TF's V1 API would silently store its
@@ -48,6 +49,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding.engine import updates
 
@@ -271,8 +273,23 @@ class KerasLearningRate:
 
   def __init__(self, keras_optimizer: Any):
     self.keras_optimizer = keras_optimizer
+    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
+    # Read now, outside any step: inside a replica step of `MirroredStrategy` that first read would
+    # create a variable there, which TF cannot run.
+    with tf.init_scope():
+      _ = keras_optimizer.learning_rate
 
   def __call__(self) -> tf.Tensor:
+    if save_context.in_save_context():
+      # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
+      # not reachable from the model: functions traced while saving (the trap's gradient among
+      # them) take the rate at the time of saving, as a constant.
+      with tf.init_scope():
+        rate = float(self._current())
+      return tf.constant(rate, tf.float32)
+    return self._current()
+
+  def _current(self) -> tf.Tensor:
     optimizer = self.keras_optimizer
     # tf-keras and Keras 3 keep what the user passed in `_learning_rate` (tf-keras's public
     # property gives the previous step's rate for a schedule); the legacy family keeps it as a
