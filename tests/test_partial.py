@@ -120,6 +120,18 @@ def test_exported_from_the_package():
 # Nested configs, shared tables, sequence features, weights
 
 
+def test_a_flat_dict_of_outputs_lists_replicated_features_first_as_tfrs_does():
+  """tfrs's `PartialTPUEmbedding.call` fills its output with the Keras-embedding (replicated)
+  features, then the TPU (sharded) ones; `outputs.values()` must give the same columns."""
+  layer = PartialTPUEmbedding(upstream_config(), "sgd", size_threshold=10)  # 1 and 4 sharded
+  features = {key: tf.constant([SCALAR_IDS[key]]) for key in ["4", "1", "0", "3", "2"]}
+  out = layer(features)
+  assert list(out) == ["0", "3", "2", "4", "1"]  # replicated in input order, then sharded
+  for key, ids in features.items():
+    i = int(key)
+    np.testing.assert_array_equal(out[key].numpy(), values(VOCABS[i], DIMS[i])[ids.numpy()])
+
+
 def test_nested_config_keeps_its_structure_and_shared_tables_stay_together():
   big = table(30, 2, name="big")  # 30 > 10: sharded, shared by two features
   small = table(4, 3, name="small")  # replicated

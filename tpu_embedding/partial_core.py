@@ -402,7 +402,8 @@ class PartialTPUEmbeddingCore:
           inputs[REPLICATED], side_weights(REPLICATED), getattr(self, _TRAP_NAME, None)
         )
       )
-    return tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
+    packed = tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
+    return _replicated_first(packed, side_of_path)
 
   # -------------------------------------------------------------------------------------------
   # Checkpoints: one name per table and slot, whatever its side
@@ -535,3 +536,12 @@ def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> 
       "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
       "TPUEmbedding."
     )
+
+
+def _replicated_first(outputs: Any, side_of_path: dict[str, str]) -> Any:
+  """A flat dict of outputs in tf-recommenders' order: the replicated features, then the sharded
+  ones, each in input order. Code that concatenates `outputs.values()` then builds the same
+  columns as with tfrs, so dense weights restored from a tfrs checkpoint line up."""
+  if type(outputs) is not dict or not all(key in side_of_path for key in outputs):
+    return outputs
+  return dict(sorted(outputs.items(), key=lambda item: side_of_path[item[0]] != REPLICATED))
