@@ -237,6 +237,24 @@ def test_each_gradient_of_a_persistent_tape_updates_the_current_rows():
   )  # two steps of -(1 + 1) and -1
 
 
+@pytest.mark.parametrize("run", [lambda f: f(), lambda f: tf.function(f)()], ids=["eager", "graph"])
+def test_a_gradient_asked_only_for_other_variables_still_updates_the_rows(run):
+  """TF's tape runs the gradient of every op between the loss and the activations, whatever the
+  sources asked for (as tfrs's trap on TPU): the update is not keyed to the trap variable."""
+  layer = _sgd_layer(np.zeros((3, 1), np.float32))
+  unrelated = tf.Variable(1.0)
+
+  def step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(tf.constant([1, 1, 2])))
+    tape.gradient(loss, [unrelated])
+
+  run(step)
+  np.testing.assert_array_equal(
+    list(layer.embedding_tables.values())[0].numpy(), [[0.0], [-2.0], [-1.0]]
+  )
+
+
 def test_one_gradient_per_step_gives_no_warning():
   layer = _sgd_layer(np.zeros((3, 1), np.float32))
   with warnings.catch_warnings():
