@@ -166,6 +166,23 @@ def test_pipelining_under_jit_compile_is_refused_with_the_reason():
     step(tf.constant([1, 2]))
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_check_finite_under_jit_compile_is_refused_rather_than_skipped(training):
+  """XLA has no run-time errors: compiled, the check would let a NaN into the table silently."""
+  layer = tpu_embedding.TPUEmbedding(
+    E.FeatureConfig(E.TableConfig(4, 2, name="t")), E.SGD(0.1), check_finite=True
+  )
+
+  @tf.function(jit_compile=True)
+  def step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(ids, training=training))
+    return tape.gradient(loss, layer.trainable_variables)
+
+  with pytest.raises(ValueError, match="check_finite=True.*without jit_compile"):
+    step(tf.constant([1, 2]))
+
+
 def test_update_for_takes_the_whole_table_while_it_is_small_next_to_the_steps_ids():
   """The size rule that `benchmarks/static_path_formulations.py` measures, at its boundary."""
   lazy = updates.rule_for(E.Adagrad(0.1))

@@ -196,16 +196,17 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
+    plain = trap is None or (self._follows_keras_optimizer and save_context.in_save_context())
+    if static:
+      self._refuse_under_xla(training=not plain)
     step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
     if self._check_finite:
       step = finite.check_weights(step)
-    if trap is None or (self._follows_keras_optimizer and save_context.in_save_context()):
+    if plain:
       how = static_path.look_up_table if static else lookup.per_occurrence
       flat = lookup.look_up(step, self.parameters, how).activations
     else:
       reusable = self._register_training_lookup(step)
-      if static:
-        self._refuse_pipelining_under_xla()
 
       gradients_taken = [0]
 
@@ -257,8 +258,16 @@ class EmbeddingEngine(tf.Module):
 
     return reusable
 
-  def _refuse_pipelining_under_xla(self) -> None:
-    if self._pipelining:
+  def _refuse_under_xla(self, training: bool) -> None:
+    """Refuses what the engine does with run-time errors or variable-length state, which an XLA
+    program cannot have, rather than compiling it into a step that silently skips it."""
+    if self._check_finite:
+      raise ValueError(
+        "check_finite=True raises an error at run time at the first non-finite value, which a "
+        "step compiled by XLA cannot do: train this layer without jit_compile to check, or "
+        "without check_finite."
+      )
+    if training and self._pipelining:
       raise ValueError(
         "pipeline_execution_with_tensor_core=True is emulated off TPU by holding each step's "
         "update in variable-length buffers, which XLA cannot compile: train this layer "
