@@ -471,6 +471,13 @@ def test_weights_structure_and_kind_are_checked():
   ids = {"watched": tf.ragged.constant([[1, 2]]), "liked": tf.ragged.constant([[0]])}
   with pytest.raises(ValueError, match="structure of weights does not match"):
     layer(ids, weights={"watched": tf.ragged.constant([[1.0, 1.0]])})
+  # as many weights, under a misspelt key or as a list: never paired by position
+  for misplaced in (
+    {"watched": tf.ragged.constant([[1.0, 1.0]]), "likes": None},
+    [None, tf.ragged.constant([[1.0, 1.0]])],
+  ):
+    with pytest.raises(ValueError, match="under the same keys"):
+      layer(ids, weights=misplaced)
   with pytest.raises(
     ValueError,
     match="Feature 'liked': its ids are a RaggedTensor, so its "

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.util import nest as tf_nest  # path-aware flattening, as in config.py
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.config import Feature
@@ -592,12 +593,19 @@ def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
   """One weight (or None) per feature leaf, after checking both nests have one structure."""
   if weights is None:
     return [None] * count
+  # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
+  # weight with whichever feature sorts at its position.
+  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
   try:
     tf.nest.assert_same_structure(features, weights, check_types=False)
+    same = paths(features) == paths(weights)
   except (TypeError, ValueError):
+    same = False
+  if not same:
     kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
     raise ValueError(
       "The structure of weights does not match the structure of features: pass one weight "
-      f"(or None) per feature.\n  features: {kinds(features)}\n  weights:  {kinds(weights)}"
-    ) from None
+      f"(or None) per feature, under the same keys.\n  features: {kinds(features)}\n  "
+      f"weights:  {kinds(weights)}"
+    )
   return tf.nest.flatten(weights)
