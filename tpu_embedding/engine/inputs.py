@@ -106,7 +106,7 @@ def _as_id_tensor(name: str, ids: Any) -> Tensor:
 def _check_id_dtype(name: str, dtype: tf.DType) -> None:
   if not dtype.is_integer:
     raise TypeError(
-      f"Feature {name!r}: ids must be integers (int32 or int64), got {dtype.name}. "
+      f"Feature {name!r}: ids must be of an integer dtype, got {dtype.name}. "
       "Map strings or floats to integer ids first (e.g. tf.keras StringLookup)."
     )
 
