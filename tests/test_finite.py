@@ -101,6 +101,12 @@ def test_both_engine_paths_refuse_a_learning_rate_that_is_not_a_scalar(engine_pa
   np.testing.assert_array_equal(table_of(model), ROWS)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_check_finite_must_be_a_bool(value):
+  with pytest.raises(TypeError, match=f"check_finite={value!r}; expected True or False"):
+    layer(check_finite=value)
+
+
 def test_check_finite_is_refused_on_tpu_paths():
   config = config_lib.prepare(E.FeatureConfig(E.TableConfig(5, 2, name="t")), "sgd")
   with pytest.raises(

@@ -424,6 +424,8 @@ def create(
   check_finite: bool = False,
 ) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
+  if not isinstance(check_finite, bool):  # a truthy string would silently enable it
+    raise TypeError(f"check_finite={check_finite!r}; expected True or False.")
   if path is hardware.ExecutionPath.CPU:
     return CpuBackend(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
