@@ -453,7 +453,9 @@ def test_range_check_traces_one_assert_whatever_the_number_of_features():
 
 @pytest.mark.parametrize("ids,dtype", [([1.0, 2.0], "float32"), (["a", "b"], "string")])
 def test_non_integer_ids_are_refused(ids, dtype):
-  with pytest.raises(TypeError, match=f"Feature 'watched': ids must be of an integer dtype.*{dtype}"):
+  with pytest.raises(
+    TypeError, match=f"Feature 'watched': ids must be of an integer dtype.*{dtype}"
+  ):
     _layer()({"watched": tf.constant(ids), "liked": tf.constant([0, 0])})
 
 
