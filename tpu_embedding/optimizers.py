@@ -47,6 +47,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
@@ -288,6 +289,12 @@ class KerasLearningRate:
         rate = float(self._current())
       return tf.constant(rate, tf.float32)
     return self._current()
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    """The current rate, so code that reads a mid-level rate as a number (NumPy, keras-rs's
+    tests) reads this one too."""
+    with tf.init_scope():
+      return np.asarray(self._current().numpy(), dtype=dtype)
 
   def _current(self) -> tf.Tensor:
     optimizer = self.keras_optimizer

@@ -189,6 +189,7 @@ class PartialTPUEmbeddingCore:
     batch_size: Optional[int] = None,
     size_threshold: Optional[int] = 10_000,
     table_updates: str = "engine",
+    sparse_core_embedding_config: Any = None,
     **kwargs,
   ):
     super().__init__(**kwargs)
@@ -206,15 +207,7 @@ class PartialTPUEmbeddingCore:
       )
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once
-    self._sides = tuple(
-      (
-        table.name,
-        SHARDED
-        if size_threshold is not None and table.vocabulary_size > size_threshold
-        else REPLICATED,
-      )
-      for table in self._config.tables
-    )
+    self._sides = tuple((table.name, self._choose_side(table)) for table in self._config.tables)
     side_of = dict(self._sides)
     # Each side gets a flat {feature path: cloned FeatureConfig}; the clones already carry the
     # names and optimizers resolved over the whole nest, so names never depend on the threshold.
@@ -232,6 +225,7 @@ class PartialTPUEmbeddingCore:
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size,
         table_updates=table_updates,
+        sparse_core_embedding_config=sparse_core_embedding_config,
         name="sharded_embedding",
       )
       if self._sharded.execution_path is hardware.ExecutionPath.CPU:
@@ -257,6 +251,11 @@ class PartialTPUEmbeddingCore:
     self._tfrs_sharded_view = self._no_dependency(CheckpointNode())
     self._tfrs_keras_layers_view = self._no_dependency(CheckpointNode())
     self._track_tables()
+
+  def _choose_side(self, table: TableConfig) -> str:
+    """The side of one (cloned) table: by `size_threshold` here; subclasses decide otherwise."""
+    threshold = self._size_threshold
+    return SHARDED if threshold is not None and table.vocabulary_size > threshold else REPLICATED
 
   # -------------------------------------------------------------------------------------------
   # Public surface

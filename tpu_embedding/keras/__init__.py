@@ -5,7 +5,8 @@ their configuration, hardware dispatch, TPU backends and CPU engine; importing t
 never imports tf-keras.
 """
 
+from tpu_embedding.keras.distributed import DistributedEmbedding
 from tpu_embedding.keras.layer import TPUEmbedding
 from tpu_embedding.keras.partial import PartialTPUEmbedding
 
-__all__ = ["PartialTPUEmbedding", "TPUEmbedding"]
+__all__ = ["DistributedEmbedding", "PartialTPUEmbedding", "TPUEmbedding"]

@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from tpu_embedding.keras import saving
+from tpu_embedding.keras import shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
 from tpu_embedding.partial_core import PartialTPUEmbeddingCore
 
@@ -67,6 +68,15 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
       batch_size=batch_size,
       size_threshold=size_threshold,
     )
+
+  def call(self, features: Any, weights: Any = None) -> Any:
+    return super().call(shapes.cast_placeholders(features), weights)
+
+  def compute_output_spec(self, features: Any, weights: Any = None) -> Any:
+    return shapes.output_spec(self._config, features, shapes.mid_level_shape)
+
+  def compute_output_shape(self, input_shape: Any) -> Any:
+    return shapes.output_shape(self._config, input_shape, shapes.mid_level_shape)
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
     # The sharded side is a Keras sublayer, which Keras saves on its own.
