@@ -61,7 +61,9 @@ def test_untranslatable_optimizer_names_the_table():
 
 
 def test_default_device_placement_is_refused_with_the_remedy():
-  with pytest.raises(ValueError, match="'movies' has placement='default_device'.*PartialTPU"):
+  with pytest.raises(
+    ValueError, match="'movies' has placement='default_device'.*DistributedEmbedding"
+  ):
     config_conversion.to_mid_level_table(rs_table(placement="default_device"))
 
 

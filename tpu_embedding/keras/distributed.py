@@ -175,12 +175,15 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
 
   @property
   def trainable_variables(self) -> list[tf.Variable]:
-    """The replicated tables, as keras-rs lists a layer's tables.
+    """What keras-rs lists: the replicated tables, and the embedding engine's gradient trap
+    when some tables are there (keras-rs on TPU lists its trap too).
 
-    They are trained by their own optimizers through the gradient, never by the model's, so
-    Keras's own lists (`model.trainable_variables`) hold the gradient trap instead.
+    A gradient taken with respect to these trains every table, each by its own optimizer
+    (the tables' own gradients come back None: no other optimizer may touch them). Keras's
+    own lists (`model.trainable_variables`) hold this layer's gradient trap instead.
     """
-    return [view.embeddings for view in self._table_views]
+    tables = [view.embeddings for view in self._table_views]
+    return tables + ([] if self._sharded is None else list(self._sharded.trainable_variables))
 
   @property
   def trainable_weights(self) -> list[tf.Variable]:
