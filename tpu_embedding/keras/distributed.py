@@ -57,6 +57,10 @@ class TableView(keras.layers.Layer):
     self._variables = self._no_dependency(variables)
     self.built = True  # nothing to build: it is never called
 
+  def get_config(self) -> dict:
+    # Described, never rebuilt from it: `DistributedEmbedding` creates its views.
+    return {"name": self.name, "input_dim": self.input_dim, "output_dim": self.output_dim}
+
   @property
   def table(self) -> Any:
     return self._table
@@ -144,6 +148,14 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
       if table.name in replicated
     ]
 
+  def get_config(self) -> dict:
+    config = super().get_config()
+    # Plain values: the tracked copies Keras keeps of attributes drag their owner along.
+    config["placements"] = dict(config["placements"])
+    stacking = config["table_stacking"]
+    config["table_stacking"] = stacking if stacking in (None, "auto") else list(stacking)
+    return config
+
   def _choose_side(self, table: Any) -> str:
     return self._sides_by_table[self._config.user_tables[table]]
 
@@ -184,10 +196,6 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
     """
     tables = [view.embeddings for view in self._table_views]
     return tables + ([] if self._sharded is None else list(self._sharded.trainable_variables))
-
-  @property
-  def trainable_weights(self) -> list[tf.Variable]:
-    return self.trainable_variables
 
   def compute_output_spec(self, inputs: Any, weights: Any = None, training: bool = False) -> Any:
     return shapes.output_spec(self._config, inputs, shapes.bag_shape)

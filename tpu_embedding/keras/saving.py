@@ -63,6 +63,40 @@ class KerasFileMixin:
   def load_own_variables(self, store: Any) -> None:
     load_tables(store, self._own_tables(), self.name)
 
+  @property
+  def non_trainable_weights(self) -> list:
+    """Keras's list, then every table and slot as a `TableVariable`.
+
+    The tables are trained by their own optimizers, never by the model's, so to Keras they
+    are non-trainable weights. Listing them here (and not as tracked variables, which `.keras`
+    files and checkpoints already hold under their own names) is what makes legacy HDF5 files
+    (`model.save("m.h5")`, `save_weights`/`load_weights` with `.h5`), which store a layer's
+    `trainable_weights + non_trainable_weights` by position, hold and restore them.
+    """
+    return super().non_trainable_weights + [
+      TableVariable(variable, _key(table, slot).replace(":", "_").replace("/", "_"))
+      for table, variables in self.variables_by_table.items()
+      for slot, variable in variables.items()
+    ]
+
+
+class TableVariable(keras.Variable):
+  """A Keras variable over one of the engine's `tf.Variable`s: the same storage, not a copy,
+  so Keras code that reads and assigns Keras variables reads and assigns the table itself."""
+
+  def __init__(self, variable: tf.Variable, name: str):
+    self._engine_variable = variable
+    super().__init__(
+      initializer="zeros",  # never run: the engine's variable is adopted instead
+      shape=tuple(variable.shape.as_list()),
+      dtype=variable.dtype.name,
+      trainable=False,
+      name=name,
+    )
+
+  def _initialize_with_initializer(self, initializer: Any) -> None:
+    self._initialize(self._engine_variable)
+
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
