@@ -635,7 +635,8 @@ KERAS3_QUICKSTART = [
     # TPUEmbedding quick start for Keras 3: ranking movies with `model.fit`
 
     The quick start's ranking model, written for Keras 3 (`tf.keras` on TensorFlow 2.16+, and
-    keras-rs users) with `tpu_embedding.keras.TPUEmbedding`: a functional model trained by
+    keras-rs users) with `tpu_embedding.keras.DistributedEmbedding`, keras-rs's layer under
+    this package's import (see docs/keras-rs.md): a functional model trained by
     `model.fit`, evaluated, saved as a `.keras` file and exported for serving. The tables are
     configured with keras-rs's `TableConfig`/`FeatureConfig`, as in the keras-rs tutorial, and
     trained with their own optimizer exactly as the TPU embedding engine trains them; the
@@ -719,7 +720,7 @@ KERAS3_QUICKSTART = [
     with strategy.scope():
         inputs = {name: keras.Input(shape=(), dtype="int32", name=name)
                   for name in ("user_id", "movie_id")}
-        embeddings = tpu_embedding.keras.TPUEmbedding(feature_configs)(inputs)
+        embeddings = tpu_embedding.keras.DistributedEmbedding(feature_configs)(inputs)
         joined = keras.ops.concatenate([embeddings["user_id"], embeddings["movie_id"]], axis=1)
         hidden = keras.layers.Dense(64, activation="relu")(
             keras.layers.Dense(256, activation="relu")(joined))
