@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 from tpu_embedding import tf_restore
 
 # The checkpoint name of the object holding the tables. tf-recommenders' layer keeps its
@@ -135,7 +135,7 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
     for name, _ in config_lib.slot_shapes(table):
       key = f"{table.name}/{name}"
       slot_node = keras_slots.get(table_node, {}).get(
-        optimizers.keras_slot_name(table.optimizer, name)
+        optimizer_specs.keras_slot_name(table.optimizer, name)
       )
       if key in in_checkpoint or slot_node is None:
         continue

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
+from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
 
 FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
@@ -53,7 +54,7 @@ class EmbeddingConfig:
   features: tuple[Feature, ...]
   tables: tuple[TableConfig, ...]
   user_tables: dict[TableConfig, TableConfig]
-  optimizer: Optional[optimizers.MidLevelOptimizer]
+  optimizer: Optional[optimizer_specs.MidLevelOptimizer]
 
   def features_of(self, table: TableConfig) -> list[Feature]:
     return [f for f in self.features if f.table is table]
@@ -121,21 +122,12 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
 
 
 def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
-  """(slot name, shape) of each slot the table's optimizer needs, in the optimizer's order.
-
-  Slots are [vocabulary_size, dim], or [vocabulary_size] for a CustomOptimizer slot of rank 1.
-  """
-  optimizer = table.optimizer
-  if optimizer is None:
-    return []
-  names = optimizer._slot_names()  # pylint: disable=protected-access
-  ranks = getattr(optimizer, "slot_dims", ()) or (2,) * len(names)  # CustomOptimizer only
-  full = [table.vocabulary_size, table.dim]
-  return [(name, full[:rank]) for name, rank in zip(names, ranks)]
+  """(slot name, shape) of each slot the table's optimizer needs, in the optimizer's order."""
+  return optimizer_specs.slot_shapes(table.optimizer, table.vocabulary_size, table.dim)
 
 
 def _clone_table(
-  table: TableConfig, index: int, global_optimizer: Optional[optimizers.MidLevelOptimizer]
+  table: TableConfig, index: int, global_optimizer: Optional[optimizer_specs.MidLevelOptimizer]
 ) -> TableConfig:
   clone = copy.copy(table)
   if clone.name is None:

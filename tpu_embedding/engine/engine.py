@@ -25,6 +25,7 @@ from tensorflow.python.saved_model import save_context  # whether a SavedModel i
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
+from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import finite
@@ -141,7 +142,7 @@ class EmbeddingEngine(tf.Module):
     optimizer = table.optimizer
     shapes = config_lib.slot_shapes(table)
     names = [name for name, _ in shapes]
-    initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
+    initializers = optimizer_specs.slot_initializers(optimizer)
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
@@ -315,7 +316,9 @@ class EmbeddingEngine(tf.Module):
     grads: tf.Tensor,
     table_rows: Optional[tf.Tensor] = None,
   ) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer, where=f"Table {table.name!r}")
+    learning_rate = optimizer_specs.learning_rate_tensor(
+      table.optimizer, where=f"Table {table.name!r}"
+    )
     if self._check_finite:
       learning_rate = finite.check_learning_rate(learning_rate, table.name)
     rule, state = self._rule(table), self._state(table)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
 
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
@@ -98,7 +98,7 @@ def apply_gradients(
     ids = _concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
     rule = rule_of(table)
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    learning_rate = optimizer_specs.learning_rate_tensor(table.optimizer)
     update = FORMULATIONS[update_for(rule, summed, table.vocabulary_size, ids.shape[0])]
     update(rule, state_of(table), ids, grads, table.vocabulary_size, learning_rate)
 
@@ -140,7 +140,7 @@ def _update_whole_table(
   for copy in _copies(state):
     old = tuple(variable.value() for variable in copy.variables)
     table = old[0]
-    if updates.has_weight_decay(optimizer):
+    if optimizer_specs.has_weight_decay(optimizer):
       table = _touched_or(touched, updates.decay_weights(optimizer, table, learning_rate), table)
     new_table, new_slots = rule.compute(table, old[1:], row_grads, learning_rate)
     new = (updates.clip_weights(optimizer, new_table),) + tuple(new_slots)
