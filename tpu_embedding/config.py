@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
@@ -55,6 +55,33 @@ class EmbeddingConfig:
   tables: tuple[TableConfig, ...]
   user_tables: dict[TableConfig, TableConfig]
   optimizer: Optional[optimizer_specs.MidLevelOptimizer]
+
+  def with_optimizers(
+    self, optimizer_of: Callable[[TableConfig], Any], optimizer: Any
+  ) -> EmbeddingConfig:
+    """A new config whose tables are copies of these with `optimizer_of(table)` as optimizer
+    and whose layer-wide optimizer is `optimizer`; this config and its tables stay as they are.
+
+    For an execution path that needs the optimizers in another form (see `backends.conversion`).
+    """
+    copies = {}
+    for table in self.tables:
+      copies[table] = copy.copy(table)
+      copies[table].optimizer = optimizer_of(table)
+    features, leaves = [], []
+    for feature in self.features:
+      leaf = copy.copy(feature.config)
+      leaf.table = copies[feature.table]
+      features.append(Feature(path=feature.path, config=leaf, table=leaf.table))
+      leaves.append(leaf)
+    return EmbeddingConfig(
+      user_feature_config=self.user_feature_config,
+      feature_config=tf.nest.pack_sequence_as(self.feature_config, leaves),
+      features=tuple(features),
+      tables=tuple(copies.values()),
+      user_tables={copies[clone]: user for clone, user in self.user_tables.items()},
+      optimizer=optimizer,
+    )
 
   def features_of(self, table: TableConfig) -> list[Feature]:
     return [f for f in self.features if f.table is table]

@@ -291,6 +291,11 @@ class PartialTPUEmbeddingCore:
       result[feature.path] = views[table.name]
     return result
 
+  @property
+  def embedding_config(self) -> config_lib.EmbeddingConfig:
+    """The prepared (cloned, validated) configuration of both sides, as `TPUEmbedding`'s."""
+    return self._config
+
   def side(self, table: Any) -> str:
     """`"replicated"` or `"sharded"` for a table name or one of the user's TableConfigs."""
     name = table if isinstance(table, str) else self._clone_of(table).name

@@ -33,6 +33,7 @@ from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine import static_path
+from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import PendingUpdate
 from tpu_embedding.engine.state import TableState
@@ -210,27 +211,25 @@ class EmbeddingEngine(tf.Module):
       reusable = self._register_training_lookup(step)
 
       gradients_taken = [0]
+      forward = []
 
-      @tf.custom_gradient
-      def gradient_trap(dummy):
+      def look_up():
         how = static_path.look_up_table if static else lookup.deduplicated
-        forward = lookup.look_up(step, self.parameters, how)
+        forward.append(lookup.look_up(step, self.parameters, how))
+        return forward[-1].activations
 
-        def grad(*upstream, variables=None):
-          # tf.saved_model.save traces this function once more to save it: not a second
-          # gradient of the step.
-          if not save_context.in_save_context():
-            gradients_taken[0] += 1
-            if gradients_taken[0] == 2:
-              warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
-          # Tables are trained here, never by the user's optimizer, even if they are trainable
-          # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(forward.upstream_by_table(upstream), reusable(), static)
-          return tf.zeros_like(dummy), [None] * len(variables or ())
+      def update(upstream):
+        # tf.saved_model.save traces this function once more to save it: not a second
+        # gradient of the step.
+        if not save_context.in_save_context():
+          gradients_taken[0] += 1
+          if gradients_taken[0] == 2:
+            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=3)
+        # Tables are trained here, never by the user's optimizer, even if they are trainable
+        # variables (e.g. one passed to `update_embedding_table`).
+        self._apply_gradients(forward[-1].upstream_by_table(upstream), reusable(), static)
 
-        return forward.activations, grad
-
-      flat = gradient_trap(trap)
+      flat = trap_lib.trapped(trap, look_up, update)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
