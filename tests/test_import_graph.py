@@ -94,3 +94,21 @@ def test_configuration_and_optimizers_import_no_engine_or_layer(module):
 
 def test_optimizer_descriptions_import_nothing_of_the_package():
   assert direct_imports("tpu_embedding.optimizer_specs") == set()
+
+
+def _calls(module: str, name: str) -> list[int]:
+  with open(FILES[module]) as f:
+    tree = ast.parse(f.read())
+  return [
+    node.lineno
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and name in (getattr(node.func, "attr", None), getattr(node.func, "id", None))
+  ]
+
+
+def test_the_hardware_is_asked_once_per_layer():
+  """`PartialTPUEmbedding` takes the path from `placement` and hands it to its sharded layer."""
+  assert _calls("tpu_embedding.partial_core", "choose_path") == []
+  assert len(_calls("tpu_embedding.placement", "choose_path")) == 1
+  assert len(_calls("tpu_embedding.layer_core", "choose_path")) == 1

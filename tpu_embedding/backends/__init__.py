@@ -25,7 +25,7 @@ from tpu_embedding.backends.tpu_v0 import TpuV0Backend
 from tpu_embedding.backends.tpu_v1 import TpuV1Backend
 from tpu_embedding.backends.tpu_v2 import TpuV2Backend
 
-__all__ = ["Backend", "TABLE_UPDATES", "create"]
+__all__ = ["Backend", "TABLE_UPDATES", "check_layer_options", "create"]
 
 
 def create(

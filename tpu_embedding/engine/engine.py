@@ -23,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
 from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
@@ -152,11 +153,13 @@ class EmbeddingEngine(tf.Module):
     else:
       with sharded.colocated_with(parameters):
         slots = {
-          name: _new_variable(initializer, shape, f"{table.name}/{name}", trainable=False)
+          name: _new_variable(
+            initializer, shape, checkpoint_names.variable_key(table.name, name), trainable=False
+          )
           for (name, shape), initializer in zip(shapes, initializers)
         }
     for name, slot in slots.items():
-      self._track_trackable(slot, name=f"{table.name}/{name}")
+      self._track_trackable(slot, name=checkpoint_names.variable_key(table.name, name))
     return slots
 
   def _checkpoint_adapter(self, path: str):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import TableState
@@ -140,7 +141,7 @@ def create_slots(
             name=f"{table.name}/{name}/part_{index}",
           )
         )
-    slots[name] = ShardedVariable(parts, name=f"{table.name}/{name}")
+    slots[name] = ShardedVariable(parts, name=checkpoint_names.variable_key(table.name, name))
   return slots
 
 

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
 
@@ -135,14 +136,10 @@ def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
 # Tables and slots
 
 
-def _key(table: str, slot: str) -> str:
-  return f"table:{table}" if slot == "parameters" else f"table:{table}:{slot}"
-
-
 def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      store[_key(table, slot)] = variable.numpy()
+      store[checkpoint_names.keras_file_key(table, slot)] = variable.numpy()
 
 
 def load_tables(
@@ -152,7 +149,7 @@ def load_tables(
   values = {}
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      key = _key(table, slot)
+      key = checkpoint_names.keras_file_key(table, slot)
       if key not in store.keys():
         raise ValueError(
           f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
