@@ -13,7 +13,7 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import serving
-from tpu_embedding.engine.engine import EmbeddingEngine
+from tpu_embedding.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
 from tpu_embedding.config import prepare
 from tpu_embedding.layer import TPUEmbedding

@@ -206,6 +206,28 @@ def match_structure(
   return [(expected_by_path[path], leaf) for path, leaf in received]
 
 
+def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
+  """One weight (or None) per feature leaf, after checking both nests have one structure."""
+  if weights is None:
+    return [None] * count
+  # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
+  # weight with whichever feature sorts at its position.
+  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
+  try:
+    tf.nest.assert_same_structure(features, weights, check_types=False)
+    same = paths(features) == paths(weights)
+  except (TypeError, ValueError):
+    same = False
+  if not same:
+    kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
+    raise ValueError(
+      "The structure of weights does not match the structure of features: pass one weight "
+      f"(or None) per feature, under the same keys.\n  features: {kinds(features)}\n  "
+      f"weights:  {kinds(weights)}"
+    )
+  return tf.nest.flatten(weights)
+
+
 def _mismatch_message(what: str, expected: Sequence[str], received: Sequence[str]) -> str:
   return (
     f"The structure of {what} does not match feature_config.\n"

@@ -18,8 +18,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -104,10 +103,7 @@ class TPUEmbeddingCore:
   def _serving_lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
     """A CPU lookup through `serving_config`, reading this layer's current tables."""
     config = config_lib.for_serving(serving_config, self._config)
-    tables = self._backend.embedding_tables
-    step = inputs.Step.prepare(config, features, weights, subset=True)
-    found = lookup.look_up(step, lambda table: tables[table], lookup.per_occurrence)
-    return tf.nest.pack_sequence_as(features, found.activations)
+    return serving_lookup(config, self._backend.embedding_tables, features, weights)
 
   def _check_strategy(self) -> None:
     current = tf.distribute.get_strategy()

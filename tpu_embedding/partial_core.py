@@ -37,7 +37,6 @@ from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import placement as placement_lib
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import inputs as engine_inputs
 from tpu_embedding.layer_core import TPUEmbeddingCore
 from tpu_embedding.layer_core import add_gradient_trap
 from tpu_embedding.placement import REPLICATED
@@ -268,7 +267,7 @@ class PartialTPUEmbeddingCore:
 
   def call(self, features: Any, weights: Any = None) -> Any:
     pairs = config_lib.match_structure(self._config, features)
-    weight_leaves = engine_inputs.weight_leaves(features, weights, len(pairs))
+    weight_leaves = config_lib.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
     input_weights = {REPLICATED: {}, SHARDED: {}}
     side_of_path = dict(self._paths)

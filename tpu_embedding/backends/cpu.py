@@ -9,7 +9,7 @@ import tensorflow as tf
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.engine.engine import EmbeddingEngine
+from tpu_embedding.engine import EmbeddingEngine
 
 
 class CpuBackend(Backend):

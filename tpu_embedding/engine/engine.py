@@ -29,6 +29,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
 from tpu_embedding.engine import exchange
+from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
@@ -94,6 +95,7 @@ class EmbeddingEngine(tf.Module):
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
     self._built = False
     self._strategy = tf.distribute.get_strategy()  # tables are created under it, as TF does
+    self._distribution = Distribution.current()
 
   # -------------------------------------------------------------------------------------------
   # Variables
@@ -131,10 +133,7 @@ class EmbeddingEngine(tf.Module):
       variables.update(self._create_slots(table, parameters))
       if sharded.is_sharded(parameters) and self._pipelining:
         sharded.refuse_pipelining(table)
-      on_parameter_servers = isinstance(
-        tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy
-      )
-      if on_parameter_servers and not self._pipelining:
+      if self._distribution is Distribution.PARAMETER_SERVERS and not self._pipelining:
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and self._updates_tables:
@@ -151,7 +150,7 @@ class EmbeddingEngine(tf.Module):
     if sharded.is_sharded(parameters):
       slots = sharded.create_slots(table, parameters, names, initializers)
     else:
-      with sharded.colocated_with(parameters):
+      with sharded.colocated_with(parameters, self._distribution is Distribution.PARAMETER_SERVERS):
         slots = {
           name: _new_variable(
             initializer, shape, checkpoint_names.variable_key(table.name, name), trainable=False
@@ -246,7 +245,12 @@ class EmbeddingEngine(tf.Module):
     gradient of this lookup, off any strategy and without pipelining (whose update is
     applied a step later).
     """
-    if self._pipelining or tf.executing_eagerly() or tf.distribute.has_strategy():
+    if (
+      self._pipelining
+      or tf.executing_eagerly()
+      or self._distribution is not Distribution.LOCAL
+      or tf.distribute.has_strategy()
+    ):
       return lambda: frozenset()  # re-read everything
     graph = tf.compat.v1.get_default_graph()
     counts = self._training_lookups.setdefault(graph, collections.Counter())
@@ -328,7 +332,7 @@ class EmbeddingEngine(tf.Module):
       self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
       return
     # Parameter-server workers update the shared tables concurrently.
-    atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
+    atomic = self._distribution is Distribution.PARAMETER_SERVERS
     apply = functools.partial(updates.apply_sparse_update, rule, atomic=atomic)
     if not self._pipelining:
       for copy, _ in _on_each_device(state):
@@ -431,7 +435,7 @@ def _on_each_device(
   Every copy of a mirrored variable receives the same update from the same global gradient,
   which keeps the copies identical without any table-sized communication.
   """
-  copies = state.copies()
+  copies = exchange.copies_to_update(state)
   held = pending.copies() if pending is not None else [None] * len(copies)
   for copy, pending_copy in zip(copies, held):
     with tf.device(copy.parameters.device):

@@ -21,7 +21,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, as in config.py
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.config import Feature
@@ -575,7 +574,7 @@ class Step:
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [
       to_bags(feature, ids, w)
-      for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
+      for (feature, ids), w in zip(pairs, config_lib.weight_leaves(features, weights, len(pairs)))
     ]
     return cls(check_id_ranges(bags) if check_ranges else bags)
 
@@ -587,25 +586,3 @@ class Step:
     for bag in self.bags:
       grouped.setdefault(bag.feature.table, []).append(bag)
     return grouped
-
-
-def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
-  """One weight (or None) per feature leaf, after checking both nests have one structure."""
-  if weights is None:
-    return [None] * count
-  # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
-  # weight with whichever feature sorts at its position.
-  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
-  try:
-    tf.nest.assert_same_structure(features, weights, check_types=False)
-    same = paths(features) == paths(weights)
-  except (TypeError, ValueError):
-    same = False
-  if not same:
-    kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
-    raise ValueError(
-      "The structure of weights does not match the structure of features: pass one weight "
-      f"(or None) per feature, under the same keys.\n  features: {kinds(features)}\n  "
-      f"weights:  {kinds(weights)}"
-    )
-  return tf.nest.flatten(weights)

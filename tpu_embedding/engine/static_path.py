@@ -95,7 +95,7 @@ def apply_gradients(
   the formulation `update_for` picks (module docstring)."""
   summed = exchange.replicas_to_sum() > 1
   for table, batch, upstream in per_table:
-    ids = _concat([bag.ids for bag in batch.bags])
+    ids = lookup.concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
     rule = rule_of(table)
     learning_rate = optimizer_specs.learning_rate_tensor(table.optimizer)
@@ -137,7 +137,7 @@ def _update_whole_table(
   # Clipping and weight decay act on touched rows only (SPEC §2.2, §2.9); untouched rows get
   # g = 0, the step non-lazy Adam gives them, so one pass of the rule serves every row.
   row_grads = _touched_or(touched, updates.clip_gradient(optimizer, row_grads), 0.0)
-  for copy in _copies(state):
+  for copy in exchange.copies_to_update(state):
     old = tuple(variable.value() for variable in copy.variables)
     table = old[0]
     if optimizer_specs.has_weight_decay(optimizer):
@@ -167,7 +167,7 @@ def _update_unique_rows(
   unique_ids, row_grads = _deduplicate(ids, grads, vocabulary_size)
   row_grads = updates.clip_gradient(rule.optimizer, row_grads)
   read_ids = tf.minimum(unique_ids, vocabulary_size - 1)  # unused slots read a real row
-  for copy in _copies(state):
+  for copy in exchange.copies_to_update(state):
     table, slots = copy.parameters, copy.slots
     rows = updates.update_rows(
       rule, *updates.gather_rows(table, slots, read_ids), row_grads, learning_rate
@@ -199,15 +199,3 @@ FORMULATIONS: dict[updates.XlaForm, Callable[..., None]] = {
   updates.XlaForm.WHOLE_TABLE: _update_whole_table,
   updates.XlaForm.UNIQUE_ROWS: _update_unique_rows,
 }
-
-
-def _copies(state: TableState) -> list[TableState]:
-  """The copies of a table's state to update: in a replica step only this replica's own (the
-  variables resolve to it); in a cross-replica context each device's copy."""
-  if not tf.distribute.has_strategy() or not tf.distribute.in_cross_replica_context():
-    return [state]
-  return state.copies()
-
-
-def _concat(parts: Sequence[Tensor]) -> Tensor:
-  return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
