@@ -46,7 +46,7 @@ SECOND_GRADIENT_WARNING = (
   "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
   "a persistent GradientTape asked twice); each gradient that reaches the activations "
   "updates the tables, so this step updated them again. Take one tape.gradient per step "
-  "with respect to all trainable variables (see the README: the gradient trap's contract)."
+  "with respect to all trainable variables (see docs/engine.md: the gradient trap's contract)."
 )
 
 

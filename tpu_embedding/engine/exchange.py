@@ -51,7 +51,7 @@ def cross_replica_sum(value: tf.Tensor) -> tf.Tensor:
 
   On TPU and on GPUs under XLA this is one collective all-reduce. Under MirroredStrategy on CPU,
   TensorFlow has no XLA collective (it refuses to compile one), so there the step that sums must
-  be a plain `tf.function`; see the README's "engine paths" section.
+  be a plain `tf.function`; see docs/xla.md.
   """
   if replicas_to_sum() == 1:
     return value

@@ -6,7 +6,7 @@ times the combiner's per-sample scale (SPEC §3.2). From there the forward pass 
 to each touched row are the same for every kind (`lookup`). Every bad input is refused here,
 naming its feature, before any op reads a table.
 
-Rules chosen where TF's own CPU lookups disagree with each other (documented in the README):
+Rules chosen where TF's own CPU lookups disagree with each other (documented in docs/inputs.md):
 * weights are used as given: zero or negative weights are never dropped, for sparse and ragged
   alike; a `mean`/`sqrtn` bag whose weight sum is 0 gives a zero activation and zero gradient
   (what SparseCore does);

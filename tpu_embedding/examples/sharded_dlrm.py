@@ -10,7 +10,7 @@ restores it into an unsharded model and exports that one for CPU serving.
 
 On a real cluster, run `python -m tpu_embedding.examples.local_cluster` on every ps and worker
 machine with that machine's TF_CONFIG, and this script with `--cluster '<the cluster spec as
-JSON>'` on the coordinator (see the README).
+JSON>'` on the coordinator (see docs/sharded-tables.md).
 """
 
 from __future__ import annotations
