@@ -70,59 +70,60 @@ embedding = tf.tpu.experimental.embedding
 user_table = embedding.TableConfig(data.num_users + 1, EMBEDDING_DIM, name="user_table")
 movie_table = embedding.TableConfig(data.num_movies + 1, EMBEDDING_DIM, name="movie_table")
 feature_config = {
-    "user_id": embedding.FeatureConfig(table=user_table, name="user_id"),
-    "movie_id": embedding.FeatureConfig(table=movie_table, name="movie_id"),
+  "user_id": embedding.FeatureConfig(table=user_table, name="user_id"),
+  "movie_id": embedding.FeatureConfig(table=movie_table, name="movie_id"),
 }
 
 
 class TwoTowerModel(tf_keras.Model):
-    def __init__(self, feature_config, embedding_optimizer):
-        super().__init__()
-        # One layer, one call per step, for both towers.
-        self.embedding = tpu_embedding.TPUEmbedding(feature_config, embedding_optimizer)
-        self.user_tower = tf_keras.layers.Dense(EMBEDDING_DIM, name="user_tower")
-        self.movie_tower = tf_keras.layers.Dense(EMBEDDING_DIM, name="movie_tower")
+  def __init__(self, feature_config, embedding_optimizer):
+    super().__init__()
+    # One layer, one call per step, for both towers.
+    self.embedding = tpu_embedding.TPUEmbedding(feature_config, embedding_optimizer)
+    self.user_tower = tf_keras.layers.Dense(EMBEDDING_DIM, name="user_tower")
+    self.movie_tower = tf_keras.layers.Dense(EMBEDDING_DIM, name="movie_tower")
 
-    def call(self, features):
-        embeddings = self.embedding(features)
-        return (self.user_tower(embeddings["user_id"]),
-                self.movie_tower(embeddings["movie_id"]))
+  def call(self, features):
+    embeddings = self.embedding(features)
+    return (self.user_tower(embeddings["user_id"]), self.movie_tower(embeddings["movie_id"]))
 
 
 with strategy.scope():
-    model = TwoTowerModel(feature_config, embedding.Adam(learning_rate=0.01))
-    optimizer = tf_keras.optimizers.Adagrad(learning_rate=0.1)
+  model = TwoTowerModel(feature_config, embedding.Adam(learning_rate=0.01))
+  optimizer = tf_keras.optimizers.Adagrad(learning_rate=0.1)
 
 
 def step_fn(features, liked):
-    with tf.GradientTape() as tape:
-        users, movies = model(features)
-        logits = tf.reduce_sum(users * movies, axis=1)
-        losses = tf.nn.sigmoid_cross_entropy_with_logits(labels=liked, logits=logits)
-        loss = tf.nn.compute_average_loss(losses, global_batch_size=BATCH_SIZE)
-    gradients = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    return loss
+  with tf.GradientTape() as tape:
+    users, movies = model(features)
+    logits = tf.reduce_sum(users * movies, axis=1)
+    losses = tf.nn.sigmoid_cross_entropy_with_logits(labels=liked, logits=logits)
+    loss = tf.nn.compute_average_loss(losses, global_batch_size=BATCH_SIZE)
+  gradients = tape.gradient(loss, model.trainable_variables)
+  optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+  return loss
 
 
 @tf.function
 def train_step(iterator):
-    loss = strategy.run(step_fn, args=next(iterator))
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+  loss = strategy.run(step_fn, args=next(iterator))
+  return strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+
 
 # %%
 EPOCHS = 2 if FAST else 4
 liked = lambda features, rating: (features, tf.cast(rating >= 0.75, tf.float32))  # 4+ stars
 train_data = strategy.experimental_distribute_dataset(
-    movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=42, drop_remainder=True).map(liked))
+  movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=42, drop_remainder=True).map(liked)
+)
 steps = len(train) // BATCH_SIZE
 losses = []
 for epoch in range(EPOCHS):
-    progbar = tf_keras.utils.Progbar(steps, stateful_metrics=["loss"])
-    iterator = iter(train_data)
-    for step in range(steps):
-        losses.append(float(train_step(iterator)))
-        progbar.update(step + 1, [("loss", float(np.mean(losses[-steps:])))])
+  progbar = tf_keras.utils.Progbar(steps, stateful_metrics=["loss"])
+  iterator = iter(train_data)
+  for step in range(steps):
+    losses.append(float(train_step(iterator)))
+    progbar.update(step + 1, [("loss", float(np.mean(losses[-steps:])))])
 assert np.mean(losses[-steps:]) < np.mean(losses[:steps])
 
 # %% [markdown]
@@ -136,8 +137,10 @@ assert np.mean(losses[-steps:]) < np.mean(losses[:steps])
 tables = {table.name: variable for table, variable in model.embedding.embedding_tables.items()}
 user_vectors = model.user_tower(tables["user_table"])
 movie_vectors = model.movie_tower(tables["movie_table"])
-scores = (tf.math.log_sigmoid(tf.matmul(user_vectors, movie_vectors, transpose_b=True))
-          + log_popularity[None, :]).numpy()
+scores = (
+  tf.math.log_sigmoid(tf.matmul(user_vectors, movie_vectors, transpose_b=True))
+  + log_popularity[None, :]
+).numpy()
 
 seen = np.zeros([data.num_users + 1, data.num_movies + 1], bool)
 seen[train.user_ids, train.movie_ids] = True
@@ -145,27 +148,30 @@ seen[:, 0] = True  # row 0 is no movie
 
 
 def top_k(user_ids, user_scores, k=10):
-    masked = np.where(seen[user_ids], -np.inf, user_scores)
-    return tf.math.top_k(masked, k=k).indices.numpy()
+  masked = np.where(seen[user_ids], -np.inf, user_scores)
+  return tf.math.top_k(masked, k=k).indices.numpy()
 
 
 relevant = {}
 for user_id, movie_id, rating in zip(test.user_ids, test.movie_ids, test.ratings):
-    if rating >= 4:
-        relevant.setdefault(int(user_id), set()).add(int(movie_id))
+  if rating >= 4:
+    relevant.setdefault(int(user_id), set()).add(int(movie_id))
 users = np.array(sorted(relevant))
 
 
 def recall_at_10(recommended):
-    hits = [len(set(recommended[i]) & relevant[u]) / min(10, len(relevant[u]))
-            for i, u in enumerate(users)]
-    return float(np.mean(hits))
+  hits = [
+    len(set(recommended[i]) & relevant[u]) / min(10, len(relevant[u])) for i, u in enumerate(users)
+  ]
+  return float(np.mean(hits))
 
 
 model_recall = recall_at_10(top_k(users, scores[users]))
 popularity_recall = recall_at_10(top_k(users, np.tile(counts, (len(users), 1))))
-print(f"recall@10 over {len(users)} test users: model {model_recall:.4f}, "
-      f"most popular movies {popularity_recall:.4f}")
+print(
+  f"recall@10 over {len(users)} test users: model {model_recall:.4f}, "
+  f"most popular movies {popularity_recall:.4f}"
+)
 assert model_recall > popularity_recall
 
 # %% [markdown]
@@ -178,7 +184,7 @@ assert model_recall > popularity_recall
 
 # %%
 for user_id in users[:3]:
-    print(f"Top 10 for user {user_id} (held-out 4+ ratings marked *):")
-    for movie_id in top_k([user_id], scores[[user_id]])[0]:
-        mark = "*" if movie_id in relevant[user_id] else " "
-        print(f"  {mark} {data.titles[int(movie_id)]}")
+  print(f"Top 10 for user {user_id} (held-out 4+ ratings marked *):")
+  for movie_id in top_k([user_id], scores[[user_id]])[0]:
+    mark = "*" if movie_id in relevant[user_id] else " "
+    print(f"  {mark} {data.titles[int(movie_id)]}")

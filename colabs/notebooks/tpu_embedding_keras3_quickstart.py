@@ -35,8 +35,7 @@ import tensorflow as tf
 import tpu_embedding.keras
 
 strategy = tf.distribute.get_strategy()
-print("Keras", keras.__version__, "on", keras.backend.backend(), "|",
-      type(strategy).__name__)
+print("Keras", keras.__version__, "on", keras.backend.backend(), "|", type(strategy).__name__)
 
 # %% [markdown]
 # ## Data
@@ -54,8 +53,10 @@ baseline_rmse = movielens.mean_rating_rmse(train, test)
 BATCH_SIZE = 256
 train_data = movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=42, drop_remainder=True)
 test_data = movielens.to_dataset(test, BATCH_SIZE)
-print(f"{data.source}: {len(train)} training and {len(test)} test ratings; "
-      f"RMSE of predicting the mean rating: {baseline_rmse:.4f}")
+print(
+  f"{data.source}: {len(train)} training and {len(test)} test ratings; "
+  f"RMSE of predicting the mean rating: {baseline_rmse:.4f}"
+)
 
 # %% [markdown]
 # ## Tables and features, keras-rs style
@@ -69,17 +70,22 @@ EMBEDDING_DIM = 32
 
 
 def table(name, rows):
-    return keras_rs.layers.TableConfig(
-        name=name, vocabulary_size=rows + 1, embedding_dim=EMBEDDING_DIM,
-        optimizer=keras.optimizers.Adam(learning_rate=0.01))
+  return keras_rs.layers.TableConfig(
+    name=name,
+    vocabulary_size=rows + 1,
+    embedding_dim=EMBEDDING_DIM,
+    optimizer=keras.optimizers.Adam(learning_rate=0.01),
+  )
 
 
 feature_configs = {
-    name: keras_rs.layers.FeatureConfig(
-        name=name, table=t, input_shape=(BATCH_SIZE,),
-        output_shape=(BATCH_SIZE, EMBEDDING_DIM))
-    for name, t in [("user_id", table("user_table", data.num_users)),
-                    ("movie_id", table("movie_table", data.num_movies))]
+  name: keras_rs.layers.FeatureConfig(
+    name=name, table=t, input_shape=(BATCH_SIZE,), output_shape=(BATCH_SIZE, EMBEDDING_DIM)
+  )
+  for name, t in [
+    ("user_id", table("user_table", data.num_users)),
+    ("movie_id", table("movie_table", data.num_movies)),
+  ]
 }
 
 # %% [markdown]
@@ -92,17 +98,22 @@ feature_configs = {
 
 # %%
 with strategy.scope():
-    inputs = {name: keras.Input(shape=(), dtype="int32", name=name)
-              for name in ("user_id", "movie_id")}
-    embeddings = tpu_embedding.keras.TPUEmbedding(feature_configs)(inputs)
-    joined = keras.ops.concatenate([embeddings["user_id"], embeddings["movie_id"]], axis=1)
-    hidden = keras.layers.Dense(64, activation="relu")(
-        keras.layers.Dense(256, activation="relu")(joined))
-    rating = keras.layers.Dense(1, activation="sigmoid")(hidden)
-    model = keras.Model(inputs, keras.ops.squeeze(rating, axis=1))
-    model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.1), loss="mse",
-                  metrics=[keras.metrics.RootMeanSquaredError(name="rmse")],
-                  jit_compile=False)
+  inputs = {
+    name: keras.Input(shape=(), dtype="int32", name=name) for name in ("user_id", "movie_id")
+  }
+  embeddings = tpu_embedding.keras.TPUEmbedding(feature_configs)(inputs)
+  joined = keras.ops.concatenate([embeddings["user_id"], embeddings["movie_id"]], axis=1)
+  hidden = keras.layers.Dense(64, activation="relu")(
+    keras.layers.Dense(256, activation="relu")(joined)
+  )
+  rating = keras.layers.Dense(1, activation="sigmoid")(hidden)
+  model = keras.Model(inputs, keras.ops.squeeze(rating, axis=1))
+  model.compile(
+    optimizer=keras.optimizers.Adagrad(learning_rate=0.1),
+    loss="mse",
+    metrics=[keras.metrics.RootMeanSquaredError(name="rmse")],
+    jit_compile=False,
+  )
 
 history = model.fit(train_data, epochs=1 if FAST else 5, validation_data=test_data)
 test_rmse = model.evaluate(test_data, return_dict=True, verbose=0)["rmse"]
@@ -117,23 +128,29 @@ assert test_rmse < baseline_rmse
 # a SavedModel for CPU serving, the same function as for tf-keras models.
 
 # %%
-from tpu_embedding import serving
+from tpu_embedding.keras import export_for_serving
 
 keras_file = os.path.join(OUTPUT_DIR, "keras3_ranking.keras")
 model.save(keras_file)
 reloaded = keras.models.load_model(keras_file)
 sample = {"user_id": np.array([1, 2, 3], np.int32), "movie_id": np.array([1, 1, 50], np.int32)}
-np.testing.assert_allclose(reloaded.predict(sample, verbose=0),
-                           model.predict(sample, verbose=0), rtol=1e-5)
+np.testing.assert_allclose(
+  reloaded.predict(sample, verbose=0), model.predict(sample, verbose=0), rtol=1e-5
+)
 
 
 @tf.function(input_signature=[tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)])
 def serve(user_id, movie_id):
-    return {"rating": 1.0 + 4.0 * model({"user_id": user_id, "movie_id": movie_id})}
+  return {"rating": 1.0 + 4.0 * model({"user_id": user_id, "movie_id": movie_id})}
 
 
-export_dir = serving.export_for_serving(
-    model, os.path.join(OUTPUT_DIR, "keras3_saved_model"), serve, overwrite=True)
+export_dir = export_for_serving(
+  model, os.path.join(OUTPUT_DIR, "keras3_saved_model"), serve, overwrite=True
+)
 served = tf.saved_model.load(export_dir).signatures["serving_default"]
-print("Predicted ratings:", served(user_id=tf.constant(sample["user_id"]),
-                                  movie_id=tf.constant(sample["movie_id"]))["rating"].numpy())
+print(
+  "Predicted ratings:",
+  served(user_id=tf.constant(sample["user_id"]), movie_id=tf.constant(sample["movie_id"]))[
+    "rating"
+  ].numpy(),
+)

@@ -50,8 +50,10 @@ from tpu_embedding.data import movielens
 data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
 train, test = movielens.train_test_split(data, test_fraction=0.2, seed=42)
 baseline_rmse = movielens.mean_rating_rmse(train, test)
-print(f"{data.source}: {len(train)} training and {len(test)} test ratings, "
-      f"{data.num_users} users, {data.num_movies} movies")
+print(
+  f"{data.source}: {len(train)} training and {len(test)} test ratings, "
+  f"{data.num_users} users, {data.num_movies} movies"
+)
 print(f"RMSE of predicting the mean rating: {baseline_rmse:.4f}")
 
 # %% [markdown]
@@ -68,12 +70,14 @@ EMBEDDING_DIM = 32
 embedding = tf.tpu.experimental.embedding
 
 user_table = embedding.TableConfig(
-    vocabulary_size=data.num_users + 1, dim=EMBEDDING_DIM, name="user_table")
+  vocabulary_size=data.num_users + 1, dim=EMBEDDING_DIM, name="user_table"
+)
 movie_table = embedding.TableConfig(
-    vocabulary_size=data.num_movies + 1, dim=EMBEDDING_DIM, name="movie_table")
+  vocabulary_size=data.num_movies + 1, dim=EMBEDDING_DIM, name="movie_table"
+)
 feature_config = {
-    "user_id": embedding.FeatureConfig(table=user_table, name="user_id"),
-    "movie_id": embedding.FeatureConfig(table=movie_table, name="movie_id"),
+  "user_id": embedding.FeatureConfig(table=user_table, name="user_id"),
+  "movie_id": embedding.FeatureConfig(table=movie_table, name="movie_id"),
 }
 
 # %% [markdown]
@@ -88,26 +92,27 @@ import tpu_embedding
 
 
 class RankingModel(tf_keras.Model):
-    def __init__(self, feature_config, embedding_optimizer=None):
-        super().__init__()
-        self.feature_config = feature_config
-        self.embedding = tpu_embedding.TPUEmbedding(feature_config, embedding_optimizer)
-        self.ratings = tf_keras.Sequential([
-            tf_keras.layers.Dense(256, activation="relu"),
-            tf_keras.layers.Dense(64, activation="relu"),
-            tf_keras.layers.Dense(1, activation="sigmoid"),
-        ])
+  def __init__(self, feature_config, embedding_optimizer=None):
+    super().__init__()
+    self.feature_config = feature_config
+    self.embedding = tpu_embedding.TPUEmbedding(feature_config, embedding_optimizer)
+    self.ratings = tf_keras.Sequential(
+      [
+        tf_keras.layers.Dense(256, activation="relu"),
+        tf_keras.layers.Dense(64, activation="relu"),
+        tf_keras.layers.Dense(1, activation="sigmoid"),
+      ]
+    )
 
-    def call(self, features, serving=False):
-        embeddings = self.embedding(
-            features, serving_config=self.feature_config if serving else None)
-        joined = tf.concat([embeddings["user_id"], embeddings["movie_id"]], axis=1)
-        return tf.squeeze(self.ratings(joined), axis=1)
+  def call(self, features, serving=False):
+    embeddings = self.embedding(features, serving_config=self.feature_config if serving else None)
+    joined = tf.concat([embeddings["user_id"], embeddings["movie_id"]], axis=1)
+    return tf.squeeze(self.ratings(joined), axis=1)
 
 
 with strategy.scope():
-    model = RankingModel(feature_config, embedding.Adam(learning_rate=0.01))
-    optimizer = tf_keras.optimizers.Adagrad(learning_rate=0.1)
+  model = RankingModel(feature_config, embedding.Adam(learning_rate=0.01))
+  optimizer = tf_keras.optimizers.Adagrad(learning_rate=0.1)
 
 # %% [markdown]
 # ## The training step
@@ -123,19 +128,20 @@ BATCH_SIZE = 256  # global batch: a multiple of the number of replicas
 
 
 def step_fn(features, labels):
-    with tf.GradientTape() as tape:
-        predictions = model(features)
-        squared_errors = tf.square(labels - predictions)
-        loss = tf.nn.compute_average_loss(squared_errors, global_batch_size=BATCH_SIZE)
-    gradients = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-    return loss
+  with tf.GradientTape() as tape:
+    predictions = model(features)
+    squared_errors = tf.square(labels - predictions)
+    loss = tf.nn.compute_average_loss(squared_errors, global_batch_size=BATCH_SIZE)
+  gradients = tape.gradient(loss, model.trainable_variables)
+  optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+  return loss
 
 
 @tf.function
 def train_step(iterator):
-    per_replica_loss = strategy.run(step_fn, args=next(iterator))
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
+  per_replica_loss = strategy.run(step_fn, args=next(iterator))
+  return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
+
 
 # %% [markdown]
 # ## Training and evaluation
@@ -150,26 +156,28 @@ from tpu_embedding.examples import movielens_ranking
 
 EPOCHS = 2 if FAST else 5
 train_data = strategy.experimental_distribute_dataset(
-    movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=42, drop_remainder=True))
+  movielens.to_dataset(train, BATCH_SIZE, shuffle_seed=42, drop_remainder=True)
+)
 test_data = strategy.experimental_distribute_dataset(
-    movielens_ranking.eval_dataset(test, BATCH_SIZE))
+  movielens_ranking.eval_dataset(test, BATCH_SIZE)
+)
 eval_step = movielens_ranking.make_eval_step(strategy, model)
 steps = len(train) // BATCH_SIZE
 
 history = {"loss": [], "test_rmse": []}
 for epoch in range(EPOCHS):
-    print(f"Epoch {epoch + 1}/{EPOCHS}")
-    progbar = tf_keras.utils.Progbar(steps, stateful_metrics=["loss", "test_rmse"])
-    iterator = iter(train_data)
-    total = 0.0
-    for step in range(steps):
-        total += float(train_step(iterator))
-        values = [("loss", total / (step + 1))]
-        if step + 1 == steps:
-            values.append(("test_rmse", movielens_ranking.evaluate(eval_step, test_data)))
-        progbar.update(step + 1, values)
-    history["loss"].append(total / steps)
-    history["test_rmse"].append(values[-1][1])
+  print(f"Epoch {epoch + 1}/{EPOCHS}")
+  progbar = tf_keras.utils.Progbar(steps, stateful_metrics=["loss", "test_rmse"])
+  iterator = iter(train_data)
+  total = 0.0
+  for step in range(steps):
+    total += float(train_step(iterator))
+    values = [("loss", total / (step + 1))]
+    if step + 1 == steps:
+      values.append(("test_rmse", movielens_ranking.evaluate(eval_step, test_data)))
+    progbar.update(step + 1, values)
+  history["loss"].append(total / steps)
+  history["test_rmse"].append(values[-1][1])
 
 print(f"Test RMSE {history['test_rmse'][-1]:.4f} vs {baseline_rmse:.4f} for the mean rating")
 assert history["loss"][-1] < history["loss"][0]
@@ -185,18 +193,22 @@ assert history["test_rmse"][-1] < baseline_rmse
 
 # %%
 checkpoint_path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
-    os.path.join(OUTPUT_DIR, "quickstart", "ckpt"))
+  os.path.join(OUTPUT_DIR, "quickstart", "ckpt")
+)
 export_dir = movielens_ranking.export_saved_model(
-    checkpoint_path, os.path.join(OUTPUT_DIR, "quickstart_saved_model"),
-    data.num_users, data.num_movies)
+  checkpoint_path,
+  os.path.join(OUTPUT_DIR, "quickstart_saved_model"),
+  data.num_users,
+  data.num_movies,
+)
 
 serve = tf.saved_model.load(export_dir).signatures["serving_default"]
 all_movies = np.array(sorted(data.titles), np.int32)
 top = movielens_ranking.recommend(serve, [1, 2, 3], all_movies, k=5)
 for user_id, picks in top.items():
-    print(f"Top 5 for user {user_id}:")
-    for movie_id, rating in picks:
-        print(f"  {rating:.2f}  {data.titles[movie_id]}")
+  print(f"Top 5 for user {user_id}:")
+  for movie_id, rating in picks:
+    print(f"  {rating:.2f}  {data.titles[movie_id]}")
 
 # %% [markdown]
 # ## On a TPU
