@@ -112,3 +112,20 @@ def test_the_hardware_is_asked_once_per_layer():
   assert _calls("tpu_embedding.partial_core", "choose_path") == []
   assert len(_calls("tpu_embedding.placement", "choose_path")) == 1
   assert len(_calls("tpu_embedding.layer_core", "choose_path")) == 1
+
+
+LAYERS = [
+  m
+  for m in FILES
+  if m in ("tpu_embedding.layer_core", "tpu_embedding.partial_core")
+  or m in ("tpu_embedding.layer", "tpu_embedding.partial")
+  or m.startswith("tpu_embedding.keras")
+]
+
+
+@pytest.mark.parametrize("module", LAYERS)
+def test_layers_use_the_engine_through_its_declared_api(module):
+  inside = sorted(
+    name for name in direct_imports(module) if name.startswith("tpu_embedding.engine.")
+  )
+  assert inside == [], f"{module} imports {inside}; use tpu_embedding.engine's names"
