@@ -305,7 +305,7 @@ class EmbeddingEngine(tf.Module):
       else:
         trainable.append((table, batch, upstream))
     if static:  # fixed shapes, and an all-reduce where several replicas train
-      static_path.apply_gradients(trainable, self._rule, self._state)
+      static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
       return
     if not exchange.in_replica():
       for table, batch, upstream in trainable:
@@ -322,11 +322,7 @@ class EmbeddingEngine(tf.Module):
     grads: tf.Tensor,
     table_rows: Optional[tf.Tensor] = None,
   ) -> None:
-    learning_rate = optimizer_specs.learning_rate_tensor(
-      table.optimizer, where=f"Table {table.name!r}"
-    )
-    if self._check_finite:
-      learning_rate = finite.check_learning_rate(learning_rate, table.name)
+    learning_rate = self._learning_rate(table)
     rule, state = self._rule(table), self._state(table)
     if table.name in self._shard_locks:
       self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
@@ -353,6 +349,15 @@ class EmbeddingEngine(tf.Module):
       rule = self._rule(table)
       for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
         pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
+
+  def _learning_rate(self, table: TableConfig) -> tf.Tensor:
+    """The table's learning rate for this step (checked to be finite with `check_finite`)."""
+    learning_rate = optimizer_specs.learning_rate_tensor(
+      table.optimizer, where=f"Table {table.name!r}"
+    )
+    if self._check_finite:
+      learning_rate = finite.check_learning_rate(learning_rate, table.name)
+    return learning_rate
 
   def _rule(self, table: TableConfig) -> updates.UpdateRule:
     return self._rules[table.name]

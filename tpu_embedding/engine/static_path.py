@@ -90,6 +90,7 @@ def apply_gradients(
   per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]],
   rule_of: Callable[[TableConfig], updates.UpdateRule],
   state_of: Callable[[TableConfig], TableState],
+  learning_rate_of: Callable[[TableConfig], Tensor],
 ) -> None:
   """One update per table from this replica's activation gradients, summed over replicas, in
   the formulation `update_for` picks (module docstring)."""
@@ -98,7 +99,7 @@ def apply_gradients(
     ids = lookup.concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
     rule = rule_of(table)
-    learning_rate = optimizer_specs.learning_rate_tensor(table.optimizer)
+    learning_rate = learning_rate_of(table)
     update = FORMULATIONS[update_for(rule, summed, table.vocabulary_size, ids.shape[0])]
     update(rule, state_of(table), ids, grads, table.vocabulary_size, learning_rate)
 
