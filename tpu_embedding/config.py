@@ -116,12 +116,7 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
     raise ValueError(
       "feature_config is empty: pass at least one tf.tpu.experimental.embedding.FeatureConfig."
     )
-  for path, leaf in paths_and_leaves:
-    if not isinstance(leaf, FeatureConfig):
-      raise ValueError(
-        f"feature_config entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
-        "tf.tpu.experimental.embedding.FeatureConfig."
-      )
+  _check_leaves(paths_and_leaves, "feature_config")
 
   global_optimizer = optimizers.normalize_optimizer(optimizer, where="optimizer")
   clones: dict[TableConfig, TableConfig] = {}
@@ -146,6 +141,16 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
     user_tables={clone: user for user, clone in clones.items()},
     optimizer=global_optimizer,
   )
+
+
+def _check_leaves(paths_and_leaves: Sequence[tuple[str, Any]], argument: str) -> None:
+  """Refuses, by its place in the nest, a leaf of `argument` that is not a FeatureConfig."""
+  for path, leaf in paths_and_leaves:
+    if not isinstance(leaf, FeatureConfig):
+      raise ValueError(
+        f"{argument} entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
+        "tf.tpu.experimental.embedding.FeatureConfig."
+      )
 
 
 def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
@@ -242,12 +247,9 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   first, then by name; a table the layer does not have is refused by name.
   """
   features, leaves = [], []
-  for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
-    if not isinstance(leaf, FeatureConfig):
-      raise ValueError(
-        f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
-        "expected a tf.tpu.experimental.embedding.FeatureConfig."
-      )
+  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(serving_feature_config)
+  _check_leaves(paths_and_leaves, "serving_config")
+  for path, leaf in paths_and_leaves:
     table = layer.find_table(leaf.table)
     if table is None:
       raise ValueError(
