@@ -99,6 +99,27 @@ def note(row: Optional[Row], s: Settings) -> str:
   return "; ".join(bits)
 
 
+def timing_row(model: str, opt: str, impl: str, row: Optional[Row], ratio_text: str, s) -> list:
+  """One row of a timing table (see `timing_table`)."""
+  return [
+    model,
+    opt,
+    impl,
+    h.fmt_stat(ms(row)),
+    h.fmt_stat(ex_per_s(row)),
+    ratio_text,
+    note(row, s),
+  ]
+
+
+def timing_table(rows: list, ratio_header: str) -> str:
+  """Markdown table of `timing_row`s: ms/step and examples/s per model, optimizer and
+  implementation, with a ratio column named `ratio_header`."""
+  header = ["model", "optimizer", "implementation", "ms/step median (min–max, n)"]
+  header += ["examples/s median (min–max, n)", ratio_header, "notes"]
+  return h.markdown_table(header, rows)
+
+
 def pyplot():
   """matplotlib.pyplot on the file-only backend, imported when a plot is drawn."""
   import matplotlib  # pylint: disable=g-import-not-at-top

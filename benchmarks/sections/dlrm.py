@@ -11,9 +11,9 @@ from benchmarks.cases import DLRM_BATCH
 from benchmarks.cases import OPTS
 from benchmarks.results import pyplot
 from benchmarks.results import ex_per_s
-from benchmarks.results import ms
-from benchmarks.results import note
 from benchmarks.results import ratio
+from benchmarks.results import timing_row
+from benchmarks.results import timing_table
 
 if TYPE_CHECKING:
   from benchmarks.report import Report
@@ -39,32 +39,9 @@ def write(report: Report) -> None:
       ours = ex_per_s(report.get("dlrm", workload, opt, DLRM_BATCH, "dlrm", "ours"))
       for impl in h.IMPLS + ((h.DENSE_ONLY,) if workload == "dlrm" else ()):
         row = report.get("dlrm", workload, opt, DLRM_BATCH, "dlrm", impl)
-        eps = ex_per_s(row)
-        table.append(
-          [
-            wname,
-            opt,
-            impl,
-            h.fmt_stat(ms(row)),
-            h.fmt_stat(eps),
-            "1" if impl == "ours" else h.fmt_ratio(ratio(ours, eps)),
-            note(row, report.s),
-          ]
-        )
-  out.append(
-    h.markdown_table(
-      [
-        "model",
-        "optimizer",
-        "implementation",
-        "ms/step median (min–max, n)",
-        "examples/s median (min–max, n)",
-        "ours/x",
-        "notes",
-      ],
-      table,
-    )
-  )
+        speed_up = "1" if impl == "ours" else h.fmt_ratio(ratio(ours, ex_per_s(row)))
+        table.append(timing_row(wname, opt, impl, row, speed_up, report.s))
+  out.append(timing_table(table, "ours/x"))
   out += ["", _dense_bound(report)]
   report.sections.append("\n".join(out))
   for workload, opt, goal, label in (

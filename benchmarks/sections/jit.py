@@ -12,9 +12,9 @@ from benchmarks.cases import PARTIAL_VARIANTS
 from benchmarks.cases import REPLICATED_ROWS
 from benchmarks.cases import impl_label
 from benchmarks.results import ex_per_s
-from benchmarks.results import ms
-from benchmarks.results import note
 from benchmarks.results import ratio
+from benchmarks.results import timing_row
+from benchmarks.results import timing_table
 
 if TYPE_CHECKING:
   from benchmarks.report import Report
@@ -42,32 +42,10 @@ def write(report: Report) -> None:
       base = ex_per_s(report.get(family, workload, opt, DLRM_BATCH, "dlrm", "tfrs"))
       for impl, jit in variants:
         row = report.get(family, workload, opt, DLRM_BATCH, "dlrm", impl_label(impl, jit))
-        eps = ex_per_s(row)
-        table.append(
-          [
-            f"{'partial ' if family == 'jit-partial' else ''}{workload}",
-            opt,
-            impl_label(impl, jit),
-            h.fmt_stat(ms(row)),
-            h.fmt_stat(eps),
-            h.fmt_ratio(ratio(eps, base)),
-            note(row, report.s),
-          ]
-        )
-  out.append(
-    h.markdown_table(
-      [
-        "model",
-        "optimizer",
-        "implementation",
-        "ms/step median (min–max, n)",
-        "examples/s median (min–max, n)",
-        "x/tfrs",
-        "notes",
-      ],
-      table,
-    )
-  )
+        model = f"{'partial ' if family == 'jit-partial' else ''}{workload}"
+        speed_up = h.fmt_ratio(ratio(ex_per_s(row), base))
+        table.append(timing_row(model, opt, impl_label(impl, jit), row, speed_up, report.s))
+  out.append(timing_table(table, "x/tfrs"))
   report.sections.append("\n".join(out))
   speed = lambda family, workload, opt, impl: ex_per_s(
     report.get(family, workload, opt, DLRM_BATCH, "dlrm", impl)
