@@ -30,12 +30,12 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
-from tpu_embedding.engine import inputs as engine_inputs
 from tpu_embedding.keras import config_conversion
 from tpu_embedding.keras import saving
 from tpu_embedding.keras import shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
-from tpu_embedding.partial_core import REPLICATED, SHARDED, PartialTPUEmbeddingCore
+from tpu_embedding.partial_core import PartialTPUEmbeddingCore
+from tpu_embedding.placement import REPLICATED, SHARDED
 
 PLACEMENTS = ("auto", "default_device", "sparsecore")
 # The key of what `preprocess` returns, which `call` recognises.
@@ -156,8 +156,9 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
     config["table_stacking"] = stacking if stacking in (None, "auto") else list(stacking)
     return config
 
-  def _choose_side(self, table: Any) -> str:
-    return self._sides_by_table[self._config.user_tables[table]]
+  def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
+    del size_threshold  # placements decide
+    return {t.name: self._sides_by_table[self._config.user_tables[t]] for t in self._config.tables}
 
   # -------------------------------------------------------------------------------------------
   # keras-rs's surface
@@ -209,7 +210,7 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
   def _as_bags(self, inputs: Any, weights: Any) -> tuple[Any, Any]:
     """Dense ids (and their dense weights) as ragged bags of uniform length."""
     pairs = config_lib.match_structure(self._config, inputs)
-    weight_leaves = engine_inputs.weight_leaves(inputs, weights, len(pairs))
+    weight_leaves = config_lib.weight_leaves(inputs, weights, len(pairs))
     bags = [_dense_as_bag(f.name, ids, w) for (f, ids), w in zip(pairs, weight_leaves)]
     ids = tf.nest.pack_sequence_as(inputs, [i for i, _ in bags])
     if weights is not None:
