@@ -11,7 +11,8 @@ model and exports that one for CPU serving. The coordinator ends before the task
 
 On a real cluster, run `python -m tpu_embedding.examples.local_cluster` on every ps and worker
 machine with that machine's TF_CONFIG, and this script with `--cluster '<the cluster spec as
-JSON>'` on the coordinator (see docs/cluster-security.md for what such a cluster exposes).
+JSON>'` on the coordinator (see docs/sharded-tables.md, and docs/cluster-security.md for what
+such a cluster exposes).
 """
 
 from __future__ import annotations
