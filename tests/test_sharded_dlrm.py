@@ -31,8 +31,9 @@ def _user_env() -> dict:
 
 
 def _run_watching_listeners(command, tmp_path):
-  """Runs the launcher; until it ends, records the ports its tasks and coordinator listen on
-  and every socket of theirs that an interface other than loopback reaches."""
+  """Runs the launcher; until it ends, records the ports its child processes (tasks,
+  coordinator, the private network's holder) listen on and every socket of theirs that an
+  interface other than loopback reaches."""
   stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
   listening = {"task": set(), "coordinator": set()}
   reachable = []
@@ -42,8 +43,6 @@ def _run_watching_listeners(command, tmp_path):
     while launcher.poll() is None and time.monotonic() < deadline:
       for pid, command_line in loopback.children(launcher.pid).items():
         role = "coordinator" if "--cluster" in command_line else "task"
-        if "tpu_embedding.examples" not in command_line or "private_network hold" in command_line:
-          continue
         try:
           listening[role] |= {listener.port for listener in loopback.listeners(pid)}
           reachable += loopback.reachable_listeners(pid)
