@@ -11,6 +11,7 @@ from typing import Any
 
 _MODULE_OF = {
   "ExecutionPath": "tpu_embedding.hardware",
+  "ManagedIds": "tpu_embedding.managed_ids",
   "PartialTPUEmbedding": "tpu_embedding.partial",
   "TPUEmbedding": "tpu_embedding.layer",
   "translate_keras_optimizer": "tpu_embedding.optimizers",

@@ -8,14 +8,16 @@ imports no Keras, so neither flavour pulls in the other.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
+from tensorflow.python.saved_model import save_context  # serving traces never admit keys
 
 from tpu_embedding import backends
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
 from tpu_embedding.engine import inputs
@@ -39,6 +41,7 @@ class TPUEmbeddingCore:
     sparse_core_embedding_config: Any = None,
     table_updates: str = "engine",
     check_finite: bool = False,
+    managed_ids: Optional[Mapping[Any, Any]] = None,
     **kwargs,
   ):
     super().__init__(**kwargs)
@@ -58,6 +61,16 @@ class TPUEmbeddingCore:
     self._engine = self._no_dependency(self._backend.engine)
     self._track_trackable(self._engine, name=checkpoints.TABLES_KEY)
     self.batch_size = batch_size
+    self._managed = self._no_dependency(
+      managed_ids_lib.create(
+        managed_ids,
+        self._config,
+        self.execution_path,
+        pipelining=bool(pipeline_execution_with_tensor_core),
+      )
+    )
+    if self._managed is not None:
+      self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
@@ -89,8 +102,44 @@ class TPUEmbeddingCore:
       self._keras_trained_tables = self._backend.trainable_tables
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+  def call(
+    self,
+    features: Any,
+    weights: Any = None,
+    serving_config: Any = None,
+    training: Any = None,
+    remapped: bool = False,
+  ) -> Any:
+    """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
+    keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
+    when `remapped`."""
+    if self._managed is not None and not remapped:
+      config = self._config
+      if serving_config is not None:
+        config = config_lib.for_serving(serving_config, self._config)
+      admits = training is not False and serving_config is None
+      features = self._remap(config, features, admits)
     return self._lookup(features, weights, serving_config)
+
+  @property
+  def managed_ids(self) -> dict[str, managed_ids_lib.IdMap]:
+    """{table name: its key -> row map} for the tables named in `managed_ids`."""
+    return {} if self._managed is None else dict(self._managed.maps)
+
+  def remap(self, features: Any, training: bool = True) -> Any:
+    """`features` with the raw keys of managed tables replaced by their rows, as the layer's
+    call does; with `training`, one step of each map (admission, eviction, resets of the rows
+    given to new keys). Call it outside a step that XLA compiles, or on the global batch outside
+    `strategy.run`, then call the layer with `remapped=True`."""
+    if self._managed is None:
+      raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
+    return self._remap(self._config, features, bool(training))
+
+  def _remap(self, config: config_lib.EmbeddingConfig, features: Any, admits: bool) -> Any:
+    admits = admits and not save_context.in_save_context()
+    if admits:
+      managed_ids_lib.refuse_per_replica_remap()
+    return self._managed.remap(config, features, admits, lambda: self.variables_by_table)
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
   @tf.autograph.experimental.do_not_convert
@@ -210,6 +259,8 @@ class TPUEmbeddingCore:
         "build() (create the model under the strategy, restore, then train). Nothing was "
         "changed."
       )
+    if self._managed is not None:
+      managed_ids_lib.validate_checkpoint(self, self._managed, path)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
