@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
-from tensorflow.python.saved_model import save_context  # serving traces never admit keys
 
 from tpu_embedding import backends
 from tpu_embedding import checkpoints
@@ -28,7 +27,7 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
-class TPUEmbeddingCore:
+class TPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
   def __init__(
@@ -113,33 +112,8 @@ class TPUEmbeddingCore:
     """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
     keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
     when `remapped`."""
-    if self._managed is not None and not remapped:
-      config = self._config
-      if serving_config is not None:
-        config = config_lib.for_serving(serving_config, self._config)
-      admits = training is not False and serving_config is None
-      features = self._remap(config, features, admits)
+    features = self._remap_call(features, training, remapped, serving_config)
     return self._lookup(features, weights, serving_config)
-
-  @property
-  def managed_ids(self) -> dict[str, managed_ids_lib.IdMap]:
-    """{table name: its key -> row map} for the tables named in `managed_ids`."""
-    return {} if self._managed is None else dict(self._managed.maps)
-
-  def remap(self, features: Any, training: bool = True) -> Any:
-    """`features` with the raw keys of managed tables replaced by their rows, as the layer's
-    call does; with `training`, one step of each map (admission, eviction, resets of the rows
-    given to new keys). Call it outside a step that XLA compiles, or on the global batch outside
-    `strategy.run`, then call the layer with `remapped=True`."""
-    if self._managed is None:
-      raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
-    return self._remap(self._config, features, bool(training))
-
-  def _remap(self, config: config_lib.EmbeddingConfig, features: Any, admits: bool) -> Any:
-    admits = admits and not save_context.in_save_context()
-    if admits:
-      managed_ids_lib.refuse_per_replica_remap()
-    return self._managed.remap(config, features, admits, lambda: self.variables_by_table)
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
   @tf.autograph.experimental.do_not_convert

@@ -1,10 +1,8 @@
-"""How a layer takes managed ids: on which paths, and where its remap may run."""
+"""How a layer takes managed ids: on which paths, under which name in its checkpoints."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
-
-import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
@@ -34,17 +32,3 @@ def create(
       "an update held back one step could land on a row given to another key meanwhile."
     )
   return ManagedTables(managed_ids, config)
-
-
-def refuse_per_replica_remap() -> None:
-  """A training remap inside one replica of several would give the replicas different maps."""
-  if tf.distribute.in_cross_replica_context():
-    return
-  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-  if replicas > 1:
-    raise ValueError(
-      f"A layer with managed_ids was called with raw keys inside one of {replicas} replicas; "
-      "every replica must see one key -> row map. Remap the global batch once, outside "
-      "strategy.run: rows = layer.remap(global_features); then distribute the rows and call "
-      "layer(rows, remapped=True) in the replica step."
-    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
+from tensorflow.python.saved_model import save_context  # serving traces never admit keys
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.managed_ids import resets
@@ -52,8 +53,12 @@ class ManagedTables(tf.Module):
 
     All keys of one table (its features in feature order, each flattened row-major) form one
     stream, so one call is one step of that table's map. With `training`, rows given to new keys
-    are reset in the variables `variables_by_table()` returns before this returns.
+    are reset in the variables `variables_by_table()` returns before this returns. Functions
+    traced for a SavedModel only look keys up.
     """
+    training = training and not save_context.in_save_context()
+    if training:
+      refuse_per_replica_remap()
     pairs = config_lib.match_structure(config, features, subset=True)
     streams: dict[str, list[tuple[int, tf.Tensor]]] = {}
     for index, (feature, ids) in enumerate(pairs):
@@ -96,3 +101,17 @@ def _with_rows(ids: Any, rows: tf.Tensor) -> Any:
   if isinstance(ids, tf.RaggedTensor):
     return ids.with_flat_values(rows)
   return tf.reshape(rows, tf.shape(ids))
+
+
+def refuse_per_replica_remap() -> None:
+  """A training remap inside one replica of several would give the replicas different maps."""
+  if tf.distribute.in_cross_replica_context():
+    return
+  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+  if replicas > 1:
+    raise ValueError(
+      f"A layer with managed_ids was called with raw keys inside one of {replicas} replicas; "
+      "every replica must see one key -> row map. Remap the global batch once, outside "
+      "strategy.run: rows = layer.remap(global_features); then distribute the rows and call "
+      "layer(rows, remapped=True) in the replica step."
+    )
