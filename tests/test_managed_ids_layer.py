@@ -164,3 +164,13 @@ def test_errors_name_feature_and_table():
       optimizer=E.SGD(0.1),
       managed_ids={tiny: tpu_embedding.ManagedIds()},
     )
+
+
+def test_tpu_path_refuses_managed_ids_by_path(monkeypatch):
+  from tests import tpu_harness
+  from tpu_embedding import hardware
+
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  with strategy.scope():
+    with pytest.raises(ValueError, match="managed_ids is not supported on path TPU_V1 yet"):
+      _layer()
