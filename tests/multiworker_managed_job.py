@@ -15,16 +15,14 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tpu_embedding  # noqa: E402
+from multiworker_job import strategy_of_this_process  # noqa: E402  (this script's folder)
 
 E = tf.tpu.experimental.embedding
 GLOBAL_BATCH = 8
 
 
 def main(out_path: str) -> None:
-  multi_worker = "TF_CONFIG" in os.environ
-  strategy = (
-    tf.distribute.MultiWorkerMirroredStrategy() if multi_worker else tf.distribute.get_strategy()
-  )
+  strategy = strategy_of_this_process()
   rng = np.random.default_rng(4)
   universe = rng.integers(-(2**62), 2**62, size=10)
   batches = [universe[rng.integers(0, 10, size=GLOBAL_BATCH)] for _ in range(6)]

@@ -46,6 +46,17 @@ def _eager_reference():
   return _tables(layer)
 
 
+def _assert_equals_eager_reference(layer):
+  """The layer's map, table and slots equal an eager run on the same global batches."""
+  expected = _eager_reference()
+  got = _tables(layer)
+  np.testing.assert_array_equal(got[0], expected[0])
+  np.testing.assert_array_equal(got[1], expected[1])
+  np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
+  np.testing.assert_allclose(got[3], expected[3], rtol=1e-5)
+  return got
+
+
 def test_jit_compiled_step_trains_a_managed_table_remapped_outside():
   layer = _layer()
   compiled = tf.function(
@@ -54,12 +65,7 @@ def test_jit_compiled_step_trains_a_managed_table_remapped_outside():
   remap = tf.function(layer.remap)
   for keys, upstream in _batches():
     compiled(remap({"movie": tf.constant(keys)}), upstream)
-  expected = _eager_reference()
-  got = _tables(layer)
-  np.testing.assert_array_equal(got[0], expected[0])
-  np.testing.assert_array_equal(got[1], expected[1])
-  np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
-  np.testing.assert_allclose(got[3], expected[3], rtol=1e-5)
+  got = _assert_equals_eager_reference(layer)
   assert len(got[0]) == CAPACITY - 1  # the map filled up and evicted
 
 
@@ -83,12 +89,7 @@ def test_mirrored_two_replicas_equal_one_replica_with_the_global_batch():
   for keys, upstream in _batches():
     rows = layer.remap({"movie": tf.constant(keys)})  # cross-replica: the global batch, in order
     train({"movie": halves(rows["movie"])}, halves(tf.constant(upstream)))
-  expected = _eager_reference()
-  got = _tables(layer)
-  np.testing.assert_array_equal(got[0], expected[0])
-  np.testing.assert_array_equal(got[1], expected[1])
-  np.testing.assert_allclose(got[2], expected[2], rtol=1e-5)
-  np.testing.assert_allclose(got[3], expected[3], rtol=1e-5)
+  _assert_equals_eager_reference(layer)
   copies = layer.variables_by_table["movies"]["parameters"].values
   np.testing.assert_array_equal(copies[0].numpy(), copies[1].numpy())
 
