@@ -12,10 +12,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import loopback
 
 JOB = pathlib.Path(__file__).with_name("multiworker_job.py")
+# Managed ids: each worker remaps the global batch with its own copy of the map.
+MANAGED_JOB = pathlib.Path(__file__).with_name("multiworker_managed_job.py")
 
 
 def _env(**extra):
@@ -24,7 +27,8 @@ def _env(**extra):
   return env
 
 
-def test_two_workers_on_loopback_equal_one_process(tmp_path):
+@pytest.mark.parametrize("job", [JOB, MANAGED_JOB], ids=["plain", "managed_ids"])
+def test_two_workers_on_loopback_equal_one_process(tmp_path, job):
   with loopback.network() as network:
     workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
     processes = []
@@ -32,7 +36,7 @@ def test_two_workers_on_loopback_equal_one_process(tmp_path):
       config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
       processes.append(
         subprocess.Popen(
-          network.command([sys.executable, str(JOB), str(tmp_path / f"worker{index}.npy")]),
+          network.command([sys.executable, str(job), str(tmp_path / f"worker{index}.npy")]),
           env=_env(TF_CONFIG=json.dumps(config)),
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,
@@ -40,7 +44,7 @@ def test_two_workers_on_loopback_equal_one_process(tmp_path):
         )
       )
     single = subprocess.run(
-      [sys.executable, str(JOB), str(tmp_path / "single.npy")],
+      [sys.executable, str(job), str(tmp_path / "single.npy")],
       env=_env(),
       capture_output=True,
       text=True,

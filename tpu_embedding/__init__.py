@@ -15,6 +15,7 @@ from typing import Any
 _MODULE_OF = {
   "EmbeddingFeature": "tpu_embedding.hardware",
   "ExecutionPath": "tpu_embedding.hardware",
+  "ManagedIds": "tpu_embedding.managed_ids",
   "NotAnOptimizerError": "tpu_embedding.optimizers",
   "PartialTPUEmbedding": "tpu_embedding.partial",
   "Placement": "tpu_embedding.placement",

@@ -8,7 +8,7 @@ imports no Keras, so neither flavour pulls in the other.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
 
@@ -16,6 +16,7 @@ from tpu_embedding import backends
 from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
 from tpu_embedding.engine import serving_lookup
@@ -25,7 +26,7 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
-class TPUEmbeddingCore:
+class TPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
   def __init__(
@@ -39,6 +40,7 @@ class TPUEmbeddingCore:
     table_updates: str = "engine",
     check_finite: bool = False,
     execution_path: Optional[hardware.ExecutionPath] = None,
+    managed_ids: Optional[Mapping[Any, Any]] = None,
     **kwargs,
   ):
     """`execution_path` is for a layer that holds this one and has already asked the hardware
@@ -63,6 +65,16 @@ class TPUEmbeddingCore:
     self._engine = self._no_dependency(self._backend.engine)
     self._track_trackable(self._engine, name=checkpoint_names.TABLES_KEY)
     self.batch_size = batch_size
+    self._managed = self._no_dependency(
+      managed_ids_lib.create(
+        managed_ids,
+        self._config,
+        self.execution_path,
+        pipelining=bool(pipeline_execution_with_tensor_core),
+      )
+    )
+    if self._managed is not None:
+      self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
@@ -88,7 +100,18 @@ class TPUEmbeddingCore:
       self._keras_trained_tables = self._backend.trainable_tables
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+  def call(
+    self,
+    features: Any,
+    weights: Any = None,
+    serving_config: Any = None,
+    training: Any = None,
+    remapped: bool = False,
+  ) -> Any:
+    """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
+    keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
+    when `remapped`."""
+    features = self._remap_call(features, training, remapped, serving_config)
     return self._lookup(features, weights, serving_config)
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
@@ -206,6 +229,8 @@ class TPUEmbeddingCore:
         "build() (create the model under the strategy, restore, then train). Nothing was "
         "changed."
       )
+    if self._managed is not None:
+      managed_ids_lib.validate_checkpoint(self, self._managed, path)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

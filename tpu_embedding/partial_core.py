@@ -34,6 +34,7 @@ from tpu_embedding import checkpoint_names
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import placement as placement_lib
 from tpu_embedding import sparse_core
@@ -99,7 +100,7 @@ class CheckpointNode(autotrackable.AutoTrackable):
 # The layer
 
 
-class PartialTPUEmbeddingCore:
+class PartialTPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours).
 
   `sharded_layer_class` is the flavour's `TPUEmbedding`, which serves the sharded tables.
@@ -117,6 +118,7 @@ class PartialTPUEmbeddingCore:
     table_updates: str = "engine",
     check_finite: bool = False,
     sparse_core_embedding_config: Any = None,
+    managed_ids: Any = None,
     **kwargs,
   ):
     super().__init__(**kwargs)
@@ -170,6 +172,18 @@ class PartialTPUEmbeddingCore:
         optimizers.warn_if_bias_correction_dropped(
           [table for table in self._config.tables if self._sides[table.name] == REPLICATED]
         )
+
+    # Maps over all tables, whatever their side: the call remaps before splitting by side.
+    self._managed = self._no_dependency(
+      managed_ids_lib.create(
+        managed_ids,
+        self._config,
+        hardware.choose_path(tf.distribute.get_strategy(), None),
+        pipelining=bool(pipeline_execution_with_tensor_core),
+      )
+    )
+    if self._managed is not None:
+      self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
 
     self._tables_view = self._no_dependency(CheckpointNode())
     # tf-recommenders' names for the same variables (see `_track_tables`).
@@ -271,7 +285,10 @@ class PartialTPUEmbeddingCore:
     self._track_tables()
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None) -> Any:
+  def call(
+    self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
+  ) -> Any:
+    features = self._remap_call(features, training, remapped)
     pairs = config_lib.match_structure(self._config, features)
     weight_leaves = config_lib.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
@@ -378,6 +395,8 @@ class PartialTPUEmbeddingCore:
         layer="PartialTPUEmbedding",
         tables_key=checkpoint_names.TABLES_KEY,
       )
+    if self._managed is not None:
+      managed_ids_lib.validate_checkpoint(self, self._managed, path)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -102,6 +102,12 @@ def export_for_serving(
         slots.setdefault(name, {})[slot] = value
     root.optimizer_slots = slots
   root.model_variables = [v for r, v in read.items() if r not in owners]
+  # Managed tables' key -> row maps, which serving signatures read (lookups only).
+  root.managed_ids = {
+    layer.name: {table: id_map.rows_of_keys for table, id_map in layer.managed_ids.items()}
+    for layer in layers
+    if layer.managed_ids
+  }
 
   parent = os.path.dirname(target)
   os.makedirs(parent, exist_ok=True)

@@ -45,6 +45,12 @@ class KerasFileMixin:
     raise NotImplementedError
 
   def get_config(self) -> dict:
+    if getattr(self, "managed_ids", None):  # a rebuilt layer would lose its key -> row maps
+      raise ValueError(
+        f"Layer {self.name!r} has managed_ids, which a .keras file does not hold yet: save and "
+        "restore it with tf.train.Checkpoint (the maps are saved with the tables), or export "
+        "it with tf.saved_model.save / tpu_embedding.serving.export_for_serving."
+      )
     config = super().get_config()
     config.update(feature_config=serialize_feature_config(self._config), **self._arguments)
     return config
