@@ -209,27 +209,31 @@ class EmbeddingEngine(tf.Module):
       reusable = self._register_training_lookup(step)
 
       gradients_taken = [0]
+      how = static_path.look_up_table if static else lookup.deduplicated
+      forward = lookup.look_up(step, self.parameters, how)
 
+      # The lookup runs outside the trap, which receives its activations: a gradient that the
+      # trap passes on reaches the tables through TF's own gradients of the lookup's ops.
       @tf.custom_gradient
-      def gradient_trap(dummy):
-        how = static_path.look_up_table if static else lookup.deduplicated
-        forward = lookup.look_up(step, self.parameters, how)
-
-        def grad(*upstream, variables=None):
-          # tf.saved_model.save traces this function once more to save it: not a second
-          # gradient of the step.
-          if not save_context.in_save_context():
-            gradients_taken[0] += 1
-            if gradients_taken[0] == 2:
-              warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
+      def gradient_trap(dummy, *activations):
+        def grad(*upstream):
+          if save_context.in_save_context():
+            # tf.saved_model.save traces this function once more, to save it with a function
+            # traced before saving: the SavedModel gets the gradient of a plain lookup, which
+            # trains nothing, so a reloaded model's tables change only by an optimizer the user
+            # applies (and a table without an optimizer raises nothing).
+            return [tf.zeros_like(dummy), *upstream]
+          gradients_taken[0] += 1
+          if gradients_taken[0] == 2:
+            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
           # Tables are trained here, never by the user's optimizer, even if they are trainable
           # variables (e.g. one passed to `update_embedding_table`).
           self._apply_gradients(forward.upstream_by_table(upstream), reusable(), static)
-          return tf.zeros_like(dummy), [None] * len(variables or ())
+          return [tf.zeros_like(dummy), *([None] * len(activations))]
 
-        return forward.activations, grad
+        return [tf.identity(a) for a in activations], grad
 
-      flat = gradient_trap(trap)
+      flat = gradient_trap(trap, *forward.activations)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
