@@ -719,3 +719,37 @@ def test_a_signature_traced_before_saving_gives_plain_table_gradients(tmp_path, 
   for name in tables:
     np.testing.assert_array_equal(found[f"value_{name}"], saved_values[name])
     np.testing.assert_allclose(found[f"grad_{name}"], expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_an_export_without_signatures_is_refused(exported, tmp_path):
+  model, _, _ = exported
+  with pytest.raises(ValueError, match="signatures is empty: an export without a signature"):
+    serving.export_for_serving(model, str(tmp_path / "empty"), {})
+  assert os.listdir(tmp_path) == []
+
+
+def test_an_export_of_a_mirrored_model_holds_and_guards_its_tables(tmp_path):
+  """Functions traced under MirroredStrategy read each table's per-device copies, which are
+  matched to their table as the variable itself is."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    model = trained_model()
+  fns = signatures(model)
+  path = serving.export_for_serving(model, str(tmp_path / "mirrored"), fns)
+  loaded = tf.saved_model.load(path)
+  assert sorted(loaded.embedding_tables) == ["genre", "movie", "user"]
+  for table, variable in model.embedding.embedding_tables.items():
+    np.testing.assert_array_equal(loaded.embedding_tables[table.name].numpy(), variable.numpy())
+  with pytest.raises(ValueError, match=r"read the table\(s\) \['movie'\], which tables= does"):
+    serving.export_for_serving(
+      model, str(tmp_path / "guard"), {"user_movie": fns["user_movie"]}, tables=["user"]
+    )
+  assert sorted(os.listdir(tmp_path)) == ["mirrored"]
+
+
+def test_export_dir_given_as_bytes_is_a_path_as_in_tensorflow(exported, tmp_path):
+  model, _, _ = exported
+  target = str(tmp_path / "bytes")
+  assert serving.export_for_serving(model, os.fsencode(target), signatures(model)) == target
+  assert os.listdir(tmp_path) == ["bytes"]
+  assert sorted(tf.saved_model.load(target).embedding_tables) == ["genre", "movie", "user"]

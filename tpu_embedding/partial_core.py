@@ -38,7 +38,7 @@ from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
 from tpu_embedding.engine import inputs as engine_inputs
 from tpu_embedding.engine.engine import EmbeddingEngine
-from tpu_embedding.layer_core import TPUEmbeddingCore
+from tpu_embedding.layer_core import RefusesCopies, TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -173,7 +173,7 @@ class CheckpointNode(autotrackable.AutoTrackable):
 # The layer
 
 
-class PartialTPUEmbeddingCore:
+class PartialTPUEmbeddingCore(RefusesCopies):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours).
 
   `sharded_layer_class` is the flavour's `TPUEmbedding`, which serves the sharded tables.
@@ -223,6 +223,8 @@ class PartialTPUEmbeddingCore:
       per_side[side_of[feature.table.name]][feature.path] = feature.config
     self._paths = tuple((f.path, side_of[f.table.name]) for f in self._config.features)
 
+    if table_updates == "engine":  # one warning naming both sides' tables (the sharded
+      optimizers.warn_if_bias_correction_dropped(self._config.tables)  # layer's is then silent)
     self._sharded = None  # the TPUEmbedding layer serving the sharded tables
     if per_side[SHARDED]:
       _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
@@ -247,10 +249,6 @@ class PartialTPUEmbeddingCore:
         table_updates=table_updates,
       )
       self._replicated.build()
-      if table_updates == "engine":
-        optimizers.warn_if_bias_correction_dropped(
-          [table for table in self._config.tables if side_of[table.name] == REPLICATED]
-        )
 
     self._tables_view = self._no_dependency(CheckpointNode())
     # tf-recommenders' names for the same variables (see `_track_tables`).
