@@ -273,13 +273,15 @@ class KerasLearningRate:
 
   def __init__(self, keras_optimizer: Any):
     self.keras_optimizer = keras_optimizer
-    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
-    # Read now, outside any step: inside a replica step of `MirroredStrategy` that first read would
-    # create a variable there, which TF cannot run.
-    with tf.init_scope():
-      _ = keras_optimizer.learning_rate
 
   def __call__(self) -> tf.Tensor:
+    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
+    # That is left to the first step, as in tf-recommenders (a checkpoint written before it has
+    # none, and must restore with `assert_existing_objects_matched`), but lifted out of the
+    # step's graph: inside a replica step of `MirroredStrategy` TF could not run a variable
+    # created there.
+    with tf.init_scope():
+      _ = self.keras_optimizer.learning_rate
     if save_context.in_save_context():
       # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
       # not reachable from the model: functions traced while saving (the trap's gradient among
