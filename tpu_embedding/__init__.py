@@ -13,6 +13,7 @@ _MODULE_OF = {
   "ExecutionPath": "tpu_embedding.hardware",
   "PartialTPUEmbedding": "tpu_embedding.partial",
   "TPUEmbedding": "tpu_embedding.layer",
+  "restore_checkpoint": "tpu_embedding.restoring",
   "translate_keras_optimizer": "tpu_embedding.optimizers",
 }
 
