@@ -47,7 +47,9 @@ def built(**kwargs):
 def values(model):
   """Every variable of the model, by its place in the model (names differ between models)."""
   found = {
-    f"{t}/{s}": v.numpy() for t, d in model.embedding.variables_by_table.items() for s, v in d.items()
+    f"{t}/{s}": v.numpy()
+    for t, d in model.embedding.variables_by_table.items()
+    for s, v in d.items()
   }
   for layer in ("hidden", "out"):
     for part in ("kernel", "bias"):
