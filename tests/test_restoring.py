@@ -1,6 +1,7 @@
 """`tpu_embedding.restore_checkpoint`: a model restored whole or not at all."""
 
 import os
+import pathlib
 import re
 import sys
 
@@ -14,6 +15,7 @@ import tpu_embedding
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
+from test_checkpoints import tfrs_checkpoints  # noqa: E402, F401  (a fixture: files tfrs writes)
 
 E = tf.tpu.experimental.embedding
 IDS = {"user": tf.constant([1, 2, 3]), "movie": tf.constant([0, 4, 4])}
@@ -141,26 +143,13 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     tpu_embedding.restore_checkpoint(built(), str(tmp_path / "ckpt-9"))
 
 
-@pytest.fixture(scope="module")
-def tfrs_checkpoint(tmp_path_factory):
-  import subprocess
-
-  directory = tmp_path_factory.mktemp("tfrs")
-  result = subprocess.run(
-    [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
-    env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  return directory / "TPUEmbedding-adagrad"
-
-
 @pytest.mark.parametrize("damaged", ["index", "data"])
 def test_a_truncated_tfrs_checkpoint_is_named_and_restores_nothing(
-  tfrs_checkpoint, tmp_path, damaged
+  tfrs_checkpoints,  # noqa: F811  (the fixture imported above)
+  tmp_path,
+  damaged,
 ):
+  tfrs_checkpoint = pathlib.Path(tfrs_checkpoints[("TPUEmbedding", "adagrad")]).parent
   import shutil
 
   copy = tmp_path / "ckpt"
