@@ -23,6 +23,7 @@ _MODULE_OF = {
   "TPUEmbedding": "tpu_embedding.layer",
   "TablePlacement": "tpu_embedding.placement",
   "export_for_serving": "tpu_embedding.serving",
+  "restore_checkpoint": "tpu_embedding.restoring",
   "restore_sparse_core_checkpoint": "tpu_embedding.sparse_core:restore_from_checkpoint",
   "translate_keras_optimizer": "tpu_embedding.optimizers",
 }

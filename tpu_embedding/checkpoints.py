@@ -73,14 +73,15 @@ def validate(
   """
   restore = tf_restore.restore_of(trackable)
   node = restore.node
+  unslotted: set[str] = set()  # tables whose slots tf-recommenders had not created yet
   if tables_key is not None:
-    node = _adopt_tfrs_partial_layout(restore, tables_key, config)
+    node = _adopt_tfrs_partial_layout(restore, tables_key, config, unslotted)
   if node is None:
     problems = [f"no table of this layer is in the checkpoint (nothing under {tables_key!r})"]
   else:
     if with_slots:
-      _adopt_keras_slots(restore, node, config)
-    problems = _problems(restore, node, config, with_slots)
+      _adopt_keras_slots(restore, node, config, unslotted)
+    problems = _problems(restore, node, config, with_slots, unslotted)
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
@@ -91,11 +92,20 @@ def validate(
     )
 
 
-def _problems(restore: tf_restore.Restore, node: Any, config: Any, with_slots: bool) -> list[str]:
+def _problems(
+  restore: tf_restore.Restore, node: Any, config: Any, with_slots: bool, unslotted: set[str]
+) -> list[str]:
   in_checkpoint = {child.local_name: child.node_id for child in node.children}
   problems = []
   for name, (table, shape) in expected_shapes(config, with_slots).items():
     what = f"table {table!r}" if name == table else f"slot {name!r} of table {table!r}"
+    if name not in in_checkpoint and name != table and table in unslotted:
+      # Left at its initial value, as tf-recommenders' first step would create it; an empty
+      # node (no value) makes it an object of the checkpoint, as it is of tf-recommenders'
+      # model, which has no such slot yet (`assert_existing_objects_matched`).
+      restore.nodes.add()
+      node.children.add(node_id=len(restore.nodes) - 1, local_name=name)
+      continue
     if name not in in_checkpoint:
       problems.append(f"{what} (shape {shape} in this layer) is missing from the checkpoint")
       continue
@@ -109,7 +119,9 @@ def _problems(restore: tf_restore.Restore, node: Any, config: Any, with_slots: b
 # Checkpoints written by tf-recommenders 0.7.7
 
 
-def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> None:
+def _adopt_keras_slots(
+  restore: tf_restore.Restore, node: Any, config: Any, unslotted: set[str]
+) -> None:
   """Makes the Keras optimizer's slots of each table also the engine's `<table>/<slot>`.
 
   tf-recommenders creates table slots through the Keras optimizer (on CPU and on TPU), so its
@@ -117,6 +129,10 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
   <optimizer>/accumulator`). Each one whose mid-level twin the engine expects becomes a child of
   the engine's node under the engine's name; the Keras optimizer is told not to restore it into
   a slot of its own, since the engine, not the Keras optimizer, trains these tables.
+
+  A table of `unslotted` (one of tf-recommenders' Keras `Embedding` layers) for which the
+  checkpoint has no Keras slot at all stays there: its Keras optimizer creates slots only at the
+  first step, so a checkpoint written before it has none. Any other table leaves it.
   """
   in_checkpoint = {child.local_name: child.node_id for child in node.children}
   keras_slots: dict[int, dict[str, int]] = {}
@@ -129,6 +145,8 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
     table_node = in_checkpoint.get(table.name)
     if table_node is None or table.optimizer is None:
       continue
+    if keras_slots.get(table_node):
+      unslotted.discard(table.name)  # tf-recommenders' first step has made its slots
     for name, _ in config_lib.slot_shapes(table):
       key = checkpoint_names.variable_key(table.name, name)
       slot_node = keras_slots.get(table_node, {}).get(
@@ -141,7 +159,7 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
 
 
 def _adopt_tfrs_partial_layout(
-  restore: tf_restore.Restore, tables_key: str, config: Any
+  restore: tf_restore.Restore, tables_key: str, config: Any, unslotted: set[str]
 ) -> Optional[Any]:
   """The node holding the tables under `tables_key`, built from tf-recommenders' layout if need be.
 
@@ -187,6 +205,8 @@ def _adopt_tfrs_partial_layout(
       node_id = follow(*names)
       if node_id is not None:
         adopted.children.add(node_id=node_id, local_name=table.name)
+        if names[0] == "_keras_embedding_layers":
+          unslotted.add(table.name)  # decided by `_adopt_keras_slots`
         break
   adopted_id = len(nodes) - 1
   for reference in proto.children:

@@ -192,6 +192,16 @@ def _check_unique_names(clones: dict[TableConfig, TableConfig]) -> None:
         "unique; features that should share a table must reference the same TableConfig object."
       )
     seen[clone.name] = clone
+  # The engine tracks each slot under `<table>/<slot>`, beside the tables (checkpoint keys).
+  for clone in clones.values():
+    for slot, _ in slot_shapes(clone):
+      key = f"{clone.name}/{slot}"
+      if key in seen:
+        raise ValueError(
+          f"Table name {key!r} is also the checkpoint name of the {slot!r} slot of table "
+          f"{clone.name!r} (its {type(clone.optimizer).__name__} optimizer's); the two would "
+          f"overwrite each other in checkpoints. Rename the table {key!r}; nothing was created."
+        )
 
 
 def match_structure(
@@ -234,10 +244,21 @@ def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
 
 
 def _mismatch_message(what: str, expected: Sequence[str], received: Sequence[str]) -> str:
-  return (
+  message = (
     f"The structure of {what} does not match feature_config.\n"
     f"  expected keys: {sorted(expected)}\n  received keys: {sorted(received)}"
   )
+  for path in expected:
+    inside = [p for p in received if not path or p.startswith(f"{path}/")]
+    if inside and path not in received:
+      message += (
+        f"\nFeature {path or '<root>'!r} got a list or other nest of {len(inside)} entries "
+        "where one tensor of ids was expected: as in tf.nest (and tf-recommenders), a Python "
+        "list is a structure, not ids. Pass the ids as one tensor (e.g. tf.constant([...])), "
+        "a NumPy array, a tf.RaggedTensor or a tf.SparseTensor."
+      )
+      break
+  return message
 
 
 def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> EmbeddingConfig:

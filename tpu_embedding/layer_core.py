@@ -26,7 +26,34 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
-class TPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
+class RefusesCopies:
+  """Refuses `copy.copy`, `copy.deepcopy` and `pickle` of an embedding layer.
+
+  A copy would either share the tables' engine with the original (so that training one trains
+  both) or duplicate tables of any size outside TF's checkpointing, and the optimizer state and
+  execution path would not follow. The supported way to copy a layer's state is a checkpoint.
+  """
+
+  def _refuse_copy(self, how: str) -> None:
+    raise TypeError(
+      f"{type(self).__name__} layer {getattr(self, 'name', '')!r} cannot be copied with "
+      f"{how}: its tables live in TensorFlow variables the copy would not own. Build a new "
+      "layer (model) in code and copy the state through a checkpoint: "
+      "tf.train.Checkpoint(model=model).save(path), then "
+      "tf.train.Checkpoint(model=new_model).restore(path). Nothing was copied."
+    )
+
+  def __deepcopy__(self, memo: Any) -> Any:
+    self._refuse_copy("copy.deepcopy")
+
+  def __copy__(self) -> Any:
+    self._refuse_copy("copy.copy")
+
+  def __reduce_ex__(self, protocol: Any) -> Any:
+    self._refuse_copy("pickle")
+
+
+class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
   def __init__(

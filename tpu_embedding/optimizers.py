@@ -254,13 +254,15 @@ class KerasLearningRate:
 
   def __init__(self, keras_optimizer: Any):
     self.keras_optimizer = keras_optimizer
-    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
-    # Read now, outside any step: inside a replica step of `MirroredStrategy` that first read would
-    # create a variable there, which TF cannot run.
-    with tf.init_scope():
-      _ = keras_optimizer.learning_rate
 
   def __call__(self) -> tf.Tensor:
+    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
+    # That is left to the first step, as in tf-recommenders (a checkpoint written before it has
+    # none, and must restore with `assert_existing_objects_matched`), but lifted out of the
+    # step's graph: inside a replica step of `MirroredStrategy` TF could not run a variable
+    # created there.
+    with tf.init_scope():
+      _ = self.keras_optimizer.learning_rate
     if save_context.in_save_context():
       # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
       # not reachable from the model: functions traced while saving (the trap's gradient among
@@ -363,30 +365,37 @@ def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
   return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
 
 
+# Tables already named by the warning below: a layer rebuilt with the same tables (e.g. in a
+# loop) does not log it again.
+_NAMED_WITHOUT_BIAS_CORRECTION: set = set()
+
+
 def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
-  """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+  """Logs that a Keras Adam trains these tables without bias correction: one warning per
+  layer, naming every such table, unless each was named before in this process.
 
   Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
-  engine or this package's CPU engine), not by the Keras optimizer itself.
+  engine or this package's CPU engine), not by the Keras optimizer itself; a layer made of
+  others (`PartialTPUEmbedding`) calls it once with all its tables, before its parts.
   """
   names = [
     table.name
     for table in tables
     if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
   ]
-  if names:
-    logging.log_first_n(
-      logging.WARNING,
-      "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
-      "from a Keras Adam; it has no bias correction. Keras scales each step by "
-      "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
-      "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
-      "which at a large learning rate changes early training. For Keras's steps, pass "
-      "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
-      "learning_rate is a callable including that factor.",
-      1,
-      names,
-    )
+  if not names or set(names) <= _NAMED_WITHOUT_BIAS_CORRECTION:
+    return
+  _NAMED_WITHOUT_BIAS_CORRECTION.update(names)
+  logging.warning(
+    "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+    "from a Keras Adam; it has no bias correction. Keras scales each step by "
+    "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+    "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+    "which at a large learning rate changes early training. For Keras's steps, pass "
+    "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+    "learning_rate is a callable including that factor.",
+    names,
+  )
 
 
 def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional[MidLevelOptimizer]:

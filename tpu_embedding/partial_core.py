@@ -38,6 +38,7 @@ from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import placement as placement_lib
 from tpu_embedding import sparse_core
+from tpu_embedding.layer_core import RefusesCopies
 from tpu_embedding.layer_core import TPUEmbeddingCore
 from tpu_embedding.layer_core import add_gradient_trap
 from tpu_embedding.placement import REPLICATED
@@ -100,7 +101,7 @@ class CheckpointNode(autotrackable.AutoTrackable):
 # The layer
 
 
-class PartialTPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
+class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours).
 
   `sharded_layer_class` is the flavour's `TPUEmbedding`, which serves the sharded tables.
@@ -134,6 +135,8 @@ class PartialTPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
       per_side[self._sides[feature.table.name]][feature.path] = feature.config
     self._paths = tuple((f.path, self._sides[f.table.name]) for f in self._config.features)
 
+    if table_updates == "engine":  # one warning naming both sides' tables (the sharded
+      optimizers.warn_if_bias_correction_dropped(self._config.tables)  # layer's is then silent)
     self._sharded = None  # the TPUEmbedding layer serving the sharded tables
     if per_side[SHARDED]:
       self._sharded = self.sharded_layer_class(
@@ -168,10 +171,6 @@ class PartialTPUEmbeddingCore(managed_ids_lib.ManagedIdsMixin):
       )
       replicated.build(None)
       self._replicated = replicated.engine
-      if table_updates == "engine":
-        optimizers.warn_if_bias_correction_dropped(
-          [table for table in self._config.tables if self._sides[table.name] == REPLICATED]
-        )
 
     # Maps over all tables, whatever their side: the call remaps before splitting by side.
     self._managed = self._no_dependency(

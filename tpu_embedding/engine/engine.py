@@ -221,17 +221,15 @@ class EmbeddingEngine(tf.Module):
         return forward[-1].activations
 
       def update(upstream):
-        # tf.saved_model.save traces this function once more to save it: not a second
-        # gradient of the step.
-        if not save_context.in_save_context():
-          gradients_taken[0] += 1
-          if gradients_taken[0] == 2:
-            warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=3)
+        gradients_taken[0] += 1
+        if gradients_taken[0] == 2:
+          warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=3)
         # Tables are trained here, never by the user's optimizer, even if they are trainable
         # variables (e.g. one passed to `update_embedding_table`).
         self._apply_gradients(forward[-1].upstream_by_table(upstream), reusable(), static)
 
-      flat = trap_lib.trapped(trap, look_up, update)
+      # A SavedModel of a function traced before saving gets a plain lookup's gradient.
+      flat = trap_lib.trapped(trap, look_up, update, plain_when_saved=True)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)

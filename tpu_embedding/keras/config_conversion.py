@@ -78,12 +78,8 @@ def to_mid_level_table(
       f"{' or '.join(map(repr, placements))}. For keras-rs placements (default_device: "
       "replicated tables) use tpu_embedding.keras.DistributedEmbedding."
     )
-  initializer = table.initializer
-  if isinstance(initializer, (str, dict)):
-    initializer = keras.initializers.get(initializer)
-  optimizer = table.optimizer
-  if isinstance(optimizer, (str, dict)):
-    optimizer = keras.optimizers.get(optimizer)
+  initializer = _keras_object(keras.initializers, table.initializer, f"{where}.initializer")
+  optimizer = _keras_object(keras.optimizers, table.optimizer, f"{where}.optimizer")
   return MidLevelTableConfig(
     vocabulary_size=table.vocabulary_size,
     dim=table.embedding_dim,
@@ -92,6 +88,21 @@ def to_mid_level_table(
     combiner=table.combiner,
     name=table.name,
   )
+
+
+def _keras_object(module: Any, value: Any, where: str) -> Any:
+  """`module.get(value)` for a name or a config (as keras-rs resolves them), refused by `where`
+  if Keras knows no such object."""
+  if not isinstance(value, (str, dict)):
+    return value
+  try:
+    return module.get(value)
+  except (ValueError, TypeError) as error:
+    kind = module.__name__.rsplit(".", 1)[-1][:-1]  # "optimizer", "initializer"
+    raise ValueError(
+      f"{where}={value!r}: Keras has no {kind} of that name ({error}). Pass a Keras {kind} "
+      "or the name of one; nothing was built."
+    ) from None
 
 
 def to_mid_level_feature(
