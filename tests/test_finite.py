@@ -132,3 +132,132 @@ def test_fit_stops_at_the_first_non_finite_gradient():
   with pytest.raises(tf.errors.InvalidArgumentError, match="Feature 'watched'"):
     model.fit(np.array([[1], [3]]), np.array([[np.inf], [0.0]]), epochs=1, verbose=0)
   np.testing.assert_array_equal(table_of(model_layer), ROWS)
+
+
+def two_tables(optimizer_b, pipelining=False):
+  """Tables 'ta' (SGD 0.5) and 'tb' (`optimizer_b`), both starting at ROWS."""
+  table = lambda name, optimizer: E.TableConfig(
+    5, 2, name=name, combiner="sum", initializer=tf.constant_initializer(ROWS), optimizer=optimizer
+  )
+  return tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table("ta", E.SGD(0.5))), "b": E.FeatureConfig(table("tb", optimizer_b))},
+    check_finite=True,
+    pipeline_execution_with_tensor_core=pipelining,
+  )
+
+
+def train_both(model, scale=1.0, traced=False):
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"]) * scale
+    tape.gradient(loss, model.trainable_variables)
+
+  (tf.function(step) if traced else step)()
+
+
+def state_of(model):
+  """Every table and slot (and held pipelined update) of the layer, as NumPy arrays by name."""
+  return {v.name: v.numpy() for v in model.variables}
+
+
+def assert_unchanged(before, model):
+  after = state_of(model)
+  assert sorted(after) == sorted(before)
+  for name, value in before.items():
+    np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_step_refused_for_one_table_writes_no_other_table(engine_path, traced):
+  model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
+  model.build(None)
+  before = state_of(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': its learning rate is not finite .*this step wrote nothing to any table",
+  ):
+    train_both(model, traced=traced)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_update_that_would_overflow_a_slot_is_refused_before_any_write(engine_path, traced):
+  # Finite gradients of 1e25: Adagrad's accumulator 0.1 + 1e50 overflows float32 to inf, which
+  # would freeze the rows forever (W - lr * g / sqrt(inf) = W).
+  model = two_tables(E.Adagrad(0.1))
+  model.build(None)
+  before = state_of(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': this step's update would write a non-finite value to its "
+    "'accumulators' slot",
+  ):
+    train_both(model, scale=1e25, traced=traced)
+  assert_unchanged(before, model)
+  train_both(model, traced=traced)  # finite steps still train both tables
+  expected = ROWS.copy()
+  expected[[1, 3]] -= 0.5
+  np.testing.assert_array_equal(model.variables_by_table["ta"]["parameters"].numpy(), expected)
+
+
+def test_a_held_update_that_would_overflow_is_refused_before_any_write(engine_path):
+  model = two_tables(E.Adagrad(0.1), pipelining=True)
+  train_both(model, scale=1e25)  # held, not applied yet: its gradients are finite
+  before = state_of(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': this step's update would write a non-finite value to its "
+    "'accumulators' slot",
+  ):
+    train_both(model)
+  assert_unchanged(before, model)
+
+
+def test_under_mirrored_strategy_a_refused_step_writes_no_table():
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
+    model.build(None)
+  before = state_of(model)
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"])
+    tape.gradient(loss, model.trainable_variables)
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 'tb': its learning rate"):
+    tf.function(lambda: strategy.run(step))()
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("compiled", ["graph", "xla"])
+def test_a_step_training_a_table_without_optimizer_writes_no_other_table(compiled):
+  table = lambda name, optimizer: E.TableConfig(
+    5, 2, name=name, initializer=tf.constant_initializer(ROWS), optimizer=optimizer
+  )
+  model = tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table("ta", E.SGD(0.5))), "b": E.FeatureConfig(table("tb", None))},
+    optimizer=None,
+  )
+  model.build(None)
+  before = state_of(model)
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"])
+    tape.gradient(loss, model.trainable_variables)
+
+  error = ValueError if compiled == "xla" else tf.errors.InvalidArgumentError
+  # Assert's message escapes the quotes.
+  with pytest.raises(
+    error, match=r"(?s)Table \\?'tb\\?' has no optimizer.*This step wrote nothing"
+  ):
+    tf.function(step, jit_compile=compiled == "xla")()
+  assert_unchanged(before, model)
