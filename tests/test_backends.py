@@ -16,6 +16,7 @@ from tpu_embedding import serving
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
 from tpu_embedding.layer import TPUEmbedding
+from tpu_embedding.partial import PartialTPUEmbedding
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
@@ -336,3 +337,20 @@ def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
   with strategy.scope():
     with pytest.raises(ValueError, match="TPU_V0: these tables would be trained by the model's"):
       _keras3_layer(feature_config())
+
+
+@pytest.mark.parametrize("batch_size", [-5, 0, 2.5, True, "8"])
+def test_a_batch_size_that_is_not_a_positive_int_is_refused(batch_size):
+  for make in (TPUEmbedding, PartialTPUEmbedding):
+    with pytest.raises(
+      ValueError, match=f"batch_size={batch_size!r}; expected a positive int .* or None"
+    ):
+      make(
+        {
+          "f": tf.tpu.experimental.embedding.FeatureConfig(
+            tf.tpu.experimental.embedding.TableConfig(5, 2, name="t")
+          )
+        },
+        "sgd",
+        batch_size=batch_size,
+      )

@@ -261,3 +261,16 @@ def test_a_step_training_a_table_without_optimizer_writes_no_other_table(compile
   ):
     tf.function(step, jit_compile=compiled == "xla")()
   assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("rows", [5, 1 << 20])  # small: tf.Variable; large: assigned in a function
+def test_an_initializer_producing_nan_is_refused_at_creation_naming_the_table(rows):
+  initializer = lambda shape, dtype: tf.fill(shape, float("nan"))
+  table = E.TableConfig(rows, 4, name="videos", initializer=initializer)
+  model = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table)}, "sgd", check_finite=True)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Embedding variable 'videos': its initializer produced a non-finite value",
+  ):
+    model.build(None)
+  assert not model.variables  # nothing was created

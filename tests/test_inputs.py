@@ -256,3 +256,110 @@ def test_input_conversion_with_its_checks_compiles_with_xla():
   for samples, sample_gains in (out[:2], out[2:]):
     np.testing.assert_array_equal(samples.numpy(), [0, 0, 1])
     np.testing.assert_allclose(sample_gains.numpy(), gains)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that were once dropped or misread without a word
+
+
+def two_feature_layer():
+  table = lambda name: E.TableConfig(
+    10, DIM, name=name, initializer=tf.constant_initializer(VALUES), optimizer=E.SGD(0.5)
+  )
+  return tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table("ta")), "b": E.FeatureConfig(table("tb"))}, None
+  )
+
+
+def train_step(model, features, signature=None):
+  """One training step, eager or in a tf.function traced with `signature`; returns its output."""
+
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = model(features)
+      loss = sum(tf.reduce_sum(x) for x in tf.nest.flatten(out))
+    tape.gradient(loss, model.trainable_variables)
+    return out
+
+  if signature is None:
+    return step(features)
+  return tf.function(step, input_signature=[signature])(features)
+
+
+def variables_of(model):
+  return {v.name: v.numpy() for v in model.variables}
+
+
+def assert_unchanged(before, model):
+  after = variables_of(model)
+  assert sorted(after) == sorted(before)
+  for name, value in before.items():
+    np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("traced", ["eager", "known", "unknown"])
+def test_features_of_one_call_with_different_batch_sizes_are_refused(traced):
+  model = two_feature_layer()
+  model.build(None)
+  before = variables_of(model)
+  features = {"a": tf.constant([1, 2, 3, 4], tf.int64), "b": tf.constant([1, 2, 3], tf.int64)}
+  signature = {
+    "eager": None,
+    "known": {"a": tf.TensorSpec([4], tf.int64), "b": tf.TensorSpec([3], tf.int64)},
+    "unknown": {"a": tf.TensorSpec([None], tf.int64), "b": tf.TensorSpec([None], tf.int64)},
+  }[traced]
+  if traced == "unknown":
+    error, message = tf.errors.InvalidArgumentError, r"batch sizes of \\?'a\\?', \\?'b.*\[4 3\]"
+  else:
+    error, message = ValueError, "Features 'a' and 'b' of one call have different batch sizes"
+  with pytest.raises(error, match=f"(?s){message}"):
+    train_step(model, features, signature)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_out_of_range_id_past_max_sequence_length_is_refused_not_truncated_away(kind, traced):
+  model = layer(max_sequence_length=3)
+  model.build(None)
+  before = variables_of(model)
+  rows = [[1, 2, 3, 4, 99], [5]]  # 99 at position 4: past the 3 positions looked up
+  ids = {
+    "dense": tf.constant([[1, 2, 3, 4, 99], [5, 0, 0, 0, 0]], tf.int64),
+    "sparse": tf.ragged.constant(rows, tf.int64).to_sparse(),
+    "ragged": tf.ragged.constant(rows, tf.int64),
+  }[kind]
+  signature = {"f": tf.type_spec_from_value(ids)} if traced else None
+  with pytest.raises(
+    tf.errors.InvalidArgumentError if traced else ValueError,
+    # (Assert's message escapes quotes)
+    match=r"(?s)Feature \\?'f\\?' \(table \\?'t\\?', vocabulary_size=10\): every id must be "
+    r"in \[0, 10\).*Offending ids.*99",
+  ):
+    train_step(model, {"f": ids}, signature)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize(
+  "signature",
+  [None, tf.RaggedTensorSpec([2, None], tf.int64), tf.RaggedTensorSpec([None, None], tf.int64)],
+)
+def test_a_ragged_output_shape_gives_the_same_result_whatever_the_trace_knows_of_the_batch(
+  combiner, signature
+):
+  ids = tf.ragged.constant([[1, 2, 7], [0]], tf.int64)
+  run = lambda model: train_step(model, {"f": ids}, None if signature is None else {"f": signature})
+  # [2, 2]: two positions per row (7 past them); [2]: each row combined.
+  sequence = run(layer(combiner, output_shape=[2, 2]))["f"].numpy()
+  np.testing.assert_array_equal(sequence, VALUES[[[1, 2], [0, 0]]] * [[[1], [1]], [[1], [0]]])
+  combined = run(layer(combiner, output_shape=[2]))["f"].numpy()
+  scale = 1 / 3 if combiner == "mean" else 1
+  np.testing.assert_allclose(combined, [VALUES[[1, 2, 7]].sum(0) * scale, VALUES[0]], rtol=1e-6)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError
+    if signature is not None and signature.shape[0] is None
+    else ValueError,
+    match=r"(?s)Feature \\?'f\\?'.*output_shape (\(3,\)|\[3\]) holds 3 samples",
+  ):
+    run(layer(combiner, output_shape=[3]))

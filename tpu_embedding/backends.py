@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import copy
 import itertools
+import numbers
 import typing
 from typing import Any, Optional
 
@@ -412,6 +413,17 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
         )
 
 
+def check_batch_size(batch_size: Any) -> None:
+  """Refuses a `batch_size` argument that is not a positive int or None, on every path (only
+  TPU V1 reads it, so elsewhere a bad one would pass unnoticed until the code moves there)."""
+  if batch_size is not None and (
+    isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0
+  ):
+    raise ValueError(
+      f"batch_size={batch_size!r}; expected a positive int (the per-replica batch size) or None."
+    )
+
+
 def create(
   path: hardware.ExecutionPath,
   config: config_lib.EmbeddingConfig,
@@ -424,6 +436,7 @@ def create(
   check_finite: bool = False,
 ) -> Backend:
   """The backend for `path`, with the arguments that path takes."""
+  check_batch_size(batch_size)
   if not isinstance(check_finite, bool):  # a truthy string would silently enable it
     raise TypeError(f"check_finite={check_finite!r}; expected True or False.")
   if path is hardware.ExecutionPath.CPU:

@@ -197,6 +197,7 @@ class PartialTPUEmbeddingCore:
         f"table_updates={table_updates!r}; expected one of {backends.TABLE_UPDATES}."
       )
     self._table_updates = table_updates
+    backends.check_batch_size(batch_size)
     if size_threshold is not None and (
       isinstance(size_threshold, bool) or not isinstance(size_threshold, int) or size_threshold < 0
     ):

@@ -120,7 +120,9 @@ class EmbeddingEngine(tf.Module):
     initializer = table.initializer or tf.initializers.TruncatedNormal(
       mean=0.0, stddev=1.0 / (table.dim**0.5)
     )
-    parameters = _new_variable(initializer, shape, table.name, trainable=not self._updates_tables)
+    parameters = _new_variable(
+      initializer, shape, table.name, not self._updates_tables, self._check_finite
+    )
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and self._updates_tables:
@@ -150,7 +152,7 @@ class EmbeddingEngine(tf.Module):
     else:
       with sharded.colocated_with(parameters):
         slots = {
-          name: _new_variable(initializer, shape, f"{table.name}/{name}", trainable=False)
+          name: _new_variable(initializer, shape, f"{table.name}/{name}", False, self._check_finite)
           for (name, shape), initializer in zip(shapes, initializers)
         }
     for name, slot in slots.items():
@@ -409,7 +411,7 @@ _COPY_IS_CHEAP_BYTES = 16 << 20
 
 
 def _new_variable(
-  initializer: Callable, shape: list[int], name: str, trainable: bool
+  initializer: Callable, shape: list[int], name: str, trainable: bool, check_finite: bool
 ) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
 
@@ -421,7 +423,7 @@ def _new_variable(
   below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
   step, once per table and slot) than the copy costs memory.
   """
-  value = functools.partial(_initial_value, initializer, shape, name)
+  value = functools.partial(_initial_value, initializer, shape, name, check_finite)
   if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
@@ -434,8 +436,11 @@ def _new_variable(
   return variable
 
 
-def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Tensor:
-  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape."""
+def _initial_value(
+  initializer: Callable, shape: list[int], name: str, check_finite: bool
+) -> tf.Tensor:
+  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape (and
+  finite, with `check_finite`)."""
   try:
     value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
   except (TypeError, ValueError) as e:
@@ -446,6 +451,12 @@ def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Ten
     raise ValueError(
       f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
       f"tensor of shape {value.shape.as_list()}; expected float32 {shape}."
+    )
+  if check_finite:
+    value = tf.debugging.check_numerics(
+      value,
+      f"Embedding variable {name!r}: its initializer produced a non-finite value "
+      "(check_finite=True refuses it when the variable is created)",
     )
   return value
 

@@ -44,6 +44,9 @@ class Bags:
   num_samples: Tensor  # int64 scalar
   output_shape: Tensor  # int64 [k], activation shape without the embedding dim
   static_shape: tf.TensorShape  # what is known of output_shape before running
+  # int64 [M]: ids past max_sequence_length, which no lookup reads but whose range is checked
+  # like the others' (a corrupt input is refused, not truncated away).
+  truncated_ids: Optional[Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,21 +132,23 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
   """
   if tf.executing_eagerly():
     for bag in bags:
-      in_range = _in_range(bag)
+      ids = _all_ids(bag)
+      in_range = tf.logical_and(ids >= 0, ids < bag.feature.table.vocabulary_size)
       if not bool(tf.reduce_all(in_range)):
-        offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))[:5].numpy().tolist()
+        offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
         raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
     return list(bags)
   if not bags:
     return []
-  largest = tf.stack([tf.reduce_max(tf.bitcast(bag.ids, tf.uint64)) for bag in bags])
+  largest = tf.stack([tf.reduce_max(tf.bitcast(_all_ids(bag), tf.uint64)) for bag in bags])
   sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
 
   def fail():
     # Traced in every step but run only on bad ids: one Assert over all features' ids at once
     # (naming the first feature at fault), so tracing time does not grow with the features.
-    ids = tf.concat([tf.reshape(bag.ids, [-1]) for bag in bags], 0)
-    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag.ids) for bag in bags]))
+    every = [_all_ids(bag) for bag in bags]
+    ids = tf.concat(every, 0)
+    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag_ids) for bag_ids in every]))
     too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
     offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
@@ -158,8 +163,74 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
 
 
-def _in_range(bag: Bags) -> Tensor:
-  return tf.logical_and(bag.ids >= 0, bag.ids < bag.feature.table.vocabulary_size)
+def check_same_batch(bags: Sequence[Bags], inputs: Sequence[Any]) -> list[Bags]:
+  """`bags`, let through only if every feature's input (`inputs`, one per bag) has the same
+  batch size (first dimension): a feature cut shorter than the others is a broken input.
+
+  Features with a configured output_shape are left out: it declares their own layout of samples
+  (e.g. ids flattened to [B x L] for an output of [B, L]), which `to_bags` checks. Decided while
+  tracing where the trace knows every batch size (no op); else one check of the step.
+  """
+  batched = [
+    (bag, _batch_of(ids))
+    for bag, ids in zip(bags, inputs)
+    if _static_output_shape(bag.feature) is None
+  ]
+  batched = [(bag, batch) for bag, batch in batched if batch is not None]
+  if len(batched) < 2:
+    return list(bags)
+  known = [tf.get_static_value(batch) for _, batch in batched]
+  if all(size is not None for size in known):
+    for (bag, _), size in zip(batched[1:], known[1:]):
+      if size != known[0]:
+        raise ValueError(_batch_message(batched[0][0], bag, f"({known[0]} and {size})."))
+    return list(bags)
+  sizes = tf.stack([batch for _, batch in batched])
+  names = ", ".join(repr(bag.feature.name) for bag, _ in batched)
+  first = batched[0][0]
+  guarded = _require(
+    first.feature,
+    [
+      (
+        tf.reduce_all(tf.equal(sizes, sizes[0])),
+        f"every feature of one call must have the same batch size (first dimension); "
+        f"batch sizes of {names}, in that order:",
+        [sizes],
+      )
+    ],
+    [bag.ids for bag in bags],
+  )
+  return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, guarded)]
+
+
+def _batch_message(first: Bags, other: Bags, sizes: str) -> str:
+  return (
+    f"Features {first.feature.name!r} and {other.feature.name!r} of one call have different "
+    f"batch sizes {sizes} Every feature of one call must have the same batch size (first "
+    "dimension); nothing was looked up or written."
+  )
+
+
+def _batch_of(ids: Any) -> Optional[Tensor]:
+  """The batch size (first dimension) of one feature's input, a constant where the trace knows
+  it; None for a scalar."""
+  if not isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+    ids = tf.convert_to_tensor(ids)
+  if ids.shape.rank == 0:
+    return None
+  if ids.shape.rank is not None and ids.shape[0] is not None:
+    return tf.constant(ids.shape[0], tf.int64)
+  if isinstance(ids, tf.SparseTensor):
+    return ids.dense_shape[0]
+  if isinstance(ids, tf.RaggedTensor):
+    return ids.nrows(out_type=tf.int64)
+  return tf.shape(ids, out_type=tf.int64)[0]
+
+
+def _all_ids(bag: Bags) -> Tensor:
+  """Every id of the bag's input, those past max_sequence_length included."""
+  ids = tf.reshape(bag.ids, [-1])
+  return ids if bag.truncated_ids is None else tf.concat([ids, bag.truncated_ids], 0)
 
 
 def _range_message(bag: Bags) -> str:
@@ -214,9 +285,8 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
     batch = shape[0]
     positions = tf.range(tf.shape(kept, out_type=tf.int64)[1])
     samples = tf.reshape(tf.range(batch)[:, None] * seq_len + positions[None, :], [-1])
-    return _sequence_bags(
-      feature, None, tf.reshape(kept, [-1]), samples, batch, ids.shape[0], seq_len
-    )
+    kept_and_dropped = (tf.reshape(kept, [-1]), tf.reshape(ids[:, seq_len:], [-1]))
+    return _sequence_bags(feature, None, kept_and_dropped, samples, batch, ids.shape[0], seq_len)
   static = ids.shape
   if ids.shape.rank >= 2 and last == 1:
     shape, static = shape[:-1], static[:-1]  # the TPU gives [B, D] for [B, 1] ids
@@ -456,6 +526,8 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
           f"neither the batch size {static_batch} nor a multiple of it."
         )
       seq_len = total // static_batch
+  elif configured is not None and configured.is_fully_defined() and weights is None:
+    return _ragged_bags_of_unknown_batch(feature, ids, rt, configured)
   if seq_len:
     positions = tf.range(tf.size(ids, out_type=tf.int64)) - tf.gather(rt.row_starts(), rows)
     kept, samples = _positions_below(ids, rows, positions, seq_len)
@@ -467,6 +539,34 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
     _gains(feature, weight_values, rows, batch),
     batch,
     *_with_output_shape(feature, batch[None], rt.shape[:1]),
+  )
+
+
+def _ragged_bags_of_unknown_batch(
+  feature: Feature, ids: Tensor, rt: tf.RaggedTensor, configured: tf.TensorShape
+) -> Bags:
+  """A ragged input's bags where the trace does not know its batch B: as `_ragged_bags` decides
+  from a known one, but when the step runs. An output_shape holding B samples combines each
+  row; one holding a multiple k x B makes each row a sequence of k positions, each its own
+  sample (longer rows truncated, and the input is refused if k x B is not the output's size).
+  """
+  rows, batch = rt.value_rowids(), rt.nrows()
+  total = configured.num_elements()
+  combined = tf.equal(batch, total)
+  seq_len = tf.where(combined, tf.constant(1, tf.int64), total // tf.maximum(batch, 1))
+  positions = tf.range(tf.size(ids, out_type=tf.int64)) - tf.gather(rt.row_starts(), rows)
+  keep = tf.logical_or(combined, positions < seq_len)
+  samples = tf.boolean_mask(tf.where(combined, rows, rows * seq_len + positions), keep)
+  num_samples = batch * seq_len
+  return Bags(
+    feature,
+    tf.boolean_mask(ids, keep),
+    samples,
+    # A sequence position holds one id, so the combiner's scale is 1 there.
+    _gains(feature, None, samples, num_samples),
+    num_samples,
+    *_with_output_shape(feature, num_samples[None], configured),
+    truncated_ids=tf.boolean_mask(ids, tf.logical_not(keep)),
   )
 
 
@@ -499,16 +599,18 @@ def _ragged_weight_values(
 
 def _positions_below(
   ids: Tensor, rows: Tensor, positions: Tensor, seq_len: int
-) -> tuple[Tensor, Tensor]:
-  """(ids, samples) of the ids at positions below L, each its own sample row * L + position."""
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
+  """((ids at positions below L, the others), samples of the first, each its own sample
+  row * L + position)."""
   keep = positions < seq_len
-  return tf.boolean_mask(ids, keep), tf.boolean_mask(rows * seq_len + positions, keep)
+  kept_and_dropped = (tf.boolean_mask(ids, keep), tf.boolean_mask(ids, tf.logical_not(keep)))
+  return kept_and_dropped, tf.boolean_mask(rows * seq_len + positions, keep)
 
 
 def _sequence_bags(
   feature: Feature,
   weights: Any,
-  ids: Tensor,
+  ids: tuple[Tensor, Tensor],
   samples: Tensor,
   batch: Tensor,
   static_batch: Optional[int],
@@ -517,7 +619,8 @@ def _sequence_bags(
   """A sequence input's bags, for every input kind: the activations are [B, L, D], each of the
   B x L positions its own sample (missing positions stay zero), so weights are refused.
 
-  `ids` and `samples` hold only the positions below L (longer sequences are truncated).
+  `ids` holds (the ids at positions below L, the ids past it) and `samples` the first's samples:
+  longer sequences are truncated, after their ids' range is checked.
   """
   if weights is not None:
     raise ValueError(
@@ -527,8 +630,15 @@ def _sequence_bags(
     )
   natural = tf.stack([batch, tf.constant(seq_len, tf.int64)])
   static = tf.TensorShape([static_batch, seq_len])
+  kept, dropped = ids
   return Bags(
-    feature, ids, samples, None, batch * seq_len, *_with_output_shape(feature, natural, static)
+    feature,
+    kept,
+    samples,
+    None,
+    batch * seq_len,
+    *_with_output_shape(feature, natural, static),
+    truncated_ids=dropped,
   )
 
 
@@ -577,6 +687,7 @@ class Step:
       to_bags(feature, ids, w)
       for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
     ]
+    bags = check_same_batch(bags, [ids for _, ids in pairs])
     return cls(check_id_ranges(bags) if check_ranges else bags)
 
   @functools.cached_property
