@@ -363,3 +363,34 @@ def test_a_ragged_output_shape_gives_the_same_result_whatever_the_trace_knows_of
     match=r"(?s)Feature \\?'f\\?'.*output_shape (\(3,\)|\[3\]) holds 3 samples",
   ):
     run(layer(combiner, output_shape=[3]))
+
+
+@pytest.mark.parametrize("outside", [[2, 0], [0, 5], [-1, 2], [1, -4]])
+def test_under_xla_a_sparse_entry_outside_dense_shape_is_dropped_as_if_absent(outside):
+  indices, ids, shape = [[0, 0], [1, 1], [0, 2]], [1, 2, 3], [2, 3]
+
+  def jit_step(model, sparse):
+    @tf.function(jit_compile=True)
+    def step(indices, values):
+      with tf.GradientTape() as tape:
+        out = model({"f": tf.SparseTensor(indices, values, shape)})["f"]
+        loss = tf.reduce_sum(out * tf.constant([[1.0, 2.0], [3.0, 4.0]]))
+      tape.gradient(loss, model.trainable_variables)
+      return out
+
+    return step(sparse.indices, sparse.values).numpy()
+
+  valid = tf.SparseTensor(tf.constant(indices, tf.int64), tf.constant(ids, tf.int64), shape)
+  hostile = tf.SparseTensor(
+    tf.constant(indices + [outside], tf.int64), tf.constant(ids + [9], tf.int64), shape
+  )
+  expected_model, model = layer("mean"), layer("mean")
+  expected = jit_step(expected_model, valid)
+  np.testing.assert_array_equal(expected, [VALUES[[1, 3]].mean(0), VALUES[2]])  # the valid input
+  np.testing.assert_array_equal(jit_step(model, hostile), expected)
+  np.testing.assert_array_equal(
+    model.variables_by_table["t"]["parameters"].numpy(),
+    expected_model.variables_by_table["t"]["parameters"].numpy(),
+  )
+  with pytest.raises(ValueError, match="Feature 'f': every index of its SparseTensor must lie"):
+    layer("mean")({"f": hostile})  # the other paths refuse it

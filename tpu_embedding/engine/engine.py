@@ -201,7 +201,7 @@ class EmbeddingEngine(tf.Module):
     plain = trap is None or (self._follows_keras_optimizer and save_context.in_save_context())
     if static:
       self._refuse_under_xla(training=not plain)
-    step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
+    step = inputs.Step.prepare(self._config, features, weights, compiled=static)
     if self._check_finite:
       step = finite.check_weights(step)
     if plain:

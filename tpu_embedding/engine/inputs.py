@@ -53,15 +53,16 @@ class Bags:
 # Input conversion
 
 
-def to_bags(feature: Feature, ids: Any, weights: Any = None) -> Bags:
+def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = False) -> Bags:
   """Validates one feature's ids' type (and weights) and turns them into bags.
 
-  The ids' range is checked once for all features by `check_id_ranges`.
+  The ids' range is checked once for all features by `check_id_ranges`. `compiled`: XLA
+  compiles the step, which cannot raise at run time (see `Step.prepare`).
   """
   name = feature.name
   if isinstance(ids, tf.SparseTensor):
     _check_weights_kind(name, weights, tf.SparseTensor)
-    bags = _sparse_bags(feature, ids, weights)
+    bags = _sparse_bags(feature, ids, weights, compiled)
   elif isinstance(ids, tf.RaggedTensor):
     _check_weights_kind(name, weights, tf.RaggedTensor)
     bags = _ragged_bags(feature, ids, weights)
@@ -305,7 +306,9 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
   )
 
 
-def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
+def _sparse_bags(
+  feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor], compiled: bool
+) -> Bags:
   _check_id_dtype(feature.name, sp.values.dtype)
   rank = sp.shape.rank
   if rank == 0:
@@ -333,6 +336,8 @@ def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.Spa
   indices, ids, dense_shape = _checked_sparse(feature, sp, bag_rank, seq_len if sequence else 1)
   weight_values = _sparse_weight_values(feature, sp, weights, indices, dense_shape)
   ids = tf.cast(ids, tf.int64)
+  if compiled:
+    indices, ids = _without_entries_outside(feature, indices, ids, dense_shape)
   if sequence:
     kept, samples = _positions_below(ids, indices[:, 0], indices[:, 1], seq_len)
     return _sequence_bags(feature, weights, kept, samples, dense_shape[0], sp.shape[0], seq_len)
@@ -413,6 +418,19 @@ def _checked_sparse(
     ],
     [indices, values, dense_shape],
   )
+
+
+def _without_entries_outside(
+  feature: Feature, indices: Tensor, ids: Tensor, dense_shape: Tensor
+) -> tuple[Tensor, Tensor]:
+  """(indices, ids) where every entry whose index lies outside `dense_shape` is dropped, for a
+  step XLA compiles, where `_checked_sparse` cannot refuse it: its sample becomes the first one
+  past the input (which the lookup's segment sums drop) and its id the first past the table
+  (whose gradient every update drops). Shapes stay fixed, as XLA needs."""
+  outside = tf.reduce_any(tf.logical_or(indices < 0, indices >= dense_shape[None, :]), axis=1)
+  past_the_input = tf.one_hot(0, tf.size(dense_shape), dtype=tf.int64) * dense_shape[0]
+  indices = tf.where(outside[:, None], past_the_input[None, :], indices)
+  return indices, tf.where(outside, tf.constant(feature.table.vocabulary_size, tf.int64), ids)
 
 
 def _first_outside(indices: Tensor, dense_shape: Tensor, well_formed: Tensor) -> Tensor:
@@ -675,20 +693,21 @@ class Step:
     features: Any,
     weights: Any = None,
     subset: bool = False,
-    check_ranges: bool = True,
+    compiled: bool = False,
   ) -> "Step":
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
 
-    `check_ranges=False` leaves out the id-range check, for steps XLA compiles: they cannot
-    raise at run time (the static path clamps such ids instead).
+    `compiled`: XLA compiles the step, which cannot raise at run time: the id-range check is
+    left out (the static path clamps such ids instead), and `SparseTensor` entries outside their
+    `dense_shape` are dropped rather than refused.
     """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [
-      to_bags(feature, ids, w)
+      to_bags(feature, ids, w, compiled)
       for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
     ]
     bags = check_same_batch(bags, [ids for _, ids in pairs])
-    return cls(check_id_ranges(bags) if check_ranges else bags)
+    return cls(bags if compiled else check_id_ranges(bags))
 
   @functools.cached_property
   def tables(self) -> dict[Any, list[Bags]]:
