@@ -134,14 +134,14 @@ def test_fit_stops_at_the_first_non_finite_gradient():
   np.testing.assert_array_equal(table_of(model_layer), ROWS)
 
 
-def two_tables(optimizer_b, pipelining=False):
+def two_tables(optimizer_b, pipelining=False, check_finite=True):
   """Tables 'ta' (SGD 0.5) and 'tb' (`optimizer_b`), both starting at ROWS."""
   table = lambda name, optimizer: E.TableConfig(
     5, 2, name=name, combiner="sum", initializer=tf.constant_initializer(ROWS), optimizer=optimizer
   )
   return tpu_embedding.TPUEmbedding(
     {"a": E.FeatureConfig(table("ta", E.SGD(0.5))), "b": E.FeatureConfig(table("tb", optimizer_b))},
-    check_finite=True,
+    check_finite=check_finite,
     pipeline_execution_with_tensor_core=pipelining,
   )
 
@@ -214,6 +214,9 @@ def test_a_held_update_that_would_overflow_is_refused_before_any_write(engine_pa
   ):
     train_both(model)
   assert_unchanged(before, model)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 'tb': this step's update"):
+    model.flush()  # as before a checkpoint: the held update is checked there too
+  assert_unchanged(before, model)
 
 
 def test_under_mirrored_strategy_a_refused_step_writes_no_table():
@@ -274,3 +277,35 @@ def test_an_initializer_producing_nan_is_refused_at_creation_naming_the_table(ro
   ):
     model.build(None)
   assert not model.variables  # nothing was created
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_a_float16_activation_path_whose_gradient_overflows(engine_path, check_finite):
+  # 300 * 300 = 90,000 overflows float16 (max 65,504): the gradient reaching the activations is
+  # inf. By default it poisons the touched rows as on TPU; check_finite refuses the whole step.
+  model = two_tables(E.SGD(0.5), check_finite=check_finite)
+  model.build(None)
+  before = state_of(model)
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      half = tf.cast(out["b"], tf.float16) * tf.constant(300, tf.float16)
+      loss = tf.reduce_sum(out["a"]) + tf.cast(
+        tf.reduce_sum(half * tf.constant(300, tf.float16)), tf.float32
+      )
+    tape.gradient(loss, model.trainable_variables)
+
+  if not check_finite:
+    step()
+    table_b = model.variables_by_table["tb"]["parameters"].numpy()
+    assert (table_b[[1, 3]] == -np.inf).all()
+    np.testing.assert_array_equal(table_b[[0, 2, 4]], ROWS[[0, 2, 4]])
+    return
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Feature 'b' \\(table 'tb'\\): the gradient of its activations holds a non-finite",
+  ):
+    step()
+  assert_unchanged(before, model)
