@@ -92,12 +92,7 @@ def optimizers(draw):
   )
 
 
-def _bags(count: int):
-  return st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=count, max_size=count)
-
-
-# A step's two features: one batch of 1 to 4 bags each, as one call needs.
-step_strategy = st.integers(1, 4).flatmap(lambda count: st.tuples(_bags(count), _bags(count)))
+bags_strategy = st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4)
 
 
 def _reference_examples(max_examples: int, max_steps: int, **more):
@@ -114,7 +109,7 @@ def _reference_examples(max_examples: int, max_steps: int, **more):
     dim=st.integers(1, 3),
     combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
     optimizer=optimizers(),
-    steps=st.lists(step_strategy, min_size=1, max_size=max_steps),
+    steps=st.lists(st.tuples(bags_strategy, bags_strategy), min_size=1, max_size=max_steps),
     weighted=st.booleans(),
     seed=st.integers(0, 2**16),
     **more,

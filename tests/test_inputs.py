@@ -262,15 +262,6 @@ def test_input_conversion_with_its_checks_compiles_with_xla():
 # Inputs that were once dropped or misread without a word
 
 
-def two_feature_layer():
-  table = lambda name: E.TableConfig(
-    10, DIM, name=name, initializer=tf.constant_initializer(VALUES), optimizer=E.SGD(0.5)
-  )
-  return tpu_embedding.TPUEmbedding(
-    {"a": E.FeatureConfig(table("ta")), "b": E.FeatureConfig(table("tb"))}, None
-  )
-
-
 def train_step(model, features, signature=None):
   """One training step, eager or in a tf.function traced with `signature`; returns its output."""
 
@@ -295,26 +286,6 @@ def assert_unchanged(before, model):
   assert sorted(after) == sorted(before)
   for name, value in before.items():
     np.testing.assert_array_equal(after[name], value, err_msg=name)
-
-
-@pytest.mark.parametrize("traced", ["eager", "known", "unknown"])
-def test_features_of_one_call_with_different_batch_sizes_are_refused(traced):
-  model = two_feature_layer()
-  model.build(None)
-  before = variables_of(model)
-  features = {"a": tf.constant([1, 2, 3, 4], tf.int64), "b": tf.constant([1, 2, 3], tf.int64)}
-  signature = {
-    "eager": None,
-    "known": {"a": tf.TensorSpec([4], tf.int64), "b": tf.TensorSpec([3], tf.int64)},
-    "unknown": {"a": tf.TensorSpec([None], tf.int64), "b": tf.TensorSpec([None], tf.int64)},
-  }[traced]
-  if traced == "unknown":
-    error, message = tf.errors.InvalidArgumentError, r"batch sizes of \\?'a\\?', \\?'b.*\[4 3\]"
-  else:
-    error, message = ValueError, "Features 'a' and 'b' of one call have different batch sizes"
-  with pytest.raises(error, match=f"(?s){message}"):
-    train_step(model, features, signature)
-  assert_unchanged(before, model)
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])

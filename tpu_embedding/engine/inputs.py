@@ -164,70 +164,6 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
 
 
-def check_same_batch(bags: Sequence[Bags], inputs: Sequence[Any]) -> list[Bags]:
-  """`bags`, let through only if every feature's input (`inputs`, one per bag) has the same
-  batch size (first dimension): a feature cut shorter than the others is a broken input.
-
-  Features with a configured output_shape are left out: it declares their own layout of samples
-  (e.g. ids flattened to [B x L] for an output of [B, L]), which `to_bags` checks. Decided while
-  tracing where the trace knows every batch size (no op); else one check of the step.
-  """
-  batched = [
-    (bag, _batch_of(ids))
-    for bag, ids in zip(bags, inputs)
-    if _static_output_shape(bag.feature) is None
-  ]
-  batched = [(bag, batch) for bag, batch in batched if batch is not None]
-  if len(batched) < 2:
-    return list(bags)
-  known = [tf.get_static_value(batch) for _, batch in batched]
-  if all(size is not None for size in known):
-    for (bag, _), size in zip(batched[1:], known[1:]):
-      if size != known[0]:
-        raise ValueError(_batch_message(batched[0][0], bag, f"({known[0]} and {size})."))
-    return list(bags)
-  sizes = tf.stack([batch for _, batch in batched])
-  names = ", ".join(repr(bag.feature.name) for bag, _ in batched)
-  first = batched[0][0]
-  guarded = _require(
-    first.feature,
-    [
-      (
-        tf.reduce_all(tf.equal(sizes, sizes[0])),
-        f"every feature of one call must have the same batch size (first dimension); "
-        f"batch sizes of {names}, in that order:",
-        [sizes],
-      )
-    ],
-    [bag.ids for bag in bags],
-  )
-  return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, guarded)]
-
-
-def _batch_message(first: Bags, other: Bags, sizes: str) -> str:
-  return (
-    f"Features {first.feature.name!r} and {other.feature.name!r} of one call have different "
-    f"batch sizes {sizes} Every feature of one call must have the same batch size (first "
-    "dimension); nothing was looked up or written."
-  )
-
-
-def _batch_of(ids: Any) -> Optional[Tensor]:
-  """The batch size (first dimension) of one feature's input, a constant where the trace knows
-  it; None for a scalar."""
-  if not isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
-    ids = tf.convert_to_tensor(ids)
-  if ids.shape.rank == 0:
-    return None
-  if ids.shape.rank is not None and ids.shape[0] is not None:
-    return tf.constant(ids.shape[0], tf.int64)
-  if isinstance(ids, tf.SparseTensor):
-    return ids.dense_shape[0]
-  if isinstance(ids, tf.RaggedTensor):
-    return ids.nrows(out_type=tf.int64)
-  return tf.shape(ids, out_type=tf.int64)[0]
-
-
 def _all_ids(bag: Bags) -> Tensor:
   """Every id of the bag's input, those past max_sequence_length included."""
   ids = tf.reshape(bag.ids, [-1])
@@ -706,7 +642,6 @@ class Step:
       to_bags(feature, ids, w, compiled)
       for (feature, ids), w in zip(pairs, weight_leaves(features, weights, len(pairs)))
     ]
-    bags = check_same_batch(bags, [ids for _, ids in pairs])
     return cls(bags if compiled else check_id_ranges(bags))
 
   @functools.cached_property
