@@ -82,7 +82,7 @@ def check_update(
   Computes the rows and slot rows the update would write with the same float32 operations as
   every engine path, without writing them.
   """
-  learning_rate = check_learning_rate(tf.cast(learning_rate, tf.float32), table_name)
+  learning_rate = tf.cast(learning_rate, tf.float32)  # checked where it was read
   grads = check_row_gradients(grads, table_name)
   if table_rows is None:
     table_rows = sharded.gather(state.parameters, row_ids)
