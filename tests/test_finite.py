@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+from unchanged import assert_unchanged, snapshot
 from tpu_embedding import backends
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
@@ -146,7 +147,8 @@ def two_tables(optimizer_b, pipelining=False, check_finite=True):
   )
 
 
-def train_both(model, scale=1.0, traced=False):
+def step_of(model, scale=1.0):
+  """One training step of both features (rows 1 and 3), feature 'b's gradient scaled."""
   ids = tf.constant([1, 3], tf.int64)
 
   def step():
@@ -155,26 +157,19 @@ def train_both(model, scale=1.0, traced=False):
       loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"]) * scale
     tape.gradient(loss, model.trainable_variables)
 
+  return step
+
+
+def train_both(model, scale=1.0, traced=False):
+  step = step_of(model, scale)
   (tf.function(step) if traced else step)()
-
-
-def state_of(model):
-  """Every table and slot (and held pipelined update) of the layer, as NumPy arrays by name."""
-  return {v.name: v.numpy() for v in model.variables}
-
-
-def assert_unchanged(before, model):
-  after = state_of(model)
-  assert sorted(after) == sorted(before)
-  for name, value in before.items():
-    np.testing.assert_array_equal(after[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_step_refused_for_one_table_writes_no_other_table(engine_path, traced):
   model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
   model.build(None)
-  before = state_of(model)
+  before = snapshot(model)
   with pytest.raises(
     tf.errors.InvalidArgumentError,
     match="Table 'tb': its learning rate is not finite .*this step wrote nothing to any table",
@@ -189,7 +184,7 @@ def test_an_update_that_would_overflow_a_slot_is_refused_before_any_write(engine
   # would freeze the rows forever (W - lr * g / sqrt(inf) = W).
   model = two_tables(E.Adagrad(0.1))
   model.build(None)
-  before = state_of(model)
+  before = snapshot(model)
   with pytest.raises(
     tf.errors.InvalidArgumentError,
     match="Table 'tb': this step's update would write a non-finite value to its "
@@ -206,7 +201,7 @@ def test_an_update_that_would_overflow_a_slot_is_refused_before_any_write(engine
 def test_a_held_update_that_would_overflow_is_refused_before_any_write(engine_path):
   model = two_tables(E.Adagrad(0.1), pipelining=True)
   train_both(model, scale=1e25)  # held, not applied yet: its gradients are finite
-  before = state_of(model)
+  before = snapshot(model)
   with pytest.raises(
     tf.errors.InvalidArgumentError,
     match="Table 'tb': this step's update would write a non-finite value to its "
@@ -224,14 +219,8 @@ def test_under_mirrored_strategy_a_refused_step_writes_no_table():
   with strategy.scope():
     model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
     model.build(None)
-  before = state_of(model)
-  ids = tf.constant([1, 3], tf.int64)
-
-  def step():
-    with tf.GradientTape() as tape:
-      out = model({"a": ids, "b": ids})
-      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"])
-    tape.gradient(loss, model.trainable_variables)
+  before = snapshot(model)
+  step = step_of(model)
 
   with pytest.raises(tf.errors.InvalidArgumentError, match="Table 'tb': its learning rate"):
     tf.function(lambda: strategy.run(step))()
@@ -248,14 +237,8 @@ def test_a_step_training_a_table_without_optimizer_writes_no_other_table(compile
     optimizer=None,
   )
   model.build(None)
-  before = state_of(model)
-  ids = tf.constant([1, 3], tf.int64)
-
-  def step():
-    with tf.GradientTape() as tape:
-      out = model({"a": ids, "b": ids})
-      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"])
-    tape.gradient(loss, model.trainable_variables)
+  before = snapshot(model)
+  step = step_of(model)
 
   error = ValueError if compiled == "xla" else tf.errors.InvalidArgumentError
   # Assert's message escapes the quotes.
@@ -285,7 +268,7 @@ def test_a_float16_activation_path_whose_gradient_overflows(engine_path, check_f
   # inf. By default it poisons the touched rows as on TPU; check_finite refuses the whole step.
   model = two_tables(E.SGD(0.5), check_finite=check_finite)
   model.build(None)
-  before = state_of(model)
+  before = snapshot(model)
   ids = tf.constant([1, 3], tf.int64)
 
   def step():

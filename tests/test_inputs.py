@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import child_process
+from unchanged import assert_unchanged, snapshot
 import tpu_embedding
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import inputs
@@ -277,23 +278,12 @@ def train_step(model, features, signature=None):
   return tf.function(step, input_signature=[signature])(features)
 
 
-def variables_of(model):
-  return {v.name: v.numpy() for v in model.variables}
-
-
-def assert_unchanged(before, model):
-  after = variables_of(model)
-  assert sorted(after) == sorted(before)
-  for name, value in before.items():
-    np.testing.assert_array_equal(after[name], value, err_msg=name)
-
-
 @pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
 @pytest.mark.parametrize("traced", [False, True])
 def test_an_out_of_range_id_past_max_sequence_length_is_refused_not_truncated_away(kind, traced):
   model = layer(max_sequence_length=3)
   model.build(None)
-  before = variables_of(model)
+  before = snapshot(model)
   rows = [[1, 2, 3, 4, 99], [5]]  # 99 at position 4: past the 3 positions looked up
   ids = {
     "dense": tf.constant([[1, 2, 3, 4, 99], [5, 0, 0, 0, 0]], tf.int64),
