@@ -340,6 +340,23 @@ def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
       _keras3_layer(feature_config())
 
 
+@pytest.mark.parametrize("batch_size", [-5, 0, 2.5, True, "8"])
+def test_a_batch_size_that_is_not_a_positive_int_is_refused(batch_size):
+  for make in (TPUEmbedding, PartialTPUEmbedding):
+    with pytest.raises(
+      ValueError, match=f"batch_size={batch_size!r}; expected a positive int .* or None"
+    ):
+      make(
+        {
+          "f": tf.tpu.experimental.embedding.FeatureConfig(
+            tf.tpu.experimental.embedding.TableConfig(5, 2, name="t")
+          )
+        },
+        "sgd",
+        batch_size=batch_size,
+      )
+
+
 # --------------------------------------------------------------------------------------------
 # The layer's prepared configuration is never changed by a path
 

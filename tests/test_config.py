@@ -1,8 +1,10 @@
 """Tests of `tpu_embedding.config`: the one rule that resolves a user's table to the layer's."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
+import tpu_embedding
 from tpu_embedding import config as config_lib
 
 emb = tf.tpu.experimental.embedding
@@ -51,3 +53,18 @@ def test_a_table_named_like_a_slot_of_another_table_is_refused():
   # Without a slot of that name (SGD has none) the name is free.
   sgd = emb.TableConfig(10, 2, name="t", optimizer=emb.SGD(0.1))
   config_lib.prepare({"a": emb.FeatureConfig(sgd), "b": emb.FeatureConfig(clash)}, "sgd")
+
+
+def test_a_table_config_changed_after_construction_changes_nothing_of_the_layer():
+  table = emb.TableConfig(5, 2, name="videos", initializer=tf.constant_initializer(1.0))
+  layer = tpu_embedding.TPUEmbedding({"f": emb.FeatureConfig(table)}, emb.SGD(0.5))
+  layer({"f": tf.constant([1])})
+  table.dim, table.vocabulary_size = 0, 1  # the layer works from its own copy, taken when built
+  with tf.GradientTape() as tape:
+    out = layer({"f": tf.constant([1, 4])})["f"]
+    loss = tf.reduce_sum(out)
+  tape.gradient(loss, layer.trainable_variables)
+  np.testing.assert_array_equal(out.numpy(), np.ones([2, 2]))
+  expected = np.ones([5, 2], np.float32)
+  expected[[1, 4]] -= 0.5
+  np.testing.assert_array_equal(layer.variables_by_table["videos"]["parameters"].numpy(), expected)

@@ -122,7 +122,9 @@ def test_a_replica_step_updates_each_table_once_with_the_global_batch_summed_in_
       step, lambda t: tf.zeros([t.vocabulary_size, t.dim]), lookup.deduplicated
     )
     per_table = forward.upstream_by_table([gradients[k] for k in sorted(gradients)])
-    exchange.gather_and_update(per_table, lambda t, i, g: recorded.append((t.name, i, g)))
+    exchange.gather_and_update(
+      per_table, lambda tables: recorded.extend((t.name, i, g) for t, i, g in tables)
+    )
 
   per_replica = strategy.experimental_distribute_values_from_function(
     lambda context: (

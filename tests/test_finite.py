@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+from unchanged import assert_unchanged, snapshot
 from tpu_embedding import backends
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
@@ -132,6 +133,165 @@ def test_fit_stops_at_the_first_non_finite_gradient():
   with pytest.raises(tf.errors.InvalidArgumentError, match="Feature 'watched'"):
     model.fit(np.array([[1], [3]]), np.array([[np.inf], [0.0]]), epochs=1, verbose=0)
   np.testing.assert_array_equal(table_of(model_layer), ROWS)
+
+
+def two_tables(optimizer_b, pipelining=False, check_finite=True):
+  """Tables 'ta' (SGD 0.5) and 'tb' (`optimizer_b`), both starting at ROWS."""
+  table = lambda name, optimizer: E.TableConfig(
+    5, 2, name=name, combiner="sum", initializer=tf.constant_initializer(ROWS), optimizer=optimizer
+  )
+  return tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table("ta", E.SGD(0.5))), "b": E.FeatureConfig(table("tb", optimizer_b))},
+    check_finite=check_finite,
+    pipeline_execution_with_tensor_core=pipelining,
+  )
+
+
+def step_of(model, scale=1.0):
+  """One training step of both features (rows 1 and 3), feature 'b's gradient scaled."""
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      loss = tf.reduce_sum(out["a"]) + tf.reduce_sum(out["b"]) * scale
+    tape.gradient(loss, model.trainable_variables)
+
+  return step
+
+
+def train_both(model, scale=1.0, traced=False):
+  step = step_of(model, scale)
+  (tf.function(step) if traced else step)()
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_step_refused_for_one_table_writes_no_other_table(engine_path, traced):
+  model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
+  model.build(None)
+  before = snapshot(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': its learning rate is not finite .*this step wrote nothing to any table",
+  ):
+    train_both(model, traced=traced)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_update_that_would_overflow_a_slot_is_refused_before_any_write(engine_path, traced):
+  # Finite gradients of 1e25: Adagrad's accumulator 0.1 + 1e50 overflows float32 to inf, which
+  # would freeze the rows forever (W - lr * g / sqrt(inf) = W).
+  model = two_tables(E.Adagrad(0.1))
+  model.build(None)
+  before = snapshot(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': this step's update would write a non-finite value to its "
+    "'accumulators' slot",
+  ):
+    train_both(model, scale=1e25, traced=traced)
+  assert_unchanged(before, model)
+  train_both(model, traced=traced)  # finite steps still train both tables
+  expected = ROWS.copy()
+  expected[[1, 3]] -= 0.5
+  np.testing.assert_array_equal(model.variables_by_table["ta"]["parameters"].numpy(), expected)
+
+
+def test_a_held_update_that_would_overflow_is_refused_before_any_write(engine_path):
+  model = two_tables(E.Adagrad(0.1), pipelining=True)
+  train_both(model, scale=1e25)  # held, not applied yet: its gradients are finite
+  before = snapshot(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Table 'tb': this step's update would write a non-finite value to its "
+    "'accumulators' slot",
+  ):
+    train_both(model)
+  assert_unchanged(before, model)
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 'tb': this step's update"):
+    model.flush()  # as before a checkpoint: the held update is checked there too
+  assert_unchanged(before, model)
+
+
+def test_under_mirrored_strategy_a_refused_step_writes_no_table():
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    model = two_tables(E.SGD(learning_rate=lambda: float("nan")))
+    model.build(None)
+  before = snapshot(model)
+  step = step_of(model)
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 'tb': its learning rate"):
+    tf.function(lambda: strategy.run(step))()
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("compiled", ["graph", "xla"])
+def test_a_step_training_a_table_without_optimizer_writes_no_other_table(compiled):
+  table = lambda name, optimizer: E.TableConfig(
+    5, 2, name=name, initializer=tf.constant_initializer(ROWS), optimizer=optimizer
+  )
+  model = tpu_embedding.TPUEmbedding(
+    {"a": E.FeatureConfig(table("ta", E.SGD(0.5))), "b": E.FeatureConfig(table("tb", None))},
+    optimizer=None,
+  )
+  model.build(None)
+  before = snapshot(model)
+  step = step_of(model)
+
+  error = ValueError if compiled == "xla" else tf.errors.InvalidArgumentError
+  # Assert's message escapes the quotes.
+  with pytest.raises(
+    error, match=r"(?s)Table \\?'tb\\?' has no optimizer.*This step wrote nothing"
+  ):
+    tf.function(step, jit_compile=compiled == "xla")()
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("rows", [5, 1 << 20])  # small: tf.Variable; large: assigned in a function
+def test_an_initializer_producing_nan_is_refused_at_creation_naming_the_table(rows):
+  initializer = lambda shape, dtype: tf.fill(shape, float("nan"))
+  table = E.TableConfig(rows, 4, name="videos", initializer=initializer)
+  model = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table)}, "sgd", check_finite=True)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Embedding variable 'videos': its initializer produced a non-finite value",
+  ):
+    model.build(None)
+  assert not model.variables  # nothing was created
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_a_float16_activation_path_whose_gradient_overflows(engine_path, check_finite):
+  # 300 * 300 = 90,000 overflows float16 (max 65,504): the gradient reaching the activations is
+  # inf. By default it poisons the touched rows as on TPU; check_finite refuses the whole step.
+  model = two_tables(E.SGD(0.5), check_finite=check_finite)
+  model.build(None)
+  before = snapshot(model)
+  ids = tf.constant([1, 3], tf.int64)
+
+  def step():
+    with tf.GradientTape() as tape:
+      out = model({"a": ids, "b": ids})
+      half = tf.cast(out["b"], tf.float16) * tf.constant(300, tf.float16)
+      loss = tf.reduce_sum(out["a"]) + tf.cast(
+        tf.reduce_sum(half * tf.constant(300, tf.float16)), tf.float32
+      )
+    tape.gradient(loss, model.trainable_variables)
+
+  if not check_finite:
+    step()
+    table_b = model.variables_by_table["tb"]["parameters"].numpy()
+    assert (table_b[[1, 3]] == -np.inf).all()
+    np.testing.assert_array_equal(table_b[[0, 2, 4]], ROWS[[0, 2, 4]])
+    return
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match="Feature 'b' \\(table 'tb'\\): the gradient of its activations holds a non-finite",
+  ):
+    step()
+  assert_unchanged(before, model)
 
 
 @pytest.mark.parametrize("size_threshold", [None, 0], ids=["replicated", "sharded"])

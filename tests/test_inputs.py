@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import child_process
+from unchanged import assert_unchanged, snapshot
 import tpu_embedding
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import inputs
@@ -256,3 +257,101 @@ def test_input_conversion_with_its_checks_compiles_with_xla():
   for samples, sample_gains in (out[:2], out[2:]):
     np.testing.assert_array_equal(samples.numpy(), [0, 0, 1])
     np.testing.assert_allclose(sample_gains.numpy(), gains)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that were once dropped or misread without a word
+
+
+def train_step(model, features, signature=None):
+  """One training step, eager or in a tf.function traced with `signature`; returns its output."""
+
+  def step(features):
+    with tf.GradientTape() as tape:
+      out = model(features)
+      loss = sum(tf.reduce_sum(x) for x in tf.nest.flatten(out))
+    tape.gradient(loss, model.trainable_variables)
+    return out
+
+  if signature is None:
+    return step(features)
+  return tf.function(step, input_signature=[signature])(features)
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_out_of_range_id_past_max_sequence_length_is_refused_not_truncated_away(kind, traced):
+  model = layer(max_sequence_length=3)
+  model.build(None)
+  before = snapshot(model)
+  rows = [[1, 2, 3, 4, 99], [5]]  # 99 at position 4: past the 3 positions looked up
+  ids = {
+    "dense": tf.constant([[1, 2, 3, 4, 99], [5, 0, 0, 0, 0]], tf.int64),
+    "sparse": tf.ragged.constant(rows, tf.int64).to_sparse(),
+    "ragged": tf.ragged.constant(rows, tf.int64),
+  }[kind]
+  signature = {"f": tf.type_spec_from_value(ids)} if traced else None
+  with pytest.raises(
+    tf.errors.InvalidArgumentError if traced else ValueError,
+    # (Assert's message escapes quotes)
+    match=r"(?s)Feature \\?'f\\?' \(table \\?'t\\?', vocabulary_size=10\): every id must be "
+    r"in \[0, 10\).*Offending ids.*99",
+  ):
+    train_step(model, {"f": ids}, signature)
+  assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize(
+  "signature",
+  [None, tf.RaggedTensorSpec([2, None], tf.int64), tf.RaggedTensorSpec([None, None], tf.int64)],
+)
+def test_a_ragged_output_shape_gives_the_same_result_whatever_the_trace_knows_of_the_batch(
+  combiner, signature
+):
+  ids = tf.ragged.constant([[1, 2, 7], [0]], tf.int64)
+  run = lambda model: train_step(model, {"f": ids}, None if signature is None else {"f": signature})
+  # [2, 2]: two positions per row (7 past them); [2]: each row combined.
+  sequence = run(layer(combiner, output_shape=[2, 2]))["f"].numpy()
+  np.testing.assert_array_equal(sequence, VALUES[[[1, 2], [0, 0]]] * [[[1], [1]], [[1], [0]]])
+  combined = run(layer(combiner, output_shape=[2]))["f"].numpy()
+  scale = 1 / 3 if combiner == "mean" else 1
+  np.testing.assert_allclose(combined, [VALUES[[1, 2, 7]].sum(0) * scale, VALUES[0]], rtol=1e-6)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError
+    if signature is not None and signature.shape[0] is None
+    else ValueError,
+    match=r"(?s)Feature \\?'f\\?'.*output_shape (\(3,\)|\[3\]) holds 3 samples",
+  ):
+    run(layer(combiner, output_shape=[3]))
+
+
+@pytest.mark.parametrize("outside", [[2, 0], [0, 5], [-1, 2], [1, -4]])
+def test_under_xla_a_sparse_entry_outside_dense_shape_is_dropped_as_if_absent(outside):
+  indices, ids, shape = [[0, 0], [1, 1], [0, 2]], [1, 2, 3], [2, 3]
+
+  def jit_step(model, sparse):
+    @tf.function(jit_compile=True)
+    def step(indices, values):
+      with tf.GradientTape() as tape:
+        out = model({"f": tf.SparseTensor(indices, values, shape)})["f"]
+        loss = tf.reduce_sum(out * tf.constant([[1.0, 2.0], [3.0, 4.0]]))
+      tape.gradient(loss, model.trainable_variables)
+      return out
+
+    return step(sparse.indices, sparse.values).numpy()
+
+  valid = tf.SparseTensor(tf.constant(indices, tf.int64), tf.constant(ids, tf.int64), shape)
+  hostile = tf.SparseTensor(
+    tf.constant(indices + [outside], tf.int64), tf.constant(ids + [9], tf.int64), shape
+  )
+  expected_model, model = layer("mean"), layer("mean")
+  expected = jit_step(expected_model, valid)
+  np.testing.assert_array_equal(expected, [VALUES[[1, 3]].mean(0), VALUES[2]])  # the valid input
+  np.testing.assert_array_equal(jit_step(model, hostile), expected)
+  np.testing.assert_array_equal(
+    model.variables_by_table["t"]["parameters"].numpy(),
+    expected_model.variables_by_table["t"]["parameters"].numpy(),
+  )
+  with pytest.raises(ValueError, match="Feature 'f': every index of its SparseTensor must lie"):
+    layer("mean")({"f": hostile})  # the other paths refuse it

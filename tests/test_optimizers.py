@@ -457,3 +457,18 @@ def test_keras_apply_gradients_advances_the_schedule(family):
   assert lr_value(mid) == pytest.approx(at_0, rel=1e-6)
   k.apply_gradients([(tf.constant([1.0]), dense)])
   assert lr_value(mid) == pytest.approx(at_1, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", [emb.Adagrad, emb.FTRL])
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_an_accumulator_starting_at_or_below_zero_is_refused_naming_the_table(kind, value):
+  # TF's constructor refuses it; an attribute set afterwards must be refused too: with no
+  # epsilon, a touched row whose gradient is 0 would become 0 / sqrt(0) = NaN.
+  optimizer = kind(0.1)
+  optimizer.initial_accumulator_value = value
+  with pytest.raises(
+    ValueError,
+    match=f"TableConfig 'videos'.optimizer: initial_accumulator_value={value!r} of "
+    f"{kind.__name__}; expected a float > 0",
+  ):
+    optimizers.normalize_optimizer(optimizer, where="TableConfig 'videos'.optimizer")

@@ -421,7 +421,26 @@ def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional
   else:
     optimizer = translate_keras_optimizer(optimizer, where=where)
   _check_limits(optimizer, where)
+  _check_initial_accumulator(optimizer, where)
   return optimizer
+
+
+def _check_initial_accumulator(optimizer: MidLevelOptimizer, where: str) -> None:
+  """Refuses Adagrad or FTRL accumulators starting at or below 0.
+
+  TF's constructors refuse them, but an attribute set afterwards escapes that check, and the
+  TPU's Adagrad has no epsilon: a touched row whose summed gradient is 0 would take 0 / sqrt(0)
+  and become NaN (FTRL divides by the accumulator's power alike).
+  """
+  if not isinstance(optimizer, (_embedding.Adagrad, _embedding.FTRL)):
+    return
+  value = optimizer.initial_accumulator_value
+  if not (isinstance(value, numbers.Real) and value > 0):
+    raise ValueError(
+      f"{where}: initial_accumulator_value={value!r} of {type(optimizer).__name__}; expected a "
+      "float > 0 (the TPU's update divides by the accumulator's root, with no epsilon, so a "
+      "zero gradient on a row whose accumulator is 0 would make the row NaN)."
+    )
 
 
 def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:

@@ -123,7 +123,9 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
     **kwargs,
   ):
     super().__init__(**kwargs)
-    backends.check_layer_options(hardware.ExecutionPath.CPU, table_updates, check_finite)
+    backends.check_layer_options(
+      hardware.ExecutionPath.CPU, table_updates, check_finite, batch_size
+    )
     self._table_updates = table_updates
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once

@@ -40,7 +40,7 @@ def create(
   check_finite: bool = False,
 ) -> Backend:
   """The backend for `path`, with the arguments that path takes; `config` is left unchanged."""
-  check_layer_options(path, table_updates, check_finite)
+  check_layer_options(path, table_updates, check_finite, batch_size)
   if path is hardware.ExecutionPath.CPU:
     return CpuBackend(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite

@@ -11,6 +11,7 @@ layer's own prepared configuration, which it exposes as `embedding_config`, neve
 from __future__ import annotations
 
 import copy
+import numbers
 import typing
 from typing import Any
 
@@ -29,8 +30,17 @@ _PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
 TABLE_UPDATES = ("engine", "keras")
 
 
-def check_layer_options(path: hardware.ExecutionPath, table_updates: Any, check_finite: Any):
-  """Refuses a layer option that is misspelt, or that the path cannot honour."""
+def check_layer_options(
+  path: hardware.ExecutionPath, table_updates: Any, check_finite: Any, batch_size: Any = None
+):
+  """Refuses a layer option that is misspelt, or that the path cannot honour (`batch_size` on
+  every path: only TPU V1 reads it, so elsewhere a bad one would pass unnoticed until then)."""
+  if batch_size is not None and (
+    isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0
+  ):
+    raise ValueError(
+      f"batch_size={batch_size!r}; expected a positive int (the per-replica batch size) or None."
+    )
   if table_updates not in TABLE_UPDATES:
     raise ValueError(f"table_updates={table_updates!r}; expected one of {TABLE_UPDATES}.")
   if not isinstance(check_finite, bool):  # a truthy string would silently enable it

@@ -78,21 +78,23 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
   """
   if tf.executing_eagerly():
     for bag in bags:
-      in_range = _in_range(bag)
+      ids = _all_ids(bag)
+      in_range = tf.logical_and(ids >= 0, ids < bag.feature.table.vocabulary_size)
       if not bool(tf.reduce_all(in_range)):
-        offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))[:5].numpy().tolist()
+        offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
         raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
     return list(bags)
   if not bags:
     return []
-  largest = tf.stack([tf.reduce_max(tf.bitcast(bag.ids, tf.uint64)) for bag in bags])
+  largest = tf.stack([tf.reduce_max(tf.bitcast(_all_ids(bag), tf.uint64)) for bag in bags])
   sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
 
   def fail():
     # Traced in every step but run only on bad ids: one Assert over all features' ids at once
     # (naming the first feature at fault), so tracing time does not grow with the features.
-    ids = tf.concat([tf.reshape(bag.ids, [-1]) for bag in bags], 0)
-    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag.ids) for bag in bags]))
+    every = [_all_ids(bag) for bag in bags]
+    ids = tf.concat(every, 0)
+    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag_ids) for bag_ids in every]))
     too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
     offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
@@ -107,8 +109,23 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
 
 
-def _in_range(bag: Bags) -> Tensor:
-  return tf.logical_and(bag.ids >= 0, bag.ids < bag.feature.table.vocabulary_size)
+def _all_ids(bag: Bags) -> Tensor:
+  """Every id of the bag's input, those past max_sequence_length included."""
+  ids = tf.reshape(bag.ids, [-1])
+  return ids if bag.truncated_ids is None else tf.concat([ids, bag.truncated_ids], 0)
+
+
+def without_entries_outside(
+  feature: Feature, indices: Tensor, ids: Tensor, dense_shape: Tensor
+) -> tuple[Tensor, Tensor]:
+  """(indices, ids) where every entry whose index lies outside `dense_shape` is dropped, for a
+  step XLA compiles, where `checked_sparse` cannot refuse it: its sample becomes the first one
+  past the input (which the lookup's segment sums drop) and its id the first past the table
+  (whose gradient every update drops). Shapes stay fixed, as XLA needs."""
+  outside = tf.reduce_any(tf.logical_or(indices < 0, indices >= dense_shape[None, :]), axis=1)
+  past_the_input = tf.one_hot(0, tf.size(dense_shape), dtype=tf.int64) * dense_shape[0]
+  indices = tf.where(outside[:, None], past_the_input[None, :], indices)
+  return indices, tf.where(outside, tf.constant(feature.table.vocabulary_size, tf.int64), ids)
 
 
 def _range_message(bag: Bags) -> str:

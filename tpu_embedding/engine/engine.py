@@ -125,7 +125,9 @@ class EmbeddingEngine(tf.Module):
     initializer = table.initializer or tf.initializers.TruncatedNormal(
       mean=0.0, stddev=1.0 / (table.dim**0.5)
     )
-    parameters = _new_variable(initializer, shape, table.name, trainable=not self._updates_tables)
+    parameters = _new_variable(
+      initializer, shape, table.name, not self._updates_tables, self._check_finite
+    )
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and self._updates_tables:
@@ -153,7 +155,11 @@ class EmbeddingEngine(tf.Module):
       with sharded.colocated_with(parameters, self._distribution is Distribution.PARAMETER_SERVERS):
         slots = {
           name: _new_variable(
-            initializer, shape, checkpoint_names.variable_key(table.name, name), trainable=False
+            initializer,
+            shape,
+            checkpoint_names.variable_key(table.name, name),
+            False,
+            self._check_finite,
           )
           for (name, shape), initializer in zip(shapes, initializers)
         }
@@ -203,7 +209,7 @@ class EmbeddingEngine(tf.Module):
     plain = trap is None or (self._follows_keras_optimizer and save_context.in_save_context())
     if static:
       self._refuse_under_xla(training=not plain)
-    step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
+    step = inputs.Step.prepare(self._config, features, weights, compiled=static)
     if self._check_finite:
       step = finite.check_weights(step)
     if plain:
@@ -296,31 +302,76 @@ class EmbeddingEngine(tf.Module):
     reusable: frozenset = frozenset(),
     static: bool = False,
   ):
-    trainable = []
+    trainable, refusals = [], []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
-        _refuse_training(table)
+        refusals.append(_refuse_training(table, static))
       else:
         trainable.append((table, batch, upstream))
-    if static:  # fixed shapes, and an all-reduce where several replicas train
-      static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
-      return
-    if not exchange.in_replica():
-      for table, batch, upstream in trainable:
-        rows = batch.looked_up_rows if table.name in reusable else None
-        self._update(table, batch.unique_ids, batch.row_gradients(upstream, table.dim), rows)
-      return
-    # In a replica: one update per table from every replica's (id, gradient) pairs.
-    exchange.gather_and_update(trainable, self._update)
+    # Every table's checks run before the first write of any table.
+    with tf.control_dependencies(refusals):
+      if static:  # fixed shapes, and an all-reduce where several replicas train
+        static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
+      elif not exchange.in_replica():
+        self._update_tables(
+          [
+            (t, batch.unique_ids, batch.row_gradients(upstream, t.dim))
+            for t, batch, upstream in trainable
+          ],
+          {t.name: batch.looked_up_rows for t, batch, _ in trainable if t.name in reusable},
+        )
+      else:  # in a replica: one update per table from every replica's (id, gradient) pairs
+        exchange.gather_and_update(trainable, self._update_tables)
+
+  def _update_tables(
+    self,
+    per_table: Sequence[tuple[TableConfig, tf.Tensor, tf.Tensor]],
+    read_rows: Optional[dict[str, tf.Tensor]] = None,
+  ) -> None:
+    """One step's update of every table, from (table, unique ids, row gradients) each.
+
+    `read_rows` holds, by table name, the rows the lookup read where the update may reuse them.
+    With `check_finite`, every table's update is checked (`finite.check_update`) before the
+    first write of any table, so a step that fails writes nothing.
+    """
+    read_rows = read_rows or {}
+    rates = [self._learning_rate(table) for table, _, _ in per_table]
+    checks = []
+    if self._check_finite:
+      for (table, ids, grads), rate in zip(per_table, rates):
+        checks.extend(self._check_update(table, ids, grads, rate, read_rows.get(table.name)))
+    with tf.control_dependencies(checks):
+      for (table, ids, grads), rate in zip(per_table, rates):
+        self._update(table, ids, grads, rate, read_rows.get(table.name))
+
+  def _check_update(
+    self,
+    table: TableConfig,
+    ids: Optional[tf.Tensor] = None,
+    grads: Optional[tf.Tensor] = None,
+    learning_rate: Optional[tf.Tensor] = None,
+    table_rows: Optional[tf.Tensor] = None,
+  ) -> list[tf.Tensor]:
+    """What checks the update a table is about to receive: this step's (ids, grads, learning
+    rate), or with pipelining the one held from the previous step (this step's is checked when
+    held); with no ids, only the held one (a flush)."""
+    rule, state = self._rule(table), self._state(table).copies()[0]  # the copies are equal
+    check = functools.partial(finite.check_update, table.name, rule, state)
+    if not self._pipelining:
+      return [check(ids, grads, learning_rate, table_rows)]
+    checks = [self._pending[table.name].copies()[0].when_held(check)]
+    if ids is not None:
+      checks.append(finite.check_row_gradients(grads, table.name))
+    return checks
 
   def _update(
     self,
     table: TableConfig,
     ids: tf.Tensor,
     grads: tf.Tensor,
+    learning_rate: tf.Tensor,
     table_rows: Optional[tf.Tensor] = None,
   ) -> None:
-    learning_rate = self._learning_rate(table)
     rule, state = self._rule(table), self._state(table)
     if table.name in self._shard_locks:
       self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
@@ -341,9 +392,15 @@ class EmbeddingEngine(tf.Module):
     """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
     if not self._pipelining or not self._built:
       return
-    for table in self._config.tables:
-      if table.optimizer is None:
-        continue
+    tables = [table for table in self._config.tables if table.optimizer is not None]
+    checks = []
+    if self._check_finite:
+      checks = [check for table in tables for check in self._check_update(table)]
+    with tf.control_dependencies(checks):
+      self._apply_held(tables)
+
+  def _apply_held(self, tables: Sequence[TableConfig]) -> None:
+    for table in tables:
       rule = self._rule(table)
       for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
         pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
@@ -368,7 +425,7 @@ _COPY_IS_CHEAP_BYTES = 16 << 20
 
 
 def _new_variable(
-  initializer: Callable, shape: list[int], name: str, trainable: bool
+  initializer: Callable, shape: list[int], name: str, trainable: bool, check_finite: bool
 ) -> tf.Variable:
   """A variable holding `initializer(shape)`, without a second copy of it in memory.
 
@@ -380,7 +437,7 @@ def _new_variable(
   below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
   step, once per table and slot) than the copy costs memory.
   """
-  value = functools.partial(_initial_value, initializer, shape, name)
+  value = functools.partial(_initial_value, initializer, shape, name, check_finite)
   if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
   variable = resource_variable_ops.UninitializedVariable(
@@ -393,8 +450,11 @@ def _new_variable(
   return variable
 
 
-def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Tensor:
-  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape."""
+def _initial_value(
+  initializer: Callable, shape: list[int], name: str, check_finite: bool
+) -> tf.Tensor:
+  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape (and
+  finite, with `check_finite`)."""
   try:
     value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
   except (TypeError, ValueError) as e:
@@ -406,6 +466,12 @@ def _initial_value(initializer: Callable, shape: list[int], name: str) -> tf.Ten
       f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
       f"tensor of shape {value.shape.as_list()}; expected float32 {shape}."
     )
+  if check_finite:
+    value = tf.debugging.check_numerics(
+      value,
+      f"Embedding variable {name!r}: its initializer produced a non-finite value "
+      "(check_finite=True refuses it when the variable is created)",
+    )
   return value
 
 
@@ -413,20 +479,22 @@ def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
   variable.assign(value(), read_value=False)
 
 
-def _refuse_training(table: TableConfig) -> None:
+def _refuse_training(table: TableConfig, static: bool) -> Optional[tf.Operation]:
   """Fails a training step on a table without optimizer, when the step runs.
 
-  The check is an op rather than a Python error so that tracing gradients without running them
-  (as `tf.saved_model.save` does for serving-only layers) still works.
+  In a graph the check is an op rather than a Python error so that tracing gradients without
+  running them (as `tf.saved_model.save` does for serving-only layers) still works; it is
+  returned for the writes of the step's other tables to wait on. XLA compiles such an op to
+  nothing, so a step it compiles is refused while it is traced (unless for a SavedModel).
   """
   message = (
     f"Table {table.name!r} has no optimizer, so it cannot be trained: pass optimizer= "
     "to the layer or set this TableConfig's optimizer. (optimizer=None is for "
-    "serving-only layers.)"
+    "serving-only layers.) This step wrote nothing to any table."
   )
-  if tf.executing_eagerly():
+  if tf.executing_eagerly() or (static and not save_context.in_save_context()):
     raise ValueError(message)
-  tf.debugging.Assert(tf.constant(False), [message])
+  return tf.debugging.Assert(tf.constant(False), [message])
 
 
 def _on_each_device(

@@ -21,8 +21,9 @@ from tpu_embedding.engine import lookup
 from tpu_embedding.engine.state import TableState
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
-# `update(table, unique ids, row gradients)`: one table's update from the global batch.
-Update = Callable[[TableConfig, tf.Tensor, tf.Tensor], None]
+# `update([(table, unique ids, row gradients), ...])`: one step's update of every table from the
+# global batch, in one call so that every table's checks can run before any table is written.
+Update = Callable[[Sequence[tuple[TableConfig, tf.Tensor, tf.Tensor]]], None]
 
 
 def in_replica() -> bool:
@@ -60,7 +61,7 @@ def cross_replica_sum(value: tf.Tensor) -> tf.Tensor:
 
 def gather_and_update(per_table: Sequence[tuple[TableConfig, Any, list]], update: Update) -> None:
   """From a replica: hands every id occurrence's (id, gradient) to one cross-replica merge, which
-  calls `update` once per table with the unique ids and row gradients of the global batch, in
+  calls `update` once with every table's unique ids and row gradients of the global batch, in
   the same order as on a single device.
 
   `per_table` holds (table, the table's forward batch, its bags' activation gradients).
@@ -106,6 +107,7 @@ def _merge_and_update(tables, multi_worker, update: Update, strategy, bags, size
     )
 
   position = 0
+  per_table = []
   for table, table_bags in zip(tables, bags):
     ids, grads = [], []
     for bag_ids, bag_grads in table_bags:
@@ -114,7 +116,8 @@ def _merge_and_update(tables, multi_worker, update: Update, strategy, bags, size
       position += 1
     unique_ids, index = tf.unique(tf.concat(ids, 0), out_idx=tf.int64)
     row_grads = lookup.sum_by_index(tf.concat(grads, 0), index, tf.size(unique_ids))
-    update(table, unique_ids, row_grads)
+    per_table.append((table, unique_ids, row_grads))
+  update(per_table)
 
 
 def _pad_rows(x: tf.Tensor, size: tf.Tensor) -> tf.Tensor:

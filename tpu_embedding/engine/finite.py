@@ -3,7 +3,10 @@
 By default the engine does what the TPU does: a non-finite gradient, weight or learning rate
 silently poisons the rows it touches, and the damage shows steps later. With the check on, the
 first non-finite value on its way to a table raises an error naming the feature (or table) and
-what held it, before anything is written.
+what held it, before anything is written: the engine runs every table's `check_update` before
+its first write of any table, so a step that fails writes nothing. What the update itself would
+produce is checked too (an Adagrad accumulator overflowing to inf from a finite 1e25 gradient
+would freeze its row forever), by computing the new rows once without writing them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from typing import Sequence
 import tensorflow as tf
 
 from tpu_embedding.engine import inputs
+from tpu_embedding.engine import sharded
+from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import TableState
 
-_REMEDY = "(check_finite=True stops it here; nothing was written to the table)"
+_REMEDY = "(check_finite=True stops it here; this step wrote nothing to any table)"
 
 
 def check_weights(step: inputs.Step) -> inputs.Step:
@@ -58,4 +64,59 @@ def _checked_gradient(activation: tf.Tensor, bag: inputs.Bags) -> tf.Tensor:
 def check_learning_rate(learning_rate: tf.Tensor, table_name: str) -> tf.Tensor:
   return tf.debugging.check_numerics(
     learning_rate, f"Table {table_name!r}: its learning rate is not finite {_REMEDY}"
+  )
+
+
+def check_update(
+  table_name: str,
+  rule: updates.UpdateRule,
+  state: TableState,
+  row_ids: tf.Tensor,
+  grads: tf.Tensor,
+  learning_rate: tf.Tensor,
+  table_rows: tf.Tensor | None = None,
+) -> tf.Tensor:
+  """True once one table's update (`updates.apply_sparse_update`'s arguments, `state` one copy
+  of the table) would read and write only finite values; an error naming the table otherwise.
+
+  Computes the rows and slot rows the update would write with the same float32 operations as
+  every engine path, without writing them.
+  """
+  learning_rate = tf.cast(learning_rate, tf.float32)  # checked where it was read
+  grads = check_row_gradients(grads, table_name)
+  if table_rows is None:
+    table_rows = sharded.gather(state.parameters, row_ids)
+  slot_rows = tuple(sharded.gather(slot, row_ids) for slot in state.slots)
+  clipped = updates.clip_gradient(rule.optimizer, grads)
+  new_table, new_slots = updates.update_rows(rule, table_rows, slot_rows, clipped, learning_rate)
+  checked = [_checked_rows(new_table, table_name, "rows")]
+  for name, values in zip(rule.slot_names, new_slots):
+    checked.append(_checked_rows(values, table_name, f"{name!r} slot"))
+  if rule.updates_every_row:  # untouched rows take a zero-gradient step too
+    checked.append(
+      tf.debugging.Assert(
+        updates.zero_gradient_step_is_finite(rule, state.parameters, state.slots, learning_rate),
+        [
+          f"Table {table_name!r}: the zero-gradient step of its untouched rows would write a "
+          f"non-finite value {_REMEDY}"
+        ],
+      )
+    )
+  with tf.control_dependencies(checked):
+    return tf.constant(True)
+
+
+def check_row_gradients(grads: tf.Tensor, table_name: str) -> tf.Tensor:
+  """The step's gradients of a table's touched rows (summed over the step), checked."""
+  return tf.debugging.check_numerics(
+    tf.cast(grads, tf.float32),
+    f"Table {table_name!r}: the gradient summed over one of its rows is not finite {_REMEDY}",
+  )
+
+
+def _checked_rows(values: tf.Tensor, table_name: str, what: str) -> tf.Tensor:
+  return tf.debugging.check_numerics(
+    values,
+    f"Table {table_name!r}: this step's update would write a non-finite value to its {what} "
+    f"{_REMEDY}",
   )

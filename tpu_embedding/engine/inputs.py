@@ -43,21 +43,25 @@ class Bags:
   num_samples: Tensor  # int64 scalar
   output_shape: Tensor  # int64 [k], activation shape without the embedding dim
   static_shape: tf.TensorShape  # what is known of output_shape before running
+  # int64 [M]: ids past max_sequence_length, which no lookup reads but whose range is checked
+  # like the others' (a corrupt input is refused, not truncated away).
+  truncated_ids: Optional[Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------
 # Input conversion
 
 
-def to_bags(feature: Feature, ids: Any, weights: Any = None) -> Bags:
+def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = False) -> Bags:
   """Validates one feature's ids' type (and weights) and turns them into bags.
 
-  The ids' range is checked once for all features by `checks.check_id_ranges`.
+  The ids' range is checked once for all features by `checks.check_id_ranges`. `compiled`: XLA
+  compiles the step, which cannot raise at run time (see `Step.prepare`).
   """
   name = feature.name
   if isinstance(ids, tf.SparseTensor):
     checks.check_weights_kind(name, weights, tf.SparseTensor)
-    bags = _sparse_bags(feature, ids, weights)
+    bags = _sparse_bags(feature, ids, weights, compiled)
   elif isinstance(ids, tf.RaggedTensor):
     checks.check_weights_kind(name, weights, tf.RaggedTensor)
     bags = _ragged_bags(feature, ids, weights)
@@ -111,9 +115,8 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
     batch = shape[0]
     positions = tf.range(tf.shape(kept, out_type=tf.int64)[1])
     samples = tf.reshape(tf.range(batch)[:, None] * seq_len + positions[None, :], [-1])
-    return _sequence_bags(
-      feature, None, tf.reshape(kept, [-1]), samples, batch, ids.shape[0], seq_len
-    )
+    kept_and_dropped = (tf.reshape(kept, [-1]), tf.reshape(ids[:, seq_len:], [-1]))
+    return _sequence_bags(feature, None, kept_and_dropped, samples, batch, ids.shape[0], seq_len)
   static = ids.shape
   if ids.shape.rank >= 2 and last == 1:
     shape, static = shape[:-1], static[:-1]  # the TPU gives [B, D] for [B, 1] ids
@@ -132,7 +135,9 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
   )
 
 
-def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor]) -> Bags:
+def _sparse_bags(
+  feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.SparseTensor], compiled: bool
+) -> Bags:
   checks.check_id_dtype(feature.name, sp.values.dtype)
   rank = sp.shape.rank
   if rank == 0:
@@ -162,6 +167,8 @@ def _sparse_bags(feature: Feature, sp: tf.SparseTensor, weights: Optional[tf.Spa
   )
   weight_values = checks.sparse_weight_values(feature, sp, weights, indices, dense_shape)
   ids = tf.cast(ids, tf.int64)
+  if compiled:
+    indices, ids = checks.without_entries_outside(feature, indices, ids, dense_shape)
   if sequence:
     kept, samples = _positions_below(ids, indices[:, 0], indices[:, 1], seq_len)
     return _sequence_bags(feature, weights, kept, samples, dense_shape[0], sp.shape[0], seq_len)
@@ -203,6 +210,8 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
           f"neither the batch size {static_batch} nor a multiple of it."
         )
       seq_len = total // static_batch
+  elif configured is not None and configured.is_fully_defined() and weights is None:
+    return _ragged_bags_of_unknown_batch(feature, ids, rt, configured)
   if seq_len:
     positions = tf.range(tf.size(ids, out_type=tf.int64)) - tf.gather(rt.row_starts(), rows)
     kept, samples = _positions_below(ids, rows, positions, seq_len)
@@ -217,18 +226,48 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
   )
 
 
+def _ragged_bags_of_unknown_batch(
+  feature: Feature, ids: Tensor, rt: tf.RaggedTensor, configured: tf.TensorShape
+) -> Bags:
+  """A ragged input's bags where the trace does not know its batch B: as `_ragged_bags` decides
+  from a known one, but when the step runs. An output_shape holding B samples combines each
+  row; one holding a multiple k x B makes each row a sequence of k positions, each its own
+  sample (longer rows truncated, and the input is refused if k x B is not the output's size).
+  """
+  rows, batch = rt.value_rowids(), rt.nrows()
+  total = configured.num_elements()
+  combined = tf.equal(batch, total)
+  seq_len = tf.where(combined, tf.constant(1, tf.int64), total // tf.maximum(batch, 1))
+  positions = tf.range(tf.size(ids, out_type=tf.int64)) - tf.gather(rt.row_starts(), rows)
+  keep = tf.logical_or(combined, positions < seq_len)
+  samples = tf.boolean_mask(tf.where(combined, rows, rows * seq_len + positions), keep)
+  num_samples = batch * seq_len
+  return Bags(
+    feature,
+    tf.boolean_mask(ids, keep),
+    samples,
+    # A sequence position holds one id, so the combiner's scale is 1 there.
+    _gains(feature, None, samples, num_samples),
+    num_samples,
+    *_with_output_shape(feature, num_samples[None], configured),
+    truncated_ids=tf.boolean_mask(ids, tf.logical_not(keep)),
+  )
+
+
 def _positions_below(
   ids: Tensor, rows: Tensor, positions: Tensor, seq_len: int
-) -> tuple[Tensor, Tensor]:
-  """(ids, samples) of the ids at positions below L, each its own sample row * L + position."""
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
+  """((ids at positions below L, the others), samples of the first, each its own sample
+  row * L + position)."""
   keep = positions < seq_len
-  return tf.boolean_mask(ids, keep), tf.boolean_mask(rows * seq_len + positions, keep)
+  kept_and_dropped = (tf.boolean_mask(ids, keep), tf.boolean_mask(ids, tf.logical_not(keep)))
+  return kept_and_dropped, tf.boolean_mask(rows * seq_len + positions, keep)
 
 
 def _sequence_bags(
   feature: Feature,
   weights: Any,
-  ids: Tensor,
+  ids: tuple[Tensor, Tensor],
   samples: Tensor,
   batch: Tensor,
   static_batch: Optional[int],
@@ -237,7 +276,8 @@ def _sequence_bags(
   """A sequence input's bags, for every input kind: the activations are [B, L, D], each of the
   B x L positions its own sample (missing positions stay zero), so weights are refused.
 
-  `ids` and `samples` hold only the positions below L (longer sequences are truncated).
+  `ids` holds (the ids at positions below L, the ids past it) and `samples` the first's samples:
+  longer sequences are truncated, after their ids' range is checked.
   """
   if weights is not None:
     raise ValueError(
@@ -247,8 +287,15 @@ def _sequence_bags(
     )
   natural = tf.stack([batch, tf.constant(seq_len, tf.int64)])
   static = tf.TensorShape([static_batch, seq_len])
+  kept, dropped = ids
   return Bags(
-    feature, ids, samples, None, batch * seq_len, *_with_output_shape(feature, natural, static)
+    feature,
+    kept,
+    samples,
+    None,
+    batch * seq_len,
+    *_with_output_shape(feature, natural, static),
+    truncated_ids=dropped,
   )
 
 
@@ -285,19 +332,20 @@ class Step:
     features: Any,
     weights: Any = None,
     subset: bool = False,
-    check_ranges: bool = True,
+    compiled: bool = False,
   ) -> "Step":
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
 
-    `check_ranges=False` leaves out the id-range check, for steps XLA compiles: they cannot
-    raise at run time (the static path clamps such ids instead).
+    `compiled`: XLA compiles the step, which cannot raise at run time: the id-range check is
+    left out (the static path clamps such ids instead), and `SparseTensor` entries outside their
+    `dense_shape` are dropped rather than refused.
     """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [
-      to_bags(feature, ids, w)
+      to_bags(feature, ids, w, compiled)
       for (feature, ids), w in zip(pairs, config_lib.weight_leaves(features, weights, len(pairs)))
     ]
-    return cls(checks.check_id_ranges(bags) if check_ranges else bags)
+    return cls(bags if compiled else checks.check_id_ranges(bags))
 
   @functools.cached_property
   def tables(self) -> dict[Any, list[Bags]]:

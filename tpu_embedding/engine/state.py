@@ -92,12 +92,23 @@ class PendingUpdate:
   def apply(self, update: Callable[[tf.Tensor, tf.Tensor, tf.Tensor], None]) -> None:
     """Calls `update(ids, grads, learning_rate)` on the held update, if any; then holds none."""
 
-    def run():
-      update(self.ids.read_value(), self.grads.read_value(), self.learning_rate.read_value())
+    def run(*held):
+      update(*held)
       return tf.constant(True)
 
-    tf.cond(self.has.read_value(), run, lambda: tf.constant(False))
+    self.when_held(run)
     self.has.assign(False)
+
+  def when_held(self, compute: Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """`compute(ids, grads, learning_rate)` (a bool) of the held update if there is one, else
+    False; holds it still."""
+    return tf.cond(
+      self.has.read_value(),
+      lambda: compute(
+        self.ids.read_value(), self.grads.read_value(), self.learning_rate.read_value()
+      ),
+      lambda: tf.constant(False),
+    )
 
   def hold(self, ids: tf.Tensor, grads: tf.Tensor, learning_rate: tf.Tensor) -> None:
     self.ids.assign(ids)

@@ -481,6 +481,19 @@ def _zero_gradient_pass(
     variable.assign(values)
 
 
+@tf.function(jit_compile=True)
+def zero_gradient_step_is_finite(
+  rule: UpdateRule, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
+) -> tf.Tensor:
+  """Whether `_zero_gradient_pass` would write only finite values (computed, not written)."""
+  zero = tf.zeros([], table.dtype)
+  new_table, new_slots = rule.compute(
+    table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
+  )
+  new = (clip_weights(rule.optimizer, new_table), *new_slots)
+  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(values)) for values in new])
+
+
 # --------------------------------------------------------------------------
 # Entry point.
 # --------------------------------------------------------------------------
