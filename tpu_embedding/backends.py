@@ -17,16 +17,16 @@ import typing
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
+from tpu_embedding import tf_internals
 from tpu_embedding import tf_mid_level
 from tpu_embedding.engine.engine import EmbeddingEngine
 
-_PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
+_PACKING = tf_internals.PackingStatus
 
 _embedding = tf.tpu.experimental.embedding
 

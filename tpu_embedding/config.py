@@ -12,9 +12,9 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 
 FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -83,7 +83,7 @@ class EmbeddingConfig:
 
 def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   """Clones and validates `feature_config`; resolves table names and optimizers."""
-  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(feature_config)
+  paths_and_leaves = tf_internals.flatten_with_paths(feature_config)
   if not paths_and_leaves:
     raise ValueError(
       "feature_config is empty: pass at least one tf.tpu.experimental.embedding.FeatureConfig."
@@ -128,7 +128,7 @@ def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
   optimizer = table.optimizer
   if optimizer is None:
     return []
-  names = optimizer._slot_names()  # pylint: disable=protected-access
+  names = tf_internals.slot_names(optimizer)
   ranks = getattr(optimizer, "slot_dims", ()) or (2,) * len(names)  # CustomOptimizer only
   full = [table.vocabulary_size, table.dim]
   return [(name, full[:rank]) for name, rank in zip(names, ranks)]
@@ -174,10 +174,10 @@ def match_structure(
   config: EmbeddingConfig, features: Any, what: str = "features", subset: bool = False
 ) -> list[tuple[Feature, Any]]:
   """Pairs each input leaf with its Feature, or explains the mismatch with both key sets."""
-  expected = tf_nest.flatten_with_joined_string_paths(config.feature_config)
+  expected = tf_internals.flatten_with_paths(config.feature_config)
   expected_by_path = {path: f for (path, _), f in zip(expected, config.features)}
   try:
-    received = tf_nest.flatten_with_joined_string_paths(features, expand_composites=False)
+    received = tf_internals.flatten_with_paths(features, expand_composites=False)
   except (TypeError, ValueError) as e:
     raise ValueError(f"Could not read the structure of {what}: {e}") from e
   received_paths = [p for p, _ in received]
@@ -201,7 +201,7 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   first, then by name; a table the layer does not have is refused by name.
   """
   features, leaves = [], []
-  for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
+  for path, leaf in tf_internals.flatten_with_paths(serving_feature_config):
     if not isinstance(leaf, FeatureConfig):
       raise ValueError(
         f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "

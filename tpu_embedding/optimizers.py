@@ -49,8 +49,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import updates
 
 __all__ = [
@@ -68,15 +68,19 @@ __all__ = [
 
 _embedding = tf.tpu.experimental.embedding
 
-MidLevelOptimizer = Union[
-  _embedding.SGD,
-  _embedding.Adagrad,
-  _embedding.AdagradMomentum,
-  _embedding.Adam,
-  _embedding.FTRL,
-  _embedding.CustomOptimizer,
-]
-_MID_LEVEL_CLASSES: Tuple[type, ...] = MidLevelOptimizer.__args__
+_MID_LEVEL_CLASSES: Tuple[type, ...] = tuple(
+  klass
+  for klass in (
+    _embedding.SGD,
+    _embedding.Adagrad,
+    _embedding.AdagradMomentum,
+    _embedding.Adam,
+    _embedding.FTRL,
+    tf_internals.CUSTOM_OPTIMIZER,  # None where this TF lacks it
+  )
+  if klass is not None
+)
+MidLevelOptimizer = Union[_MID_LEVEL_CLASSES]
 
 _BY_NAME: Dict[str, type] = {
   "adagrad": _embedding.Adagrad,
@@ -280,7 +284,7 @@ class KerasLearningRate:
       _ = keras_optimizer.learning_rate
 
   def __call__(self) -> tf.Tensor:
-    if save_context.in_save_context():
+    if tf_internals.in_save_context():
       # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
       # not reachable from the model: functions traced while saving (the trap's gradient among
       # them) take the rate at the time of saving, as a constant.

@@ -27,8 +27,6 @@ import math
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.trackable import autotrackable
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import backends
 from tpu_embedding import checkpoints
@@ -36,6 +34,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import inputs as engine_inputs
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.layer_core import TPUEmbeddingCore
@@ -161,7 +160,7 @@ class ReplicatedTable:
     return self.table.dim
 
 
-class CheckpointNode(autotrackable.AutoTrackable):
+class CheckpointNode(tf_internals.AutoTrackable):
   """A node of the checkpoint's object graph whose children are named freely: table names,
   `<table>/<slot>` and feature paths, which need not be Python identifiers."""
 
@@ -508,7 +507,7 @@ class PartialTPUEmbeddingCore:
   def _sharded_shapes(self, input_shape: Any) -> Any:
     """The sharded features' input shapes as the flat dict the sharded layer was given."""
     try:
-      shapes = tf_nest.flatten_up_to(self._config.feature_config, input_shape, check_types=False)
+      shapes = tf_internals.flatten_up_to(self._config.feature_config, input_shape)
     except (TypeError, ValueError):
       return None  # shapes unknown here: the sharded layer detects them on its first call
     return {path: shape for (path, side), shape in zip(self._paths, shapes) if side == SHARDED}

@@ -20,12 +20,11 @@ import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import inputs
@@ -141,7 +140,7 @@ class EmbeddingEngine(tf.Module):
     optimizer = table.optimizer
     shapes = config_lib.slot_shapes(table)
     names = [name for name, _ in shapes]
-    initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
+    initializers = tf_internals.slot_initializers(optimizer)
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
@@ -196,7 +195,7 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
-    plain = trap is None or (self._follows_keras_optimizer and save_context.in_save_context())
+    plain = trap is None or (self._follows_keras_optimizer and tf_internals.in_save_context())
     if static:
       self._refuse_under_xla(training=not plain)
     step = inputs.Step.prepare(self._config, features, weights, check_ranges=not static)
@@ -218,7 +217,7 @@ class EmbeddingEngine(tf.Module):
         def grad(*upstream, variables=None):
           # tf.saved_model.save traces this function once more to save it: not a second
           # gradient of the step.
-          if not save_context.in_save_context():
+          if not tf_internals.in_save_context():
             gradients_taken[0] += 1
             if gradients_taken[0] == 2:
               warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
@@ -371,7 +370,7 @@ def _new_variable(
   value = functools.partial(_initial_value, initializer, shape, name)
   if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
-  variable = resource_variable_ops.UninitializedVariable(
+  variable = tf_internals.uninitialized_variable(
     shape=shape, dtype=tf.float32, trainable=trainable, name=name
   )
   # One function per variable (in one function for all, TF holds every constant initial value

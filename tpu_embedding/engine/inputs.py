@@ -21,9 +21,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, as in config.py
 
 from tpu_embedding import config as config_lib
+from tpu_embedding import tf_internals
 from tpu_embedding.config import Feature
 
 Tensor = tf.Tensor
@@ -595,7 +595,7 @@ def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
     return [None] * count
   # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
   # weight with whichever feature sorts at its position.
-  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
+  paths = lambda nest: [path for path, _ in tf_internals.flatten_with_paths(nest)]
   try:
     tf.nest.assert_same_structure(features, weights, check_types=False)
     same = paths(features) == paths(weights)

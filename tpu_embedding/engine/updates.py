@@ -36,6 +36,7 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Typ
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import native
 from tpu_embedding.engine.state import TableState
 
@@ -168,13 +169,13 @@ class UpdateRule(abc.ABC):
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
-    if "optimizer_class" in cls.__dict__:
+    if cls.__dict__.get("optimizer_class") is not None:  # None: not in this TF
       UpdateRule._registry[cls.optimizer_class] = cls
 
   @property
   def slot_names(self) -> Tuple[str, ...]:
     """The optimizer's slots, in the order `compute` and every form take them."""
-    return tuple(self.optimizer._slot_names())  # pylint: disable=protected-access
+    return tuple(tf_internals.slot_names(self.optimizer))
 
   @property
   def updates_every_row(self) -> bool:
@@ -399,7 +400,7 @@ class CustomOptimizerRule(UpdateRule):
   (slot_dims 1). It returns the new table rows or `(table rows, *slot rows)`.
   """
 
-  optimizer_class = _embedding.CustomOptimizer
+  optimizer_class = tf_internals.CUSTOM_OPTIMIZER
 
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     opt = self.optimizer
@@ -415,8 +416,8 @@ class CustomOptimizerRule(UpdateRule):
     if new_slot_rows and len(new_slot_rows) != len(slot_rows):
       raise ValueError(
         f"custom_computation returned {len(new_slot_rows)} slot values for "
-        f"{len(slot_rows)} slots {opt._slot_names()}."
-      )  # pylint: disable=protected-access
+        f"{len(slot_rows)} slots {self.slot_names}."
+      )
     return new_table_rows, tuple(new_slot_rows) if new_slot_rows else slot_rows
 
 

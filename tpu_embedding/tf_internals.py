@@ -1,0 +1,171 @@
+"""Every other TensorFlow internal the package uses, and what differs between TF versions.
+
+TF has no public API for these; each is one name or function here, so that a TF upgrade that
+moves one fails here (`tests/test_tf_internals.py` exercises each) and not in a user's model.
+Checked against the TF versions in `tf_versions.CHECKED_AGAINST`; importing this module under
+another TF raises `tf_versions.UncheckedTensorFlow`. The mid-level objects' variables and the
+restore machinery have their own adapters (`tf_mid_level`, `tf_restore`).
+
+What differs between the checked versions:
+- TF 2.15 and 2.16 have no SparseCore checkpoint adapter (2.15 not even `TPUEmbeddingV2`) and no
+  mid-level `CustomOptimizer`: `HAS_SPARSE_CORE` and `CUSTOM_OPTIMIZER` say so, and SparseCore's
+  helpers raise `SparseCoreUnavailable` there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+from tensorflow.python.eager import context
+from tensorflow.python.eager import record
+from tensorflow.python.framework import kernels
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
+from tensorflow.python.trackable import autotrackable
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.util import nest
+
+from tpu_embedding import tf_versions
+
+tf_versions.require_checked(__name__)
+
+_embedding = tf.tpu.experimental.embedding
+
+# A trackable whose children may have any name (table names, `<table>/<slot>`, feature paths).
+AutoTrackable = autotrackable.AutoTrackable
+# A variable of several row blocks (from a `variable_partitioner`).
+ShardedVariable = tf.__internal__.distribute.ShardedVariable
+# V1's `low_dimensional_packing_status` values.
+PackingStatus = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
+# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.15).
+CUSTOM_OPTIMIZER: Optional[type] = getattr(_embedding, "CustomOptimizer", None)
+# Whether this TF has SparseCore's mid-level class and its checkpoint adapter (which converts a
+# checkpoint of another layout); TF 2.16 has the class without the adapter, so a restore there
+# could silently leave SparseCore tables unchanged: the package uses SparseCore from TF 2.17.
+HAS_SPARSE_CORE = hasattr(_embedding, "TPUEmbeddingV2") and bool(
+  importlib.util.find_spec("tensorflow.python.tpu.tpu_embedding_v3_checkpoint_adapter")
+)
+
+
+class SparseCoreUnavailable(RuntimeError):
+  """This TensorFlow lacks what the package needs on SparseCore (TF 2.17 has it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Nests: path-aware flattening in tf.nest's order, and structure-up-to maps.
+
+
+def flatten_with_paths(structure: Any, expand_composites: bool = False) -> list[tuple[str, Any]]:
+  """[(path joined by "/", leaf)] in `tf.nest.flatten` order."""
+  return nest.flatten_with_joined_string_paths(structure, expand_composites=expand_composites)
+
+
+def flatten_up_to(shallow: Any, structure: Any) -> list[Any]:
+  """`structure` flattened down to the leaves of `shallow` (list/tuple types not compared)."""
+  return nest.flatten_up_to(shallow, structure, check_types=False)
+
+
+def map_structure_up_to(shallow: Any, fn: Callable, structure: Any) -> Any:
+  """`fn` applied to each subtree of `structure` at a leaf of `shallow`."""
+  return nest.map_structure_up_to(shallow, fn, structure, check_types=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where code runs: saving, tapes, XLA, this process's devices and kernels.
+
+
+def in_save_context() -> bool:
+  """Whether a SavedModel is being traced."""
+  return save_context.in_save_context()
+
+
+def could_possibly_record() -> bool:
+  """Whether a gradient tape may be recording what runs now."""
+  return record.could_possibly_record()
+
+
+def compiling_with_xla() -> bool:
+  """Whether XLA compiles the graph being built (a TPU step or a `jit_compile` function)."""
+  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def host_address_space() -> str:
+  """The device name prefix of this process's task, e.g. "/job:worker/replica:0/task:1"."""
+  return context.context().host_address_space()
+
+
+def kernel_device_types(op: str) -> set[str]:
+  """The device types with a registered kernel for the op type `op`."""
+  return {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
+
+
+def uninitialized_variable(**kwargs: Any) -> tf.Variable:
+  """A resource variable with no value yet (assign before reading): no initial value in memory."""
+  return resource_variable_ops.UninitializedVariable(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mid-level optimizers' slots.
+
+
+def slot_names(optimizer: Any) -> list[str]:
+  """The slot names of a mid-level optimizer, in its order."""
+  return list(optimizer._slot_names())  # pylint: disable=protected-access
+
+
+def slot_initializers(optimizer: Any) -> list[Callable]:
+  """The initializer of each slot of a mid-level optimizer, in `slot_names` order."""
+  return list(optimizer._slot_initializers())  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------------
+# SparseCore's layouts and checkpoints (TF 2.17 on).
+
+SPARSE_CORE_LAYOUTS_KEY = "_sparse_core_table_layouts"  # tested equal to TF's own constant
+
+
+def _sparse_core_module(name: str) -> Any:
+  if not HAS_SPARSE_CORE:
+    raise SparseCoreUnavailable(
+      f"TensorFlow {tf.__version__} lacks SparseCore's checkpoint adapter (or TPUEmbeddingV2): "
+      "tpu_embedding needs TensorFlow 2.17 or later for SparseCore tables and checkpoints."
+    )
+  return importlib.import_module(name)
+
+
+def sparse_core_layouts(serialized: bytes) -> Any:
+  """The `SparseCoreTableLayouts` proto a SparseCore checkpoint stores under its layouts key."""
+  layouts = _sparse_core_module("tensorflow.core.tpu.kernels.sparse_core_layout_pb2")
+  parsed = layouts.SparseCoreTableLayouts()
+  parsed.ParseFromString(serialized)
+  return parsed
+
+
+def unshuffle_from_sparse_cores(stacked: tf.Tensor, **layout: Any) -> tf.Tensor:
+  """TF's own undoing of SparseCore's row dealing and rotation (its checkpoint adapter's)."""
+  utils = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_utils")
+  return utils.unshuffle_from_sc_to_cpu(stacked, **layout)
+
+
+def remove_sparse_core_padding(padded: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+  """The [rows, dim] top-left block of a SparseCore-padded table."""
+  utils = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_utils")
+  return utils.remove_padding_from_sc(padded, shape)
+
+
+def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bool:
+  """Whether TF's SparseCore checkpoint adapter would convert the checkpoint at `path` for
+  `mid_level` (it holds the tables in another layout)."""
+  adapters = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_checkpoint_adapter")
+  adapter = adapters.TpuEmbeddingV3CheckpointAdapter.create_from_checkpoint(path)
+  return adapter.is_applicable(mid_level)
+
+
+def escape_checkpoint_name(name: str) -> str:
+  """A tracked name as it appears in checkpoint keys ('/' and '.' escaped)."""
+  return trackable_utils.escape_local_name(name)
