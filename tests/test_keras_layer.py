@@ -9,11 +9,10 @@ both ways), and export for serving. Expected values come from NumPy.
 import numpy as np
 import pytest
 import tensorflow as tf
+import keras
 
-keras = pytest.importorskip("keras", minversion="3.0")  # TF 2.15 has Keras 2 (a matrix env)
-
-from tpu_embedding import serving  # noqa: E402
-from tpu_embedding.keras import TPUEmbedding  # noqa: E402
+from tpu_embedding import serving
+from tpu_embedding.keras import TPUEmbedding
 
 E = tf.tpu.experimental.embedding
 VALUES = np.arange(8, dtype=np.float32).reshape(4, 2) / 10

@@ -316,7 +316,7 @@ def test_none():
     lambda: emb.Adam(lazy_adam=False),
     lambda: emb.FTRL(beta=0.1),
   ]
-  + (  # TF 2.15 and 2.16 have no CustomOptimizer
+  + (  # TF 2.17 has no CustomOptimizer
     [lambda: emb.CustomOptimizer(lambda g, t, slots, lr, hp: t - lr * g)]
     if hasattr(emb, "CustomOptimizer")
     else []

@@ -70,25 +70,3 @@ def test_the_old_name_path_warns_and_gives_execution_path():
   with pytest.warns(DeprecationWarning, match=r"tpu_embedding.Path is deprecated; use .*Exec"):
     assert tpu_embedding.Path is hardware.ExecutionPath
   assert "Path" not in tpu_embedding.__all__
-
-
-def test_the_keras3_layers_refuse_keras_2_naming_both():
-  # Run under TF 2.15 by the version matrix, where `keras` is Keras 2.
-  code = (
-    "import keras\n"
-    "try:\n"
-    "  import tpu_embedding.keras\n"
-    "  print('imported', keras.__version__)\n"
-    "except ImportError as e:\n"
-    "  print('refused', keras.__version__, e)\n"
-  )
-  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-  result = subprocess.run(
-    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-  )
-  outcome, version = result.stdout.split()[:2]
-  assert outcome == ("imported" if int(version.split(".")[0]) >= 3 else "refused"), result
-  if outcome == "refused":
-    assert (
-      f"this is Keras {version}" in result.stdout and "tpu_embedding.TPUEmbedding" in result.stdout
-    )

@@ -5,11 +5,8 @@ or changed meaning fails here by name.
 """
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
-import tpu_harness
-from tpu_embedding import hardware
 from tpu_embedding import tf_internals
 from tpu_embedding import tf_versions
 
@@ -96,39 +93,16 @@ def test_escape_checkpoint_name():
   assert tf_internals.escape_checkpoint_name("a/b.c") == "a.Sb..c"
 
 
-def test_what_this_tf_has_matches_its_version():
-  # CustomOptimizer came with TF 2.17; SparseCore's checkpoint adapter with 2.17 too.
-  has_custom = hasattr(emb, "CustomOptimizer")
-  assert (tf_internals.CUSTOM_OPTIMIZER is not None) == has_custom == (MINOR >= (2, 17))
-  assert tf_internals.HAS_SPARSE_CORE == (MINOR >= (2, 17))
+def test_custom_optimizer_where_this_tf_has_it():
+  # The mid-level CustomOptimizer came with TF 2.18.
+  assert (tf_internals.CUSTOM_OPTIMIZER is not None) == (MINOR >= (2, 18))
+  assert tf_internals.CUSTOM_OPTIMIZER is getattr(emb, "CustomOptimizer", None)
 
 
-@pytest.mark.skipif(not tf_internals.HAS_SPARSE_CORE, reason="this TF has no SparseCore")
-def test_sparse_core_helpers_are_tf_own():
-  from tensorflow.python.tpu import tpu_embedding_v3_utils  # pylint: disable=g-import-not-at-top
-
-  assert (
-    tf_internals.SPARSE_CORE_LAYOUTS_KEY == tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
-  )
+def test_sparse_core_helpers():
   padded = tf.reshape(tf.range(12.0), [3, 4])
   np.testing.assert_array_equal(
     tf_internals.remove_sparse_core_padding(padded, (2, 3)).numpy(), padded.numpy()[:2, :3]
   )
-  assert tf_internals.sparse_core_layouts(b"").tables == []
-
-
-@pytest.mark.skipif(tf_internals.HAS_SPARSE_CORE, reason="this TF has SparseCore")
-def test_without_sparse_core_its_helpers_refuse_naming_the_version():
-  with pytest.raises(tf_internals.SparseCoreUnavailable, match=f"TensorFlow {tf.__version__}"):
-    tf_internals.sparse_core_layouts(b"")
-
-
-@pytest.mark.skipif(tf_internals.HAS_SPARSE_CORE, reason="this TF has SparseCore")
-def test_without_sparse_core_a_sparse_core_tpu_is_refused_unless_tables_are_replicated(
-  monkeypatch,
-):
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  with pytest.raises(tf_internals.SparseCoreUnavailable, match="TensorFlow 2.17 or later"):
-    hardware.choose_path(strategy)
-  unsupported = hardware.EmbeddingFeature.UNSUPPORTED
-  assert hardware.choose_path(strategy, unsupported) is hardware.ExecutionPath.TPU_V0
+  assert list(tf_internals.sparse_core_layouts(b"").tables) == []
+  assert tf_internals.SPARSE_CORE_LAYOUTS_KEY == "_sparse_core_table_layouts"

@@ -85,7 +85,8 @@ def test_forget_pending_restores_drops_deferred_dependencies(tmp_path):
 
 
 def test_outside_a_restore_is_an_error_naming_the_checked_version():
-  with pytest.raises(tf_restore.RestoreMachineryChanged, match="checked against TensorFlow 2.21.0"):
+  checked = ", ".join(tf_restore.CHECKED_AGAINST)  # e.g. "2.17, 2.18, 2.21"
+  with pytest.raises(tf_restore.RestoreMachineryChanged, match=f"against TensorFlow {checked};"):
     tf_restore.restore_of(Probe(rows=1))
 
 

@@ -14,13 +14,9 @@ import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding import serving
 from tpu_embedding import sparse_core
-from tpu_embedding import tf_internals
 from tpu_embedding.layer import TPUEmbedding
 from tpu_harness import logical_by_hand, pattern, stacked_by_hand
 
-pytestmark = pytest.mark.skipif(
-  not tf_internals.HAS_SPARSE_CORE, reason=f"TF {tf.__version__}: no SparseCore in tpu_embedding"
-)
 emb = tf.tpu.experimental.embedding
 BATCH = 4
 SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset

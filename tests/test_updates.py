@@ -376,7 +376,7 @@ def _custom_momentum(grads, rows, slot_rows, learning_rate, hyperparameters):
   return rows, momenta, counts
 
 
-# TF 2.15 and 2.16 have no mid-level CustomOptimizer.
+# TF 2.17 has no mid-level CustomOptimizer.
 CUSTOM = ["custom"] if tf_internals.CUSTOM_OPTIMIZER is not None else []
 needs_custom_optimizer = pytest.mark.skipif(not CUSTOM, reason="this TF has no CustomOptimizer")
 

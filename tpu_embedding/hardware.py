@@ -11,8 +11,6 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tpu_embedding import tf_internals
-
 EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 
 
@@ -82,15 +80,7 @@ def choose_path(
       f"{EmbeddingFeature.UNSUPPORTED} to replicate the tables, or upgrade tpu_embedding."
     )
   if override is None or override == detected:
-    path = _PATH_OF_FEATURE[detected]
-    if path is ExecutionPath.TPU_V2 and not tf_internals.HAS_SPARSE_CORE:
-      raise tf_internals.SparseCoreUnavailable(
-        f"This TPU has SparseCore, which tpu_embedding drives only with TensorFlow 2.17 or "
-        f"later (this is {tf.__version__}, without SparseCore's checkpoint adapter). Upgrade "
-        f"TensorFlow, or pass embedding_feature={EmbeddingFeature.UNSUPPORTED} to replicate "
-        "the tables."
-      )
-    return path
+    return _PATH_OF_FEATURE[detected]
   raise ValueError(
     f"embedding_feature={override} was requested, but this TPU's embedding feature is "
     f"{detected}. Pass embedding_feature=None (use {detected}) or "

@@ -6,26 +6,25 @@ Checked against the TF versions in `tf_versions.CHECKED_AGAINST`; importing this
 another TF raises `tf_versions.UncheckedTensorFlow`. The mid-level objects' variables and the
 restore machinery have their own adapters (`tf_mid_level`, `tf_restore`).
 
-What differs between the checked versions:
-- TF 2.15 and 2.16 have no SparseCore checkpoint adapter (2.15 not even `TPUEmbeddingV2`) and no
-  mid-level `CustomOptimizer`: `HAS_SPARSE_CORE` and `CUSTOM_OPTIMIZER` say so, and SparseCore's
-  helpers raise `SparseCoreUnavailable` there.
+What differs between the checked versions: TF 2.17 has no mid-level `CustomOptimizer`
+(`CUSTOM_OPTIMIZER` is None there).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
+from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import autotrackable
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.util import nest
@@ -42,20 +41,8 @@ AutoTrackable = autotrackable.AutoTrackable
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 # V1's `low_dimensional_packing_status` values.
 PackingStatus = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
-# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.15).
+# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.17).
 CUSTOM_OPTIMIZER: Optional[type] = getattr(_embedding, "CustomOptimizer", None)
-# Whether this TF has SparseCore's mid-level class and its checkpoint adapter (which converts a
-# checkpoint of another layout); TF 2.16 has the class without the adapter, so a restore there
-# could silently leave SparseCore tables unchanged: the package uses SparseCore from TF 2.17.
-HAS_SPARSE_CORE = hasattr(_embedding, "TPUEmbeddingV2") and bool(
-  importlib.util.find_spec("tensorflow.python.tpu.tpu_embedding_v3_checkpoint_adapter")
-)
-
-
-class SparseCoreUnavailable(RuntimeError):
-  """This TensorFlow lacks what the package needs on SparseCore (TF 2.17 has it)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Nests: path-aware flattening in tf.nest's order, and structure-up-to maps.
 
@@ -124,46 +111,33 @@ def slot_initializers(optimizer: Any) -> list[Callable]:
 
 
 # ---------------------------------------------------------------------------------------------
-# SparseCore's layouts and checkpoints (TF 2.17 on).
+# SparseCore's layouts and checkpoints.
 
-SPARSE_CORE_LAYOUTS_KEY = "_sparse_core_table_layouts"  # tested equal to TF's own constant
-
-
-def _sparse_core_module(name: str) -> Any:
-  if not HAS_SPARSE_CORE:
-    raise SparseCoreUnavailable(
-      f"TensorFlow {tf.__version__} lacks SparseCore's checkpoint adapter (or TPUEmbeddingV2): "
-      "tpu_embedding needs TensorFlow 2.17 or later for SparseCore tables and checkpoints."
-    )
-  return importlib.import_module(name)
+SPARSE_CORE_LAYOUTS_KEY = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
 
 
 def sparse_core_layouts(serialized: bytes) -> Any:
   """The `SparseCoreTableLayouts` proto a SparseCore checkpoint stores under its layouts key."""
-  layouts = _sparse_core_module("tensorflow.core.tpu.kernels.sparse_core_layout_pb2")
-  parsed = layouts.SparseCoreTableLayouts()
-  parsed.ParseFromString(serialized)
-  return parsed
+  layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+  layouts.ParseFromString(serialized)
+  return layouts
 
 
 def unshuffle_from_sparse_cores(stacked: tf.Tensor, **layout: Any) -> tf.Tensor:
   """TF's own undoing of SparseCore's row dealing and rotation (its checkpoint adapter's)."""
-  utils = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_utils")
-  return utils.unshuffle_from_sc_to_cpu(stacked, **layout)
+  return tpu_embedding_v3_utils.unshuffle_from_sc_to_cpu(stacked, **layout)
 
 
 def remove_sparse_core_padding(padded: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
   """The [rows, dim] top-left block of a SparseCore-padded table."""
-  utils = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_utils")
-  return utils.remove_padding_from_sc(padded, shape)
+  return tpu_embedding_v3_utils.remove_padding_from_sc(padded, shape)
 
 
 def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bool:
   """Whether TF's SparseCore checkpoint adapter would convert the checkpoint at `path` for
   `mid_level` (it holds the tables in another layout)."""
-  adapters = _sparse_core_module("tensorflow.python.tpu.tpu_embedding_v3_checkpoint_adapter")
-  adapter = adapters.TpuEmbeddingV3CheckpointAdapter.create_from_checkpoint(path)
-  return adapter.is_applicable(mid_level)
+  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
 
 
 def escape_checkpoint_name(name: str) -> str:
