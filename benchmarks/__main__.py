@@ -13,6 +13,7 @@ import os
 import sys
 
 from benchmarks import cases as cases_lib
+from benchmarks import report as report_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     raw = cases_lib.run(selected, settings, out_dir)
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
       json.dump(raw, f, indent=1)
-  report = cases_lib.Report(raw, settings, out_dir, command).build()
+  report = report_lib.Report(raw, settings, out_dir, command).build()
   with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
     f.write(report)
   print(report)

@@ -1,4 +1,5 @@
-"""MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1.
+"""MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1 (in a network of
+their own where one can be made).
 
 Each worker sees half of every global batch; the engine must sum both halves into one update,
 so the tables equal a single-process run on the same global batches.
@@ -24,30 +25,31 @@ def _env(**extra):
 
 
 def test_two_workers_on_loopback_equal_one_process(tmp_path):
-  workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
-  processes = []
-  for index in range(2):
-    config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-    processes.append(
-      subprocess.Popen(
-        [sys.executable, str(JOB), str(tmp_path / f"worker{index}.npy")],
-        env=_env(TF_CONFIG=json.dumps(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+  with loopback.network() as network:
+    workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
+    processes = []
+    for index in range(2):
+      config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+      processes.append(
+        subprocess.Popen(
+          network.command([sys.executable, str(JOB), str(tmp_path / f"worker{index}.npy")]),
+          env=_env(TF_CONFIG=json.dumps(config)),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+        )
       )
+    single = subprocess.run(
+      [sys.executable, str(JOB), str(tmp_path / "single.npy")],
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
     )
-  single = subprocess.run(
-    [sys.executable, str(JOB), str(tmp_path / "single.npy")],
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert single.returncode == 0, single.stderr[-3000:]
-  for process in processes:
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, output[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    for process in processes:
+      output, _ = process.communicate(timeout=300)
+      assert process.returncode == 0, output[-3000:]
   reference = np.load(tmp_path / "single.npy")
   for index in range(2):
     np.testing.assert_allclose(

@@ -1,4 +1,4 @@
-"""Serving: `call(..., serving_config=...)`, `export_for_serving`, and the README's section.
+"""Serving: `call(..., serving_config=...)`, `export_for_serving`, and its documentation page.
 
 Exports are loaded back in fresh processes that import only TensorFlow, and must give exactly the
 predictions of the model in memory.
@@ -567,17 +567,17 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
 
 
 def readme_section():
-  with open(os.path.join(ROOT, "README.md")) as f:
+  with open(os.path.join(ROOT, "docs", "checkpoints-and-serving.md")) as f:
     text = f.read()
   match = re.search(
     r"<!-- section:checkpoints-serving -->(.*)<!-- /section:checkpoints-serving -->", text, re.S
   )
-  assert match, "README section checkpoints-serving is missing"
+  assert match, "docs/checkpoints-and-serving.md: section checkpoints-serving is missing"
   return match.group(1)
 
 
 def test_readme_snippets_run(tmp_path):
-  """Every block of the README's "Checkpoints and serving" section, in order, in a temp dir.
+  """Every block of docs/checkpoints-and-serving.md's first section, in order, in a temp dir.
 
   Python blocks start with `# <file>.py`: each is written under that name and run in its own
   process (`ranker.py` is the module the others import); `text` blocks show checkpoint keys or

@@ -25,22 +25,19 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 from tpu_embedding import tf_restore
 
-# The checkpoint name of the object holding the tables. tf-recommenders' layer keeps its
-# mid-level object at the attribute `_tpu_embedding`, so its checkpoints name every table
-# `.../_tpu_embedding/<table>`; the layers here track their tables under the same name, byte for
-# byte, so that those checkpoints restore (and theirs restore into tf-recommenders).
-TABLES_KEY = "_tpu_embedding"
+_KERAS_LAYERS = checkpoint_names.TFRS_KERAS_LAYERS_KEY
 
 
 def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[int]]]:
   """{dependency name: (table name, shape)} for every variable the engine tracks.
 
-  Mirrors `EmbeddingEngine._create_table`: the table under `<table>`, each slot under
-  `<table>/<slot>` unless a `slot_variable_creation_fn` owns the slots.
+  The table under `<table>`, each slot under `<table>/<slot>` (`checkpoint_names.variable_key`),
+  as the engine tracks them, unless a `slot_variable_creation_fn` owns the slots.
   """
   shapes = {}
   for table in config.tables:
@@ -52,7 +49,7 @@ def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[
     if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
       continue
     for name, shape in config_lib.slot_shapes(table):
-      shapes[f"{table.name}/{name}"] = (table.name, shape)
+      shapes[checkpoint_names.variable_key(table.name, name)] = (table.name, shape)
   return shapes
 
 
@@ -133,9 +130,9 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
     if table_node is None or table.optimizer is None:
       continue
     for name, _ in config_lib.slot_shapes(table):
-      key = f"{table.name}/{name}"
+      key = checkpoint_names.variable_key(table.name, name)
       slot_node = keras_slots.get(table_node, {}).get(
-        optimizers.keras_slot_name(table.optimizer, name)
+        optimizer_specs.keras_slot_name(table.optimizer, name)
       )
       if key in in_checkpoint or slot_node is None:
         continue
@@ -176,12 +173,14 @@ def _adopt_tfrs_partial_layout(
     child(nodes[tables_node], table.name) is not None for table in config.tables
   ):
     return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
-  if child(proto, "_keras_embedding_layers") is None and follow(tables_key, TABLES_KEY) is None:
+  if (
+    child(proto, _KERAS_LAYERS) is None and follow(tables_key, checkpoint_names.TABLES_KEY) is None
+  ):
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:
-    candidates = [(tables_key, TABLES_KEY, table.name)] + [
-      ("_keras_embedding_layers", feature.path, "embeddings")
+    candidates = [(tables_key, checkpoint_names.TABLES_KEY, table.name)] + [
+      (_KERAS_LAYERS, feature.path, checkpoint_names.TFRS_KERAS_EMBEDDINGS_KEY)
       for feature in config.features_of(table)
     ]
     for names in candidates:

@@ -13,13 +13,12 @@ from typing import Any, Optional, Union
 import tensorflow as tf
 
 from tpu_embedding import backends
-from tpu_embedding import checkpoints
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -39,13 +38,19 @@ class TPUEmbeddingCore:
     sparse_core_embedding_config: Any = None,
     table_updates: str = "engine",
     check_finite: bool = False,
+    execution_path: Optional[hardware.ExecutionPath] = None,
     **kwargs,
   ):
+    """`execution_path` is for a layer that holds this one and has already asked the hardware
+    (`PartialTPUEmbedding`'s sharded side); by default the path is chosen here from the strategy
+    and `embedding_feature`."""
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
     self._strategy = tf.distribute.get_strategy()
+    if execution_path is None:
+      execution_path = hardware.choose_path(self._strategy, embedding_feature)
     self._backend = backends.create(
-      hardware.choose_path(self._strategy, embedding_feature),
+      execution_path,
       self._config,
       pipelining=pipeline_execution_with_tensor_core,
       batch_size=batch_size,
@@ -56,7 +61,7 @@ class TPUEmbeddingCore:
     )
     # Tracked under tf-recommenders' name only (not also under the attribute's).
     self._engine = self._no_dependency(self._backend.engine)
-    self._track_trackable(self._engine, name=checkpoints.TABLES_KEY)
+    self._track_trackable(self._engine, name=checkpoint_names.TABLES_KEY)
     self.batch_size = batch_size
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
@@ -77,13 +82,7 @@ class TPUEmbeddingCore:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
     if self._backend.table_updates == "engine":
-      setattr(
-        self,
-        TRAP_NAME,
-        self.add_weight(
-          name=TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
-        ),
-      )
+      add_gradient_trap(self, TRAP_NAME)
     else:
       # Replicated or Keras-managed tables must be trainable variables of the model.
       self._keras_trained_tables = self._backend.trainable_tables
@@ -104,10 +103,7 @@ class TPUEmbeddingCore:
   def _serving_lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
     """A CPU lookup through `serving_config`, reading this layer's current tables."""
     config = config_lib.for_serving(serving_config, self._config)
-    tables = self._backend.embedding_tables
-    step = inputs.Step.prepare(config, features, weights, subset=True)
-    found = lookup.look_up(step, lambda table: tables[table], lookup.per_occurrence)
-    return tf.nest.pack_sequence_as(features, found.activations)
+    return serving_lookup(config, self._backend.embedding_tables, features, weights)
 
   def _check_strategy(self) -> None:
     current = tf.distribute.get_strategy()
@@ -198,7 +194,7 @@ class TPUEmbeddingCore:
         path,
         {t.name for t in self._config.tables},
         f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
-        checkpoints.TABLES_KEY,
+        checkpoint_names.TABLES_KEY,
       )
     elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(
@@ -220,3 +216,12 @@ class TPUEmbeddingCore:
       children.pop(TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
     children.pop("_keras_trained_tables", None)
     return children
+
+
+def add_gradient_trap(layer: Any, name: str) -> None:
+  """Gives `layer` the trainable variable `name` that the gradient trap hangs on (see
+  `engine.trap`): the Keras model's gradient reaches the tables only through it."""
+  trap = layer.add_weight(
+    name=name, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
+  )
+  setattr(layer, name, trap)

@@ -50,8 +50,11 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import tensorflow as tf
 from absl import logging
 
+from tpu_embedding import optimizer_specs as specs
 from tpu_embedding import tf_internals
-from tpu_embedding.engine import updates
+from tpu_embedding.optimizer_specs import MidLevelOptimizer
+from tpu_embedding.optimizer_specs import keras_slot_name
+from tpu_embedding.optimizer_specs import learning_rate_tensor
 
 __all__ = [
   "ADAGRAD_EPSILON_RTOL",
@@ -67,27 +70,6 @@ __all__ = [
 ]
 
 _embedding = tf.tpu.experimental.embedding
-
-_MID_LEVEL_CLASSES: Tuple[type, ...] = tuple(
-  klass
-  for klass in (
-    _embedding.SGD,
-    _embedding.Adagrad,
-    _embedding.AdagradMomentum,
-    _embedding.Adam,
-    _embedding.FTRL,
-    tf_internals.CUSTOM_OPTIMIZER,  # None where this TF lacks it
-  )
-  if klass is not None
-)
-MidLevelOptimizer = Union[_MID_LEVEL_CLASSES]
-
-_BY_NAME: Dict[str, type] = {
-  "adagrad": _embedding.Adagrad,
-  "adam": _embedding.Adam,
-  "ftrl": _embedding.FTRL,
-  "sgd": _embedding.SGD,
-}
 
 ADAGRAD_EPSILON_RTOL = 1e-6
 """Largest relative change Keras's Adagrad epsilon may make to a step for us to drop it."""
@@ -163,9 +145,6 @@ class _Translation:
   carried: Tuple[str, ...]  # same name on both sides
   refused: Dict[str, _Refused]
   fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
-  # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
-  # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
-  keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
@@ -195,7 +174,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
         ),
       ),
     },
-    keras_slots={"accumulators": "accumulator"},
   ),
   "Adam": _Translation(
     _embedding.Adam,
@@ -207,7 +185,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
       ),
     },
     fixed={"sum_inside_sqrt": False},
-    keras_slots={"momenta": "m", "velocities": "v"},
   ),
   "Ftrl": _Translation(
     _embedding.FTRL,
@@ -224,7 +201,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
         "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
       ),
     },
-    keras_slots={"accumulators": "accumulator", "linears": "linear"},
   ),
 }
 
@@ -335,7 +311,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     raise ValueError(
       f"{where}: Keras optimizer {full_name} has no TPU embedding equivalent; use a Keras "
       f"{', '.join(sorted(_TRANSLATIONS))} or a tf.tpu.experimental.embedding optimizer "
-      "(SGD, Adagrad, AdagradMomentum, Adam, FTRL)"
+      f"({specs.CLASS_NAMES})"
     )
 
   with warnings.catch_warnings():
@@ -375,18 +351,6 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
 
 
-def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
-  """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
-
-  tf-recommenders creates the slots of its tables through the Keras optimizer, so its
-  checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
-  """
-  for translation in _TRANSLATIONS.values():
-    if type(optimizer) is translation.mid_level:
-      return translation.keras_slots.get(slot)
-  return None
-
-
 def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
   """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
   return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
@@ -423,14 +387,14 @@ def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional
   if optimizer is None:
     return None
   if isinstance(optimizer, str):
-    cls = _BY_NAME.get(optimizer.lower())
-    if cls is None:
+    spec = specs.BY_NAME.get(optimizer.lower())
+    if spec is None:
       raise ValueError(
         f"{where}: unknown optimizer name {optimizer!r}; accepted names (any case): "
-        f"{', '.join(repr(name) for name in _BY_NAME)}"
+        f"{', '.join(repr(name) for name in sorted(specs.BY_NAME))}"
       )
-    return cls()
-  if isinstance(optimizer, _MID_LEVEL_CLASSES):
+    return spec.mid_level()
+  if isinstance(optimizer, specs.MID_LEVEL_CLASSES):
     rate = optimizer.learning_rate
     if not (callable(rate) or isinstance(rate, numbers.Real)):
       raise ValueError(
@@ -450,35 +414,11 @@ def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:
     (
       "clipvalue",
       " (a single clipvalue c means (-c, c), so c must be >= 0)",
-      updates.gradient_limits(optimizer),
+      specs.gradient_limits(optimizer),
     ),
-    ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
+    ("clip_weight_min/clip_weight_max", "", specs.weight_limits(optimizer)),
   ):
     if low is not None and high is not None and low > high:
       raise ValueError(
         f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
       )
-
-
-def learning_rate_tensor(optimizer: MidLevelOptimizer, where: str = "optimizer") -> tf.Tensor:
-  """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
-
-  Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
-  TF ops, which would broadcast a vector) accept exactly the same rates.
-  """
-  rate = optimizer.learning_rate
-  value = rate() if callable(rate) else rate
-  try:
-    tensor = tf.convert_to_tensor(value)
-  except (TypeError, ValueError):
-    tensor = None
-  if (
-    tensor is None
-    or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
-    or tensor.shape.rank not in (0, None)
-  ):
-    source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
-    raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
-  if tensor.shape.rank is None:
-    tensor = tf.reshape(tensor, [])  # checked when the step runs
-  return tf.cast(tensor, tf.float32)

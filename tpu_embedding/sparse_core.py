@@ -16,6 +16,8 @@ import tensorflow as tf
 
 from tpu_embedding import tf_internals
 
+from tpu_embedding import checkpoint_names
+
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 
@@ -122,8 +124,7 @@ def restore_from_checkpoint(
   for table, variables in variables_by_table.items():
     layout = by_table[table]
     for slot, variable in variables.items():
-      stack = layout.stacked_table_name + ("" if slot == "parameters" else f"/{slot}")
-      key = _key(layer_path, stack)
+      key = _key(layer_path, checkpoint_names.variable_key(layout.stacked_table_name, slot))
       if not reader.has_tensor(key):
         raise ValueError(
           f"The SparseCore checkpoint {path} has no {slot!r} for table "

@@ -29,6 +29,10 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
     batch_size: passed to the sharded side (per-replica batch size to build the TPU engine).
     size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
       replicated. 0 shards every table; None replicates every table.
+    check_finite: raise an error naming the feature or table at the first NaN/Inf gradient,
+      weight or learning rate on its way to a table, before anything is written, as
+      `TPUEmbedding`'s: for the replicated tables on every hardware, and for the sharded ones
+      off TPU (refused on TPU, whose embedding engine cannot stop at such a value).
     **kwargs: Keras layer arguments (`name`, ...).
 
   Every table is trained by its own optimizer (`table_updates="engine"`, the only value taken:
@@ -45,6 +49,7 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
     batch_size: Optional[int] = None,
     size_threshold: Optional[int] = 10_000,
     table_updates: str = "engine",
+    check_finite: bool = False,
     **kwargs,
   ):
     if table_updates == "keras":
@@ -60,12 +65,14 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
       batch_size=batch_size,
       size_threshold=size_threshold,
       table_updates=table_updates,
+      check_finite=check_finite,
       **kwargs,
     )
     self._arguments = dict(
       pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
       batch_size=batch_size,
       size_threshold=size_threshold,
+      check_finite=check_finite,
     )
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:

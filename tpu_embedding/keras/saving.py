@@ -14,18 +14,17 @@ assigns the saved values anyway). The hardware arguments (`embedding_feature`,
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 
 E = tf.tpu.experimental.embedding
-OPTIMIZER_CLASSES = ("SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL")
 _FEATURE_KEY = "tpu_embedding_feature"
 
 
@@ -117,7 +116,7 @@ def _serialize_table(table: E.TableConfig) -> dict:
     "dim": table.dim,
     "combiner": table.combiner,
     "initializer": keras.initializers.serialize(initializer) if keep else None,
-    "optimizer": serialize_optimizer(table.optimizer, table.name),
+    "optimizer": optimizer_specs.serialize(table.optimizer, table.name),
   }
 
 
@@ -128,66 +127,19 @@ def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
     dim=table["dim"],
     combiner=table["combiner"],
     name=table["name"],
-    optimizer=deserialize_optimizer(table["optimizer"]),
+    optimizer=optimizer_specs.deserialize(table["optimizer"]),
     initializer=None if initializer is None else keras.initializers.deserialize(initializer),
   )
-
-
-def serialize_optimizer(optimizer: Optional[Any], table: str) -> Optional[dict]:
-  """A mid-level optimizer as {"class", "config"}: its constructor arguments' current values."""
-  if optimizer is None:
-    return None
-  name = type(optimizer).__name__
-  if name not in OPTIMIZER_CLASSES or getattr(E, name) is not type(optimizer):
-    raise ValueError(
-      f"Table {table!r}: its optimizer {type(optimizer).__name__} cannot be "
-      f"saved in a .keras file; use one of {', '.join(OPTIMIZER_CLASSES)}."
-    )
-  if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
-    raise ValueError(
-      f"Table {table!r}: an optimizer with a slot_variable_creation_fn cannot be "
-      "saved in a .keras file (the function is code, not configuration)."
-    )
-  config = {}
-  for argument in inspect.signature(type(optimizer).__init__).parameters:
-    if argument in ("self", "slot_variable_creation_fn", "low_dimensional_packing_status"):
-      continue
-    if argument == "clipvalue":
-      limits = (optimizer.clip_gradient_min, optimizer.clip_gradient_max)
-      config["clipvalue"] = None if limits == (None, None) else list(limits)
-    elif argument == "learning_rate":
-      config["learning_rate"] = float(optimizers.learning_rate_tensor(optimizer))
-    else:
-      config[argument] = getattr(optimizer, argument)
-  return {"class": name, "config": config}
-
-
-def deserialize_optimizer(serialized: Optional[Mapping[str, Any]]) -> Optional[Any]:
-  if serialized is None:
-    return None
-  if serialized["class"] not in OPTIMIZER_CLASSES:
-    raise ValueError(
-      f"Unknown embedding optimizer {serialized['class']!r} in a .keras file; "
-      f"expected one of {', '.join(OPTIMIZER_CLASSES)}."
-    )
-  config = dict(serialized["config"])
-  if config.get("clipvalue") is not None:
-    config["clipvalue"] = tuple(config["clipvalue"])
-  return getattr(E, serialized["class"])(**config)
 
 
 # ---------------------------------------------------------------------------------------------
 # Tables and slots
 
 
-def _key(table: str, slot: str) -> str:
-  return f"table:{table}" if slot == "parameters" else f"table:{table}:{slot}"
-
-
 def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      store[_key(table, slot)] = variable.numpy()
+      store[checkpoint_names.keras_file_key(table, slot)] = variable.numpy()
 
 
 def load_tables(
@@ -197,7 +149,7 @@ def load_tables(
   values = {}
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      key = _key(table, slot)
+      key = checkpoint_names.keras_file_key(table, slot)
       if key not in store.keys():
         raise ValueError(
           f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
