@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
 
-.PHONY: demo test bench bench-quick clean
+.PHONY: demo test test-matrix bench bench-quick clean
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -23,6 +23,11 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests
+
+# The core tests under every supported TensorFlow, one cached environment each (.ci/matrix;
+# docs/compatibility.md). Needs no .venv: each environment is built from .ci/constraints/.
+test-matrix:
+	.ci/matrix
 
 bench: $(STAMP)
 	$(PY) -m benchmarks all

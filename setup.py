@@ -6,6 +6,7 @@ machine without a C++ compiler still gets a working package: the engine then run
 ops, slower, and says so once.
 """
 
+import pathlib
 import sys
 
 import setuptools
@@ -29,12 +30,28 @@ class BuildTensorFlowKernels(build_ext.build_ext):
     ext.extra_link_args = tf.sysconfig.get_link_flags()
     try:
       super().build_extension(ext)
+      # The kernels load only under this TF (tpu_embedding/engine/native.py reads this record).
+      _record(self.get_ext_fullpath(ext.name)).write_text(tf.__version__ + "\n")
     except Exception as e:  # pylint: disable=broad-except  (any compiler or linker failure)
       print(
         f"WARNING: could not compile {ext.name} ({e}); tpu_embedding will use TF ops, "
         "which are slower. Install a C++17 compiler and reinstall to get the kernels.",
         file=sys.stderr,
       )
+
+  def copy_extensions_to_source(self):
+    """--inplace and editable installs: each library's record goes beside it too."""
+    super().copy_extensions_to_source()
+    build_py = self.get_finalized_command("build_py")
+    for ext in self.extensions:
+      inplace, built = self._get_inplace_equivalent(build_py, ext)
+      if _record(built).exists():
+        self.copy_file(str(_record(built)), str(_record(inplace)))
+
+
+def _record(library: str) -> pathlib.Path:
+  """Where the TF version a kernel library was built against is recorded: beside it."""
+  return pathlib.Path(library).with_name("_kernels_tf_version.txt")
 
 
 setuptools.setup(

@@ -6,6 +6,8 @@ Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqr
 up to an ulp off; the kernel keeps the exact division.
 """
 
+import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -157,6 +159,65 @@ def test_kernels_were_built_by_the_install():
   assert native.enabled(), (
     "tpu_embedding/engine/_kernels*.so is missing: `make` (pip install) should compile it"
   )
+
+
+def _copy_of_the_kernels(directory, built_for):
+  """The installed kernels copied into `directory`, recorded as built for `built_for`."""
+  (library,) = native.ENGINE_DIR.glob("_kernels*.so")
+  shutil.copy(library, directory / library.name)
+  if built_for is not None:
+    (directory / native.BUILT_FOR).write_text(built_for + "\n")
+
+
+def test_the_install_records_the_tensorflow_its_kernels_were_built_for():
+  assert (native.ENGINE_DIR / native.BUILT_FOR).read_text().strip() == tf.__version__
+
+
+@pytest.mark.parametrize("built_for", ["2.14.0", tf.__version__ + ".post1", None])
+def test_kernels_built_for_another_tensorflow_are_not_loaded(tmp_path, caplog, built_for):
+  _copy_of_the_kernels(tmp_path, built_for)
+  assert native.load_kernels(tmp_path) is None
+  (warning,) = [r.getMessage() for r in caplog.records if "tpu_embedding" in r.getMessage()]
+  assert "\n" not in warning
+  assert f"built for TensorFlow {built_for or 'an unrecorded version'}, this is " in warning
+  assert tf.__version__ in warning and "runs on TF ops" in warning
+
+
+@pytest.mark.parametrize("built_for", ["2.14.0", tf.__version__])
+def test_a_package_loads_only_kernels_of_its_tensorflow_and_else_looks_up_on_tf_ops(
+  tmp_path, built_for
+):
+  # In a child: a second copy of the library would register the same ops in this process.
+  package = tmp_path / "tpu_embedding"
+  shutil.copytree(native.ENGINE_DIR.parent, package)
+  (package / "engine" / native.BUILT_FOR).write_text(built_for + "\n")
+  child = subprocess.run(
+    [sys.executable, "-c", _LOOKUP_ON_ANOTHER_TF],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=tmp_path,  # `python -c` puts the working directory first on the path
+    env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+  )
+  assert child.returncode == 0, child.stderr[-3000:]
+  loaded = built_for == tf.__version__
+  assert child.stdout.split() == [str(loaded), "[[2.0,", "3.0]]", str(package)], child.stdout
+  warnings_seen = [line for line in child.stderr.splitlines() if "built for TensorFlow" in line]
+  assert len(warnings_seen) == (0 if loaded else 1), child.stderr[-3000:]
+  assert all(f"built for TensorFlow {built_for}, this is" in line for line in warnings_seen)
+
+
+_LOOKUP_ON_ANOTHER_TF = """
+import numpy as np, tensorflow as tf
+import tpu_embedding
+from tpu_embedding.engine import native
+E = tf.tpu.experimental.embedding
+table = E.TableConfig(3, 2, initializer=tf.constant_initializer(np.arange(6.0).reshape(3, 2)), name="t")
+layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table)}, optimizer=E.SGD(0.1))
+with tf.GradientTape():
+  out = layer({"f": tf.constant([[1]])})["f"]
+print(native.enabled(), out.numpy().tolist(), tpu_embedding.__path__[0])
+"""
 
 
 def _run(

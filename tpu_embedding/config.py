@@ -12,10 +12,10 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 
 FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -111,7 +111,7 @@ class EmbeddingConfig:
 
 def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   """Clones and validates `feature_config`; resolves table names and optimizers."""
-  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(feature_config)
+  paths_and_leaves = tf_internals.flatten_with_paths(feature_config)
   if not paths_and_leaves:
     raise ValueError(
       "feature_config is empty: pass at least one tf.tpu.experimental.embedding.FeatureConfig."
@@ -208,10 +208,10 @@ def match_structure(
   config: EmbeddingConfig, features: Any, what: str = "features", subset: bool = False
 ) -> list[tuple[Feature, Any]]:
   """Pairs each input leaf with its Feature, or explains the mismatch with both key sets."""
-  expected = tf_nest.flatten_with_joined_string_paths(config.feature_config)
+  expected = tf_internals.flatten_with_paths(config.feature_config)
   expected_by_path = {path: f for (path, _), f in zip(expected, config.features)}
   try:
-    received = tf_nest.flatten_with_joined_string_paths(features, expand_composites=False)
+    received = tf_internals.flatten_with_paths(features, expand_composites=False)
   except (TypeError, ValueError) as e:
     raise ValueError(f"Could not read the structure of {what}: {e}") from e
   received_paths = [p for p, _ in received]
@@ -227,7 +227,7 @@ def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
     return [None] * count
   # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
   # weight with whichever feature sorts at its position.
-  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
+  paths = lambda nest: [path for path, _ in tf_internals.flatten_with_paths(nest)]
   try:
     tf.nest.assert_same_structure(features, weights, check_types=False)
     same = paths(features) == paths(weights)
@@ -268,7 +268,7 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   first, then by name; a table the layer does not have is refused by name.
   """
   features, leaves = [], []
-  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(serving_feature_config)
+  paths_and_leaves = tf_internals.flatten_with_paths(serving_feature_config)
   _check_leaves(paths_and_leaves, "serving_config")
   for path, leaf in paths_and_leaves:
     table = layer.find_table(leaf.table)

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
+
 _embedding = tf.tpu.experimental.embedding
 
 
@@ -50,8 +52,9 @@ SPECS: tuple[OptimizerSpec, ...] = (
   OptimizerSpec(
     _embedding.FTRL, name="ftrl", keras_slots={"accumulators": "accumulator", "linears": "linear"}
   ),
-  OptimizerSpec(_embedding.CustomOptimizer, in_keras_files=False),
+  OptimizerSpec(tf_internals.CUSTOM_OPTIMIZER, in_keras_files=False),
 )
+SPECS = tuple(spec for spec in SPECS if spec.mid_level is not None)  # no CustomOptimizer on TF 2.17
 
 MID_LEVEL_CLASSES: tuple[type, ...] = tuple(spec.mid_level for spec in SPECS)
 MidLevelOptimizer = Union[MID_LEVEL_CLASSES]
@@ -77,12 +80,12 @@ def spec_of(optimizer: Any) -> Optional[OptimizerSpec]:
 
 def slot_names(optimizer: MidLevelOptimizer) -> tuple[str, ...]:
   """The optimizer's slots, in TF's order (the order of every update form and checkpoint)."""
-  return tuple(optimizer._slot_names())
+  return tuple(tf_internals.slot_names(optimizer))
 
 
 def slot_initializers(optimizer: MidLevelOptimizer) -> tuple[Any, ...]:
   """The initializer of each slot, in `slot_names` order."""
-  return tuple(optimizer._slot_initializers())
+  return tuple(tf_internals.slot_initializers(optimizer))
 
 
 def slot_shapes(

@@ -50,9 +50,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import optimizer_specs as specs
+from tpu_embedding import tf_internals
 from tpu_embedding.optimizer_specs import MidLevelOptimizer
 from tpu_embedding.optimizer_specs import keras_slot_name
 from tpu_embedding.optimizer_specs import learning_rate_tensor
@@ -263,7 +263,7 @@ class KerasLearningRate:
     # created there.
     with tf.init_scope():
       _ = self.keras_optimizer.learning_rate
-    if save_context.in_save_context():
+    if tf_internals.in_save_context():
       # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
       # not reachable from the model: functions traced while saving (the trap's gradient among
       # them) take the rate at the time of saving, as a constant.

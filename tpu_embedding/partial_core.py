@@ -26,8 +26,6 @@ import dataclasses
 from typing import Any, Optional
 
 import tensorflow as tf
-from tensorflow.python.trackable import autotrackable
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import backends
 from tpu_embedding import checkpoint_names
@@ -38,6 +36,7 @@ from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import placement as placement_lib
 from tpu_embedding import sparse_core
+from tpu_embedding import tf_internals
 from tpu_embedding.layer_core import RefusesCopies
 from tpu_embedding.layer_core import TPUEmbeddingCore
 from tpu_embedding.layer_core import add_gradient_trap
@@ -89,7 +88,7 @@ class ReplicatedTable:
     return self.table.dim
 
 
-class CheckpointNode(autotrackable.AutoTrackable):
+class CheckpointNode(tf_internals.AutoTrackable):
   """A node of the checkpoint's object graph whose children are named freely: table names,
   `<table>/<slot>` and feature paths, which need not be Python identifiers."""
 
@@ -422,7 +421,7 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
   def _sharded_shapes(self, input_shape: Any) -> Any:
     """The sharded features' input shapes as the flat dict the sharded layer was given."""
     try:
-      shapes = tf_nest.flatten_up_to(self._config.feature_config, input_shape, check_types=False)
+      shapes = tf_internals.flatten_up_to(self._config.feature_config, input_shape)
     except (TypeError, ValueError):
       return None  # shapes unknown here: the sharded layer detects them on its first call
     return {path: shape for (path, side), shape in zip(self._paths, shapes) if side == SHARDED}

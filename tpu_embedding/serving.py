@@ -16,9 +16,9 @@ import tempfile
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import tensorflow as tf
-from tensorflow.python.framework import kernels
 
 from tpu_embedding import hardware
+from tpu_embedding import tf_internals
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -341,8 +341,7 @@ def _check_cpu_only(functions: Mapping[str, Any]) -> None:
 
 
 def _has_cpu_kernel(op: str) -> bool:
-  registered = kernels.get_registered_kernels_for_op(op).kernel
-  return any(k.device_type in _CPU_DEVICE_TYPES for k in registered)
+  return bool(tf_internals.kernel_device_types(op) & _CPU_DEVICE_TYPES)
 
 
 # ---------------------------------------------------------------------------------------------

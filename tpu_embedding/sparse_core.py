@@ -13,13 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
 
-# TF internals, each used in this module only: TF's own unshuffling, its SparseCore checkpoint
-# adapter, and its checkpoint key escape.
-from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
-from tensorflow.python.tpu import tpu_embedding_v3_utils
-from tensorflow.python.trackable import trackable_utils
+from tpu_embedding import tf_internals
 
 from tpu_embedding import checkpoint_names
 
@@ -35,14 +30,14 @@ def stacked_value(variable: Any) -> tf.Tensor:
 def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
   """The [vocabulary_size, dim] table that `layout` (a SparseCoreTableLayout) places in
   `stacked`: rows un-dealt and un-rotated, padding dropped."""
-  padded = tpu_embedding_v3_utils.unshuffle_from_sc_to_cpu(
+  padded = tf_internals.unshuffle_from_sparse_cores(
     stacked,
     num_sparse_cores=layout.num_sparse_cores,
     offset_in_shard=layout.sparse_core_shard_row_offset,
     size_in_shard=layout.unsharded_padded_shape[0] // layout.num_sparse_cores,
     shard_rotation=layout.sparse_core_shard_rotation,
   )
-  return tpu_embedding_v3_utils.remove_padding_from_sc(padded, tuple(layout.unsharded_shape))
+  return tf_internals.remove_sparse_core_padding(padded, tuple(layout.unsharded_shape))
 
 
 def logical_tables(
@@ -65,8 +60,7 @@ def needs_relayout(path: str, mid_level: tf.Module) -> bool:
   """Whether the checkpoint at `path` holds `mid_level`'s tables in another layout (per table, or
   other SparseCore layouts), which TF's checkpoint adapter converts only while `mid_level`
   creates its variables: a restore into built variables would then silently change nothing."""
-  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
-  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
+  return tf_internals.sparse_core_checkpoint_needs_relayout(path, mid_level)
 
 
 def stacked_tables_in(path: str) -> set[str]:
@@ -75,8 +69,7 @@ def stacked_tables_in(path: str) -> set[str]:
   found = set()
   for key in reader.get_variable_to_shape_map():
     if key.endswith(_key("", _LAYOUTS)):
-      layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
-      layouts.ParseFromString(reader.get_tensor(key))
+      layouts = tf_internals.sparse_core_layouts(reader.get_tensor(key))
       found.update(layout.table_name for layout in layouts.tables)
   return found
 
@@ -119,8 +112,7 @@ def restore_from_checkpoint(
     variables_by_table: the receiving layer's `variables_by_table`.
   """
   reader = tf.train.load_checkpoint(path)
-  layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
-  layouts.ParseFromString(reader.get_tensor(_key(layer_path, _LAYOUTS)))
+  layouts = tf_internals.sparse_core_layouts(reader.get_tensor(_key(layer_path, _LAYOUTS)))
   by_table = {layout.table_name: layout for layout in layouts.tables}
   missing = sorted(set(variables_by_table) - set(by_table))
   if missing:
@@ -149,9 +141,9 @@ def restore_from_checkpoint(
     variable.assign(value)
 
 
-_LAYOUTS = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+_LAYOUTS = tf_internals.SPARSE_CORE_LAYOUTS_KEY
 
 
 def _key(layer_path: str, name: str) -> str:
   """The checkpoint key of the variable tracked as `name` (TF escapes '/' and '.' in names)."""
-  return f"{layer_path}/{trackable_utils.escape_local_name(name)}/.ATTRIBUTES/VARIABLE_VALUE"
+  return f"{layer_path}/{tf_internals.escape_checkpoint_name(name)}/.ATTRIBUTES/VARIABLE_VALUE"

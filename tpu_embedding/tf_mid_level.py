@@ -1,6 +1,7 @@
 """The one place that reaches into TensorFlow's mid-level TPU embedding objects.
 
-Checked against TensorFlow 2.21.0 (`CHECKED_AGAINST`). TF has no public way to:
+Checked against the TensorFlow versions in `CHECKED_AGAINST` (`tf_versions`; importing this
+module under another raises `tf_versions.UncheckedTensorFlow`). TF has no public way to:
 - reach the dict `TPUEmbeddingV0` and `TPUEmbedding` (V1) keep their variables in,
   {table name: {"parameters" or slot name: variable}}, which they set as `_variables` when
   built: their public `embedding_tables` gives copies of the tables only (V1's refuses on a TPU
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-CHECKED_AGAINST = ("2.21.0",)
+from tpu_embedding import tf_versions
+
+CHECKED_AGAINST = tf_versions.CHECKED_AGAINST
+tf_versions.require_checked(__name__)
 
 
 def variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:

@@ -1,6 +1,8 @@
 """The one place that reads and edits TensorFlow's restore machinery while a restore runs.
 
-Checked against TensorFlow 2.21.0 (`CHECKED_AGAINST`). Everything below is TF-internal, not API:
+Checked against the TensorFlow versions in `CHECKED_AGAINST` (`tf_versions`; importing this
+module under another raises `tf_versions.UncheckedTensorFlow`). Everything below is TF-internal,
+not API:
 - the only caller of `Trackable._checkpoint_adapter(path)` is `restore._maybe_get_adapter`,
   whose local `checkpoint_position` is the `CheckpointPosition` being expanded;
 - a `CheckpointPosition` has `trackable`, `checkpoint` (the restore coordinator) and
@@ -21,7 +23,10 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-CHECKED_AGAINST = ("2.21.0",)
+from tpu_embedding import tf_versions
+
+CHECKED_AGAINST = tf_versions.CHECKED_AGAINST
+tf_versions.require_checked(__name__)
 POSITION_LOCAL = "checkpoint_position"  # the local of `restore._maybe_get_adapter` read here
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 _FRAMES_SEARCHED = 8  # the caller's hook <- _checkpoint_adapter <- _maybe_get_adapter, with room

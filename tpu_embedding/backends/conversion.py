@@ -16,13 +16,13 @@ import typing
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 
-_PACKING = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
+_PACKING = tf_internals.PackingStatus
 
 # Who updates the tables (the layers' `table_updates`): "engine", each table's own mid-level
 # optimizer, reached through the gradient trap; "keras", the Keras optimizer the model applies

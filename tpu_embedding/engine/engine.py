@@ -20,14 +20,13 @@ import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
 from tpu_embedding import checkpoint_names
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.engine import finite
@@ -206,7 +205,7 @@ class EmbeddingEngine(tf.Module):
     """
     self.build()
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
-    plain = trap is None or (self._follows_keras_optimizer and save_context.in_save_context())
+    plain = trap is None or (self._follows_keras_optimizer and tf_internals.in_save_context())
     if static:
       self._refuse_under_xla(training=not plain)
     step = inputs.Step.prepare(self._config, features, weights, compiled=static)
@@ -440,7 +439,7 @@ def _new_variable(
   value = functools.partial(_initial_value, initializer, shape, name, check_finite)
   if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
     return tf.Variable(initial_value=value, trainable=trainable, name=name)
-  variable = resource_variable_ops.UninitializedVariable(
+  variable = tf_internals.uninitialized_variable(
     shape=shape, dtype=tf.float32, trainable=trainable, name=name
   )
   # One function per variable (in one function for all, TF holds every constant initial value
@@ -492,7 +491,7 @@ def _refuse_training(table: TableConfig, static: bool) -> Optional[tf.Operation]
     "to the layer or set this TableConfig's optimizer. (optimizer=None is for "
     "serving-only layers.) This step wrote nothing to any table."
   )
-  if tf.executing_eagerly() or (static and not save_context.in_save_context()):
+  if tf.executing_eagerly() or (static and not tf_internals.in_save_context()):
     raise ValueError(message)
   return tf.debugging.Assert(tf.constant(False), [message])
 

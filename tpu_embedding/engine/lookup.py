@@ -17,8 +17,8 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.eager import record  # whether a gradient tape may be recording
 
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import native
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.inputs import Bags
@@ -194,7 +194,7 @@ def deduplicated(
   ids = concat([b.ids for b in bags])
   if (
     table.quantization_config is None
-    and record.could_possibly_record()
+    and tf_internals.could_possibly_record()
     and not sharded.is_sharded(variable)
     and native.runs_on([variable])
   ):

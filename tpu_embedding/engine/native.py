@@ -9,26 +9,45 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.eager import context  # the address space of this process's devices
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
+
+from tpu_embedding import tf_internals
 
 ENV_SWITCH = "TPU_EMBEDDING_NATIVE_KERNELS"
+# Beside the library: the TensorFlow version it was compiled against (written by setup.py).
+BUILT_FOR = "_kernels_tf_version.txt"
+ENGINE_DIR = pathlib.Path(__file__).parent  # where the install puts both
 
 
 @functools.cache
 def _library():
-  """The loaded op library, or None (with one warning) if it was not built."""
-  here = pathlib.Path(__file__).parent
-  built = sorted(here.glob("_kernels*.so"))
+  """The loaded op library, or None (with one warning) if it was not built for this TF."""
+  return load_kernels(ENGINE_DIR)
+
+
+def load_kernels(directory: pathlib.Path) -> Optional[Any]:
+  """The op library built in `directory`, or None with one warning: when it is missing, or was
+  built for another TensorFlow (setup.py records which, in `BUILT_FOR`). TF's C++ API has no
+  stable ABI: a library built against another TF may fail to load, or load and crash."""
+  built = sorted(directory.glob("_kernels*.so"))
   if not built:
     logging.warning(
       "tpu_embedding: compiled kernels not found in %s (was the package installed "
       "without a C++ compiler?); the CPU engine runs on TF ops, which is slower.",
-      here,
+      directory,
+    )
+    return None
+  record = directory / BUILT_FOR
+  built_for = record.read_text().strip() if record.exists() else "an unrecorded version"
+  if built_for != tf.__version__:
+    logging.warning(
+      "tpu_embedding: its compiled kernels were built for TensorFlow %s, this is %s; the CPU "
+      "engine runs on TF ops, which is slower (reinstall tpu_embedding to rebuild them).",
+      built_for,
+      tf.__version__,
     )
     return None
   return tf.load_op_library(str(built[0]))
@@ -47,9 +66,9 @@ def runs_on(variables: Sequence[tf.Variable]) -> bool:
   (training functions, gradients included, are saved too), which must load where this package
   is not installed.
   """
-  if not enabled() or save_context.in_save_context():
+  if not enabled() or tf_internals.in_save_context():
     return False
-  local = tf.DeviceSpec.from_string(context.context().host_address_space())
+  local = tf.DeviceSpec.from_string(tf_internals.host_address_space())
   for variable in variables:
     if variable.dtype != tf.float32:
       return False

@@ -33,10 +33,11 @@ import tensorflow as tf
 
 from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import TableState
 
-ShardedVariable = tf.__internal__.distribute.ShardedVariable
+ShardedVariable = tf_internals.ShardedVariable
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 

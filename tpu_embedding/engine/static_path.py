@@ -38,9 +38,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
 
 from tpu_embedding import optimizer_specs
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
@@ -54,7 +54,7 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 def compiling() -> bool:
   """Whether XLA compiles the graph being built: a TPU replica step, or a `jit_compile`
   function (including tf-keras `compile(jit_compile=True)`); both enter an XLA context."""
-  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+  return tf_internals.compiling_with_xla()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
+
+from tpu_embedding import tf_internals
 
 
 def trapped(
@@ -47,7 +48,7 @@ def trapped(
   @tf.custom_gradient
   def passing_trap(dummy, *activations):
     def grad(*upstream):
-      if save_context.in_save_context():
+      if tf_internals.in_save_context():
         return [tf.zeros_like(dummy), *upstream]
       backward(list(upstream))
       return [tf.zeros_like(dummy), *([None] * len(activations))]

@@ -36,6 +36,7 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Typ
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import native
 from tpu_embedding.optimizer_specs import gradient_limits
 from tpu_embedding.optimizer_specs import has_weight_decay
@@ -151,7 +152,7 @@ class UpdateRule(abc.ABC):
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
-    if "optimizer_class" in cls.__dict__:
+    if cls.__dict__.get("optimizer_class") is not None:  # None: not in this TF
       UpdateRule._registry[cls.optimizer_class] = cls
 
   @property
@@ -382,7 +383,7 @@ class CustomOptimizerRule(UpdateRule):
   (slot_dims 1). It returns the new table rows or `(table rows, *slot rows)`.
   """
 
-  optimizer_class = _embedding.CustomOptimizer
+  optimizer_class = tf_internals.CUSTOM_OPTIMIZER  # None on TF 2.17
 
   def compute(self, table_rows, slot_rows, grads, learning_rate):
     opt = self.optimizer

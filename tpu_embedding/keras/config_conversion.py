@@ -14,9 +14,9 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import optimizers
+from tpu_embedding import tf_internals
 
 MidLevelFeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
 MidLevelTableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -57,9 +57,7 @@ def to_mid_level(
 
   return tf.nest.pack_sequence_as(
     feature_config,
-    [
-      convert(path, leaf) for path, leaf in tf_nest.flatten_with_joined_string_paths(feature_config)
-    ],
+    [convert(path, leaf) for path, leaf in tf_internals.flatten_with_paths(feature_config)],
   )
 
 

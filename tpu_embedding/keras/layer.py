@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 import keras
 import tensorflow as tf
-from tensorflow.python.util import nest as tf_nest  # flattening up to the feature nest
 
 from tpu_embedding import hardware
+from tpu_embedding import tf_internals
 from tpu_embedding.keras import config_conversion
 from tpu_embedding.keras import saving
 from tpu_embedding.keras import shapes
@@ -96,8 +96,8 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
     # Keras 3 gives shapes as tuples, which tf.nest would take for more structure: hand the
     # backend one TensorShape per feature, as tf-keras does (TPU V1 builds from them).
     try:
-      input_shape = tf_nest.map_structure_up_to(
-        self._config.feature_config, tf.TensorShape, input_shape, check_types=False
+      input_shape = tf_internals.map_structure_up_to(
+        self._config.feature_config, tf.TensorShape, input_shape
       )
     except (TypeError, ValueError):
       pass  # not the features' structure (e.g. None): the backend detects shapes on its own

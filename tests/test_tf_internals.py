@@ -1,0 +1,108 @@
+"""Each TF internal behind `tpu_embedding.tf_internals`, exercised on the installed TensorFlow.
+
+The version matrix (.ci/matrix) runs this file under every supported TF: an internal that moved
+or changed meaning fails here by name.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tpu_embedding import tf_internals
+from tpu_embedding import tf_versions
+
+emb = tf.tpu.experimental.embedding
+MINOR = tuple(int(part) for part in tf_versions.minor_version(tf.__version__).split("."))
+
+
+def test_nest_paths_flattening_and_structures_up_to():
+  nest = {"b": 3, "a": [1, {"c": 2}]}
+  assert tf_internals.flatten_with_paths(nest) == [("a/0", 1), ("a/1/c", 2), ("b", 3)]
+  assert tf_internals.flatten_up_to({"a": 0, "b": 0}, {"a": [1, 2], "b": (3,)}) == [[1, 2], (3,)]
+  assert tf_internals.map_structure_up_to({"a": 0}, len, {"a": [1, 2, 3]}) == {"a": 3}
+  # list and tuple are the same structure here (Keras 3 gives shapes as tuples)
+  assert tf_internals.flatten_up_to([0, 0], (5, 6)) == [5, 6]
+
+
+def test_save_context_is_seen_only_while_a_saved_model_is_traced(tmp_path):
+  seen = []
+
+  class Model(tf.Module):
+    @tf.function(input_signature=[])
+    def serve(self):
+      seen.append(tf_internals.in_save_context())
+      return tf.constant(1.0)
+
+  assert not tf_internals.in_save_context()
+  tf.saved_model.save(Model(), str(tmp_path / "model"))
+  assert seen and all(seen)
+
+
+def test_could_possibly_record_only_under_a_tape():
+  assert not tf_internals.could_possibly_record()
+  with tf.GradientTape():
+    assert tf_internals.could_possibly_record()
+
+
+def test_compiling_with_xla_only_inside_jit_compiled_functions():
+  seen = {}
+
+  def probe(key):
+    seen[key] = tf_internals.compiling_with_xla()
+    return tf.constant(0.0)
+
+  tf.function(lambda: probe("jit"), jit_compile=True)()
+  tf.function(lambda: probe("graph"))()
+  assert seen == {"jit": True, "graph": False}
+  assert not tf_internals.compiling_with_xla()
+
+
+def test_host_address_space_names_this_process():
+  spec = tf.DeviceSpec.from_string(tf_internals.host_address_space())
+  assert (spec.job, spec.replica, spec.task) == ("localhost", 0, 0)
+
+
+def test_kernel_device_types():
+  assert "CPU" in tf_internals.kernel_device_types("MatMul")
+  assert "CPU" not in tf_internals.kernel_device_types("TPUReplicatedInput")
+
+
+def test_uninitialized_variable_takes_its_value_from_an_assign():
+  variable = tf_internals.uninitialized_variable(shape=[2, 3], dtype=tf.float32, name="x")
+  variable.assign(tf.ones([2, 3]))
+  np.testing.assert_array_equal(variable.numpy(), np.ones([2, 3]))
+
+
+def test_slot_names_and_initializers_of_the_mid_level_optimizers():
+  adam = emb.Adam(0.1)
+  assert tf_internals.slot_names(emb.SGD(0.1)) == []
+  assert tf_internals.slot_names(emb.Adagrad(0.1)) == ["accumulators"]
+  assert tf_internals.slot_names(adam) == ["momenta", "velocities"]
+  initializers = tf_internals.slot_initializers(emb.Adagrad(0.1, initial_accumulator_value=0.25))
+  assert len(initializers) == 1
+  np.testing.assert_allclose(initializers[0]([2, 2], tf.float32).numpy(), np.full([2, 2], 0.25))
+
+
+def test_packing_status_and_sharded_variables():
+  assert tf_internals.PackingStatus.UNSPECIFIED != tf_internals.PackingStatus.ENABLED
+  parts = [tf.Variable(tf.zeros([2, 3])), tf.Variable(tf.ones([1, 3]))]
+  sharded = tf_internals.ShardedVariable(parts)
+  assert sharded.shape == [3, 3] and sharded.variables == parts
+
+
+def test_escape_checkpoint_name():
+  assert tf_internals.escape_checkpoint_name("a/b.c") == "a.Sb..c"
+
+
+def test_custom_optimizer_where_this_tf_has_it():
+  # The mid-level CustomOptimizer came with TF 2.18.
+  assert (tf_internals.CUSTOM_OPTIMIZER is not None) == (MINOR >= (2, 18))
+  assert tf_internals.CUSTOM_OPTIMIZER is getattr(emb, "CustomOptimizer", None)
+
+
+def test_sparse_core_helpers():
+  padded = tf.reshape(tf.range(12.0), [3, 4])
+  np.testing.assert_array_equal(
+    tf_internals.remove_sparse_core_padding(padded, (2, 3)).numpy(), padded.numpy()[:2, :3]
+  )
+  assert list(tf_internals.sparse_core_layouts(b"").tables) == []
+  assert tf_internals.SPARSE_CORE_LAYOUTS_KEY == "_sparse_core_table_layouts"

@@ -1,0 +1,145 @@
+"""Every other TensorFlow internal the package uses, and what differs between TF versions.
+
+TF has no public API for these; each is one name or function here, so that a TF upgrade that
+moves one fails here (`tests/test_tf_internals.py` exercises each) and not in a user's model.
+Checked against the TF versions in `tf_versions.CHECKED_AGAINST`; importing this module under
+another TF raises `tf_versions.UncheckedTensorFlow`. The mid-level objects' variables and the
+restore machinery have their own adapters (`tf_mid_level`, `tf_restore`).
+
+What differs between the checked versions: TF 2.17 has no mid-level `CustomOptimizer`
+(`CUSTOM_OPTIMIZER` is None there).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+from tensorflow.python.eager import context
+from tensorflow.python.eager import record
+from tensorflow.python.framework import kernels
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
+from tensorflow.python.tpu import tpu_embedding_v3_utils
+from tensorflow.python.trackable import autotrackable
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.util import nest
+
+from tpu_embedding import tf_versions
+
+tf_versions.require_checked(__name__)
+
+_embedding = tf.tpu.experimental.embedding
+
+# A trackable whose children may have any name (table names, `<table>/<slot>`, feature paths).
+AutoTrackable = autotrackable.AutoTrackable
+# A variable of several row blocks (from a `variable_partitioner`).
+ShardedVariable = tf.__internal__.distribute.ShardedVariable
+# V1's `low_dimensional_packing_status` values.
+PackingStatus = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
+# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.17).
+CUSTOM_OPTIMIZER: Optional[type] = getattr(_embedding, "CustomOptimizer", None)
+# ---------------------------------------------------------------------------------------------
+# Nests: path-aware flattening in tf.nest's order, and structure-up-to maps.
+
+
+def flatten_with_paths(structure: Any, expand_composites: bool = False) -> list[tuple[str, Any]]:
+  """[(path joined by "/", leaf)] in `tf.nest.flatten` order."""
+  return nest.flatten_with_joined_string_paths(structure, expand_composites=expand_composites)
+
+
+def flatten_up_to(shallow: Any, structure: Any) -> list[Any]:
+  """`structure` flattened down to the leaves of `shallow` (list/tuple types not compared)."""
+  return nest.flatten_up_to(shallow, structure, check_types=False)
+
+
+def map_structure_up_to(shallow: Any, fn: Callable, structure: Any) -> Any:
+  """`fn` applied to each subtree of `structure` at a leaf of `shallow`."""
+  return nest.map_structure_up_to(shallow, fn, structure, check_types=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where code runs: saving, tapes, XLA, this process's devices and kernels.
+
+
+def in_save_context() -> bool:
+  """Whether a SavedModel is being traced."""
+  return save_context.in_save_context()
+
+
+def could_possibly_record() -> bool:
+  """Whether a gradient tape may be recording what runs now."""
+  return record.could_possibly_record()
+
+
+def compiling_with_xla() -> bool:
+  """Whether XLA compiles the graph being built (a TPU step or a `jit_compile` function)."""
+  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def host_address_space() -> str:
+  """The device name prefix of this process's task, e.g. "/job:worker/replica:0/task:1"."""
+  return context.context().host_address_space()
+
+
+def kernel_device_types(op: str) -> set[str]:
+  """The device types with a registered kernel for the op type `op`."""
+  return {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
+
+
+def uninitialized_variable(**kwargs: Any) -> tf.Variable:
+  """A resource variable with no value yet (assign before reading): no initial value in memory."""
+  return resource_variable_ops.UninitializedVariable(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mid-level optimizers' slots.
+
+
+def slot_names(optimizer: Any) -> list[str]:
+  """The slot names of a mid-level optimizer, in its order."""
+  return list(optimizer._slot_names())  # pylint: disable=protected-access
+
+
+def slot_initializers(optimizer: Any) -> list[Callable]:
+  """The initializer of each slot of a mid-level optimizer, in `slot_names` order."""
+  return list(optimizer._slot_initializers())  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------------
+# SparseCore's layouts and checkpoints.
+
+SPARSE_CORE_LAYOUTS_KEY = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+
+
+def sparse_core_layouts(serialized: bytes) -> Any:
+  """The `SparseCoreTableLayouts` proto a SparseCore checkpoint stores under its layouts key."""
+  layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+  layouts.ParseFromString(serialized)
+  return layouts
+
+
+def unshuffle_from_sparse_cores(stacked: tf.Tensor, **layout: Any) -> tf.Tensor:
+  """TF's own undoing of SparseCore's row dealing and rotation (its checkpoint adapter's)."""
+  return tpu_embedding_v3_utils.unshuffle_from_sc_to_cpu(stacked, **layout)
+
+
+def remove_sparse_core_padding(padded: tf.Tensor, shape: tuple[int, ...]) -> tf.Tensor:
+  """The [rows, dim] top-left block of a SparseCore-padded table."""
+  return tpu_embedding_v3_utils.remove_padding_from_sc(padded, shape)
+
+
+def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bool:
+  """Whether TF's SparseCore checkpoint adapter would convert the checkpoint at `path` for
+  `mid_level` (it holds the tables in another layout)."""
+  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  return adapter.create_from_checkpoint(path).is_applicable(mid_level)
+
+
+def escape_checkpoint_name(name: str) -> str:
+  """A tracked name as it appears in checkpoint keys ('/' and '.' escaped)."""
+  return trackable_utils.escape_local_name(name)
