@@ -138,6 +138,8 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
 
     if table_updates == "engine":  # one warning naming both sides' tables (the sharded
       optimizers.warn_if_bias_correction_dropped(self._config.tables)  # layer's is then silent)
+    # The hardware is asked once for the whole layer: the sharded side and the managed ids use it.
+    path = placement_lib.sharded_path(tf.distribute.get_strategy(), sorted(per_side[SHARDED]))
     self._sharded = None  # the TPUEmbedding layer serving the sharded tables
     if per_side[SHARDED]:
       self._sharded = self.sharded_layer_class(
@@ -148,9 +150,7 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
         table_updates=table_updates,
         check_finite=check_finite,
         sparse_core_embedding_config=sparse_core_embedding_config,
-        execution_path=placement_lib.sharded_path(
-          tf.distribute.get_strategy(), sorted(per_side[SHARDED])
-        ),
+        execution_path=path,
         name="sharded_embedding",
       )
       if self._sharded.execution_path is hardware.ExecutionPath.CPU:
@@ -178,7 +178,7 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
       managed_ids_lib.create(
         managed_ids,
         self._config,
-        hardware.choose_path(tf.distribute.get_strategy(), None),
+        path,
         pipelining=bool(pipeline_execution_with_tensor_core),
       )
     )

@@ -46,13 +46,15 @@ def sides(config: config_lib.EmbeddingConfig, size_threshold: Optional[int]) -> 
 def sharded_path(
   strategy: tf.distribute.Strategy, sharded_features: list[str]
 ) -> hardware.ExecutionPath:
-  """The execution path of the sharded side under `strategy`, asked of the hardware once.
+  """The execution path of the sharded side under `strategy` (also when `sharded_features` is
+  empty), asked of the hardware once for the whole layer.
 
   On a TPU without embedding hardware TF replicates every table and trains it with the Keras
-  optimizer (path V0), so the sharded side could not train as the replicated side does: refused.
+  optimizer (path V0), so the sharded side could not train as the replicated side does: sharding
+  any feature there is refused.
   """
   path = hardware.choose_path(strategy)
-  if path is hardware.ExecutionPath.TPU_V0:
+  if path is hardware.ExecutionPath.TPU_V0 and sharded_features:
     raise ValueError(
       f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
       "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
