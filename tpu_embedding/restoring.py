@@ -17,7 +17,8 @@ import os
 from typing import Any, Union
 
 import tensorflow as tf
-from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+from tpu_embedding import tf_internals
 
 __all__ = ["restore_checkpoint"]
 
@@ -106,9 +107,7 @@ def _mismatches(root: Any, reader: Any) -> list[str]:
       "it holds no object graph (it was written by a name-based tf.compat.v1 Saver); restore "
       "it with that Saver"
     ]
-  graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
-    reader.get_tensor(_OBJECT_GRAPH_KEY)
-  )
+  graph = tf_internals.object_graph(reader.get_tensor(_OBJECT_GRAPH_KEY))
   shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
   problems = []
   pending = [(0, root, "")]

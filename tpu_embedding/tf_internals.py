@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
 from tensorflow.python.eager import context
@@ -64,6 +65,11 @@ def map_structure_up_to(shallow: Any, fn: Callable, structure: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # Where code runs: saving, tapes, XLA, this process's devices and kernels.
+
+
+def object_graph(serialized: bytes) -> Any:
+  """A checkpoint's object graph (its `_CHECKPOINTABLE_OBJECT_GRAPH` tensor), parsed."""
+  return trackable_object_graph_pb2.TrackableObjectGraph.FromString(serialized)
 
 
 def in_save_context() -> bool:

@@ -15,10 +15,9 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 from keras.src.backend.common import symbolic_scope  # Keras's shape-inference tracing
-from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
-from tensorflow.python.util import nest as tf_nest  # flattening up to the feature nest
 
 from tpu_embedding import config as config_lib
+from tpu_embedding import tf_internals
 
 Shape = tuple[Optional[int], ...]
 
@@ -70,7 +69,7 @@ def output_spec(config: config_lib.EmbeddingConfig, features: Any, rule: Any) ->
 
 def output_shape(config: config_lib.EmbeddingConfig, input_shape: Any, rule: Any) -> Any:
   """`output_spec`'s shapes from shapes alone (Keras gives no kind here: read as dense)."""
-  shapes = tf_nest.flatten_up_to(config.feature_config, input_shape, check_types=False)
+  shapes = tf_internals.flatten_up_to(config.feature_config, input_shape)
   outputs = [
     rule(feature, tuple(tf.TensorShape(shape).as_list()), False)
     for feature, shape in zip(config.features, shapes)
@@ -81,7 +80,7 @@ def output_shape(config: config_lib.EmbeddingConfig, input_shape: Any, rule: Any
 def cast_placeholders(features: Any) -> Any:
   """Float dense ids as int64 while Keras infers shapes or TF traces a SavedModel signature
   (both feed float32 placeholders); anything else untouched, so real float ids stay refused."""
-  if not (symbolic_scope.in_symbolic_scope() or save_context.in_save_context()):
+  if not (symbolic_scope.in_symbolic_scope() or tf_internals.in_save_context()):
     return features
 
   def cast(leaf):

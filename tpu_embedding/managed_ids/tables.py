@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
-from tensorflow.python.saved_model import save_context  # serving traces never admit keys
 
 from tpu_embedding import config as config_lib
+from tpu_embedding import tf_internals
 from tpu_embedding.managed_ids import resets
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import ManagedIds
@@ -56,7 +56,7 @@ class ManagedTables(tf.Module):
     are reset in the variables `variables_by_table()` returns before this returns. Functions
     traced for a SavedModel only look keys up.
     """
-    training = training and not save_context.in_save_context()
+    training = training and not tf_internals.in_save_context()  # serving traces never admit keys
     if training:
       refuse_per_replica_remap()
     pairs = config_lib.match_structure(config, features, subset=True)
