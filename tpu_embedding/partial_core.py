@@ -379,6 +379,13 @@ class PartialTPUEmbeddingCore:
     super().build(input_shape)
 
   def call(self, features: Any, weights: Any = None) -> Any:
+    return self._lookup(features, weights)
+
+  # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras
+  # and Keras 3 apply to a model's call inside `fit`) would convert every function it reaches,
+  # the whole engine included, and that conversion cost most of the first step.
+  @tf.autograph.experimental.do_not_convert
+  def _lookup(self, features: Any, weights: Any) -> Any:
     pairs = config_lib.match_structure(self._config, features)
     weight_leaves = engine_inputs.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
