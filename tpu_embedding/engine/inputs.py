@@ -136,18 +136,30 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     return list(bags)
   if not bags:
     return []
-  largest = tf.stack([tf.reduce_max(tf.bitcast(bag.ids, tf.uint64)) for bag in bags])
-  sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
+  checked = _ids_in_range(
+    [bag.ids for bag in bags],
+    tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64),
+    tf.constant([_range_message(bag) for bag in bags]),
+  )
+  return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, checked)]
+
+
+# One function for every step that checks the same number of features: each trace of a step
+# (Keras traces a training step twice, and PartialTPUEmbedding checks each side) adds one call
+# instead of building the check again.
+@tf.function(autograph=False, reduce_retracing=True)
+def _ids_in_range(ids: list[Tensor], sizes: Tensor, messages: Tensor) -> list[Tensor]:
+  largest = tf.stack([tf.reduce_max(tf.bitcast(i, tf.uint64)) for i in ids])
 
   def fail():
-    # Traced in every step but run only on bad ids: one Assert over all features' ids at once
-    # (naming the first feature at fault), so tracing time does not grow with the features.
-    ids = tf.concat([tf.reshape(bag.ids, [-1]) for bag in bags], 0)
-    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag.ids) for bag in bags]))
-    too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
+    # Run only on bad ids: one Assert over all features' ids at once (naming the first
+    # feature at fault), so that the check does not grow with the features.
+    flat = tf.concat([tf.reshape(i, [-1]) for i in ids], 0)
+    owner = tf.repeat(tf.range(len(ids)), tf.stack([tf.size(i) for i in ids]))
+    too_large = tf.bitcast(flat, tf.uint64) >= tf.gather(sizes, owner)
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
-    offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
-    message = tf.gather(tf.constant([_range_message(bag) for bag in bags]), at_fault)
+    offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
+    message = tf.gather(messages, at_fault)
     with tf.control_dependencies(
       [tf.debugging.Assert(False, [message, "Offending ids:", offending], summarize=5)]
     ):
@@ -155,7 +167,7 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
 
   checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
   with tf.control_dependencies([checked]):
-    return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
+    return tf.identity_n(ids)
 
 
 def _in_range(bag: Bags) -> Tensor:
@@ -227,7 +239,7 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
     static = tf.TensorShape(None)
   return Bags(
     feature,
-    tf.reshape(ids, [-1]),
+    ids if ids.shape.rank == 1 else tf.reshape(ids, [-1]),
     None,
     None,
     tf.reduce_prod(shape),
