@@ -1,5 +1,8 @@
 """`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
 
+`python -m benchmarks managed [--quick]` runs the managed-ids benchmark (benchmarks/managed_ids.py)
+on its own.
+
 Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
 benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
 benchmarks/results/<cases>[-quick]/ (single cases), unless --out is given.
@@ -13,11 +16,19 @@ import os
 import sys
 
 from benchmarks import cases as cases_lib
+from benchmarks import report as report_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["managed"]:
+    from benchmarks import managed_ids
+
+    quick = "--quick" in argv
+    managed_ids.main(quick, os.path.join(HERE, "results", "managed-quick" if quick else "managed"))
+    return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",
     description=__doc__,
@@ -64,7 +75,7 @@ def main(argv=None) -> None:
     raw = cases_lib.run(selected, settings, out_dir)
     with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
       json.dump(raw, f, indent=1)
-  report = cases_lib.Report(raw, settings, out_dir, command).build()
+  report = report_lib.Report(raw, settings, out_dir, command).build()
   with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
     f.write(report)
   print(report)

@@ -4,8 +4,9 @@ The model, data and recipe of the keras-rs tutorial "DistributedEmbedding using 
 tables `user` and `movie` (ids + 1 rows, dimension 32) whose own optimizer is "adam", dense
 256-relu, 64-relu, 1 on the concatenated embeddings, mean squared error on ratings mapped to
 [0, 1], `model.compile(optimizer="adagrad")`, batches of 256 (remainder dropped), 80% of the
-ratings for training, 20% for test, 5 epochs. The same keras-rs configs are given to
-`keras_rs.layers.DistributedEmbedding` and to `tpu_embedding.keras.TPUEmbedding`.
+ratings for training, 20% for test, 5 epochs. The same keras-rs configs and the same
+constructor call go to `keras_rs.layers.DistributedEmbedding` and to
+`tpu_embedding.keras.DistributedEmbedding`: switching is the one import.
 
 Off TPU, keras-rs builds plain Keras embeddings that the model's Adagrad trains (the tables'
 "adam" is ignored); `tpu_embedding` trains each table with its own Adam, as the TPU does. Reported
@@ -49,7 +50,7 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
   import keras_rs  # pylint: disable=g-import-not-at-top
 
   from tpu_embedding.data import movielens  # pylint: disable=g-import-not-at-top
-  from tpu_embedding.keras import TPUEmbedding  # pylint: disable=g-import-not-at-top
+  from tpu_embedding.keras import DistributedEmbedding  # pylint: disable=g-import-not-at-top
 
   keras.utils.set_random_seed(SEED)
   data = movielens.load_movielens(args.source, args.data_dir, seed=SEED)
@@ -74,11 +75,12 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
     )
     for name, t in [("movie_id", movie_table), ("user_id", user_table)]
   }
-  embedding = (
-    TPUEmbedding(feature_configs)
+  layer_class = (
+    DistributedEmbedding
     if implementation == "tpu_embedding"
-    else keras_rs.layers.DistributedEmbedding(feature_configs)
+    else keras_rs.layers.DistributedEmbedding
   )
+  embedding = layer_class(feature_configs)
 
   class EmbeddingModel(keras.Model):
     def __init__(self):
@@ -191,7 +193,7 @@ def markdown(results: list[dict]) -> str:
     "| layer (CPU, Keras 3) | tables trained by | test RMSE | mean-predictor RMSE | "
     "ms/step (median) |",
     "|---|---|---|---|---|",
-    f"| `tpu_embedding.keras.TPUEmbedding` | each table's own Adam (as on TPU) | "
+    f"| `tpu_embedding.keras.DistributedEmbedding` | each table's own Adam (as on TPU) | "
     f"{ours['test_rmse']:.4f} | {ours['mean_predictor_rmse']:.4f} | "
     f"{ours['step_ms_median']:.2f} |",
     f"| `keras_rs.layers.DistributedEmbedding` | the model's Adagrad (tables' Adam ignored) | "

@@ -1,7 +1,8 @@
 """Tables sharded over parameter servers: examples/s and bytes on the wire per step.
 
 Every configuration runs a fresh local cluster (`LocalCluster`: ps and 2 worker processes on
-127.0.0.1) with this process as coordinator, and times `--steps` steps of the DLRM-shaped
+127.0.0.1) with this process as coordinator (the whole benchmark reruns itself in a private
+network, which only loopback reaches, where one can be made), and times `--steps` steps of the DLRM-shaped
 model's embedding part (`--tables` tables of `--rows` x 16, batch `--batch`, one id per table
 and example, Adagrad, loss = sum of the activations) scheduled on the workers:
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tpu_embedding  # noqa: E402
+from tpu_embedding.examples import private_network  # noqa: E402
 from tpu_embedding.examples.local_cluster import LocalCluster  # noqa: E402
 
 E = tf.tpu.experimental.embedding
@@ -118,15 +122,16 @@ def _keras_step(strategy, args):
 
 def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
   """(examples/s, loopback bytes per step) of one configuration, in a fresh cluster."""
-  with LocalCluster(num_ps=num_ps, num_workers=2) as cluster:
+  with LocalCluster(num_ps=num_ps, num_workers=2, allow_exposed=True) as cluster:
     partitioner = (
       None
       if kind == "unsharded"
       else tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
     )
-    strategy = tf.distribute.ParameterServerStrategy(
-      cluster.resolver(), variable_partitioner=partitioner
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+      tf.train.ClusterSpec(cluster.spec), rpc_layer="grpc"
     )
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     replica_step = (_keras_step if kind == "keras" else _engine_step)(strategy, args)
 
@@ -148,7 +153,23 @@ def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
   return args.steps * args.batch / elapsed, sent / args.steps
 
 
+def rerun_in_private_network(argv) -> None:
+  """Runs this benchmark again inside a network of its own, where its tasks and this
+  coordinator reach each other and nothing else reaches them; returns where none can be made
+  (the clusters then say what they expose)."""
+  try:
+    network = private_network.PrivateNetwork()
+  except private_network.Unavailable:
+    return
+  with network:
+    command = [sys.executable, "-m", "benchmarks.sharded_ps", *argv]
+    sys.exit(subprocess.run(network.command(command)).returncode)
+
+
 def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if not private_network.only_loopback():
+    rerun_in_private_network(argv)
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps, ps counts 1 and 2")
   parser.add_argument("--rows", type=int, default=100_000)

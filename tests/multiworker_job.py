@@ -20,11 +20,16 @@ E = tf.tpu.experimental.embedding
 GLOBAL_BATCH = 8
 
 
+def strategy_of_this_process() -> tf.distribute.Strategy:
+  """MultiWorkerMirroredStrategy with TF_CONFIG set; the default strategy for the reference."""
+  if "TF_CONFIG" in os.environ:
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  return tf.distribute.get_strategy()
+
+
 def main(out_path: str) -> None:
   multi_worker = "TF_CONFIG" in os.environ
-  strategy = (
-    tf.distribute.MultiWorkerMirroredStrategy() if multi_worker else tf.distribute.get_strategy()
-  )
+  strategy = strategy_of_this_process()
   rng = np.random.default_rng(3)
   values = rng.normal(size=(9, 2)).astype(np.float32)
   bags = [rng.integers(0, 9, size=(GLOBAL_BATCH, 3)) for _ in range(3)]

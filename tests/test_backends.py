@@ -13,9 +13,11 @@ import tf_keras
 
 import tpu_harness
 from tpu_embedding import serving
-from tpu_embedding.engine.engine import EmbeddingEngine
+from tpu_embedding.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
+from tpu_embedding.config import prepare
 from tpu_embedding.layer import TPUEmbedding
+from tpu_embedding.partial import PartialTPUEmbedding
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
@@ -336,3 +338,76 @@ def test_the_keras3_layer_refuses_a_tpu_without_embedding_engine(tpu):
   with strategy.scope():
     with pytest.raises(ValueError, match="TPU_V0: these tables would be trained by the model's"):
       _keras3_layer(feature_config())
+
+
+# --------------------------------------------------------------------------------------------
+# The layer's prepared configuration is never changed by a path
+
+
+def _described(config):
+  """The values a path could change in a prepared config (a fresh `prepare` gives equal ones)."""
+
+  def optimizer(o):
+    if o is None:
+      return None
+    return (type(o), o.learning_rate, repr(o.low_dimensional_packing_status))
+
+  return (
+    [(t.name, t.vocabulary_size, t.dim, t.combiner, optimizer(t.optimizer)) for t in config.tables],
+    [
+      (f.path, f.config.name, f.table.name, f.config.max_sequence_length, f.config.output_shape)
+      for f in config.features
+    ],
+    optimizer(config.optimizer),
+  )
+
+
+def _objects(config):
+  """The objects of a prepared config, which must stay the same objects."""
+  return (
+    [(id(t), id(t.optimizer)) for t in config.tables],
+    [(id(f.config), id(f.config.table), id(f.table)) for f in config.features],
+    {id(clone): id(user) for clone, user in config.user_tables.items()},
+  )
+
+
+@pytest.mark.parametrize(
+  "path",
+  [ExecutionPath.CPU, ExecutionPath.TPU_V0, ExecutionPath.TPU_V1, ExecutionPath.TPU_V2],
+)
+def test_embedding_config_is_the_same_before_and_after_construction_and_build(tpu, path):
+  """V0 once dropped every table's optimizer and V1 swapped them for copies, in the config the
+  layer exposes; each path now hands TF its own converted copy."""
+  optimizer = emb.Adagrad(learning_rate=0.1)  # packing status False, the bool V1 converts
+  if path is ExecutionPath.TPU_V0:
+    optimizer = tf_keras.optimizers.legacy.SGD(learning_rate=0.1)  # V0 trains with Keras's
+  strategy = tf.distribute.get_strategy() if path is ExecutionPath.CPU else tpu(path)[0]
+  table = lambda name, vocabulary: emb.TableConfig(vocabulary, 8, combiner="mean", name=name)
+  video, user = table("video", 32), table("user", 16)
+  output_shape = [BATCH] if path is ExecutionPath.TPU_V2 else None
+  user_config = {
+    "watched": emb.FeatureConfig(video, name="watched", output_shape=output_shape),
+    "favorited": emb.FeatureConfig(video, name="favorited", output_shape=output_shape),
+    "friends": emb.FeatureConfig(user, name="friends", output_shape=output_shape),
+  }
+  with strategy.scope():
+    layer = TPUEmbedding(user_config, optimizer=optimizer)
+    objects = _objects(layer.embedding_config)
+    layer.build({key: tf.TensorShape([BATCH, None]) for key in user_config})
+  assert layer.execution_path is path
+  assert _described(layer.embedding_config) == _described(prepare(user_config, optimizer))
+  assert _objects(layer.embedding_config) == objects
+  assert {type(t.optimizer) for t in layer.embedding_config.tables} == {
+    emb.SGD if path is ExecutionPath.TPU_V0 else emb.Adagrad
+  }
+
+
+def test_partial_embedding_config_is_the_same_before_and_after_use():
+  user_config = feature_config()
+  optimizer = emb.Adagrad(learning_rate=0.1)
+  layer = PartialTPUEmbedding(user_config, optimizer=optimizer, size_threshold=2)
+  objects = _objects(layer.embedding_config)
+  layer(features())
+  assert {layer.side(t) for t in ("video_table", "user_table")} == {"replicated", "sharded"}
+  assert _described(layer.embedding_config) == _described(prepare(user_config, optimizer))
+  assert _objects(layer.embedding_config) == objects

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import cases
 from benchmarks import harness as h
+from benchmarks import report as report_lib
 
 
 def test_summarize_median_spread_and_quartiles():
@@ -137,7 +138,7 @@ def _fake_raw(s):
 def test_report_on_fake_results(tmp_path):
   s = cases.Settings.make(quick=True)
   raw = json.loads(json.dumps(_fake_raw(s)))
-  report = cases.Report(raw, s, str(tmp_path), "python -m benchmarks all --quick")
+  report = report_lib.Report(raw, s, str(tmp_path), "python -m benchmarks all --quick")
   text = report.build()
   assert not report.errors, report.errors
   targets = {t[0]: t for t in report.targets}

@@ -350,7 +350,12 @@ def tfrs_checkpoints(tmp_path_factory):
     timeout=600,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  return {case: str(directory / "-".join(case) / "ckpt") for case in tfrs_writer.CASES}
+  paths = {case: str(directory / "-".join(case) / "ckpt") for case in tfrs_writer.CASES}
+  for layer_name, optimizer_name in tfrs_writer.CASES:
+    paths[(layer_name, optimizer_name, "untrained")] = str(
+      directory / f"{layer_name}-{optimizer_name}-untrained" / "ckpt-1"
+    )
+  return paths
 
 
 def our_model(layer_name, optimizer_name, **kwargs):
@@ -405,6 +410,27 @@ def test_tfrs_checkpoint_restores_every_table_and_slot(
   )
   # The engine trains the tables: the Keras optimizer made no slot of its own for them.
   assert not [v for v in optimizer.variables() if v.shape.rank == 2 and v.shape[0] in (8, 30)]
+
+
+@pytest.mark.parametrize("layer_name,optimizer_name", tfrs_writer.CASES)
+def test_tfrs_checkpoint_written_before_the_first_step_matches_every_object(
+  tfrs_checkpoints, layer_name, optimizer_name
+):
+  """tf-recommenders' Keras optimizer creates its hyperparameter variables (learning_rate,
+  decay, momentum...) at the first step; the layer must not create them earlier, so a model
+  built but not trained has exactly the objects of tf-recommenders' checkpoint."""
+  path = tfrs_checkpoints[(layer_name, optimizer_name, "untrained")]
+  model, optimizer = our_model(layer_name, optimizer_name)
+  assert optimizer.variables() == []
+  assert len(model.embedding.weights) == len(model.embedding.variables)
+  assert not [w for w in model.embedding.weights if w.shape.rank == 0]  # no hyperparameter
+  status = tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
+  status.assert_existing_objects_matched()
+  for table, variables in model.embedding.variables_by_table.items():
+    np.testing.assert_array_equal(
+      variables["parameters"].numpy(),
+      tf.train.load_variable(path, tfrs_key(layer_name, table)),
+    )
 
 
 @pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])

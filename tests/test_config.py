@@ -36,3 +36,18 @@ def test_an_unknown_table_is_none_or_refused_by_name():
     ValueError, match=r"'item' is not one of this layer's tables \(\['video', 'user'\]\)"
   ):
     prepared.resolve_table("item")
+
+
+def test_a_table_named_like_a_slot_of_another_table_is_refused():
+  """TF's checkpoint names a slot `<table>/<slot>`: a table of that name would clash with it."""
+  adagrad = emb.TableConfig(10, 2, name="t", optimizer=emb.Adagrad(0.1))
+  clash = emb.TableConfig(10, 2, name="t/accumulators")
+  with pytest.raises(
+    ValueError,
+    match=r"Table name 't/accumulators' is also the checkpoint name of the 'accumulators' slot "
+    r"of table 't' \(its Adagrad optimizer's\).*nothing was created",
+  ):
+    config_lib.prepare({"a": emb.FeatureConfig(adagrad), "b": emb.FeatureConfig(clash)}, "sgd")
+  # Without a slot of that name (SGD has none) the name is free.
+  sgd = emb.TableConfig(10, 2, name="t", optimizer=emb.SGD(0.1))
+  config_lib.prepare({"a": emb.FeatureConfig(sgd), "b": emb.FeatureConfig(clash)}, "sgd")

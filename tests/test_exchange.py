@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import reference
 from tpu_embedding import config as config_lib
+from tpu_embedding import optimizer_specs
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
@@ -72,7 +73,10 @@ def test_two_replicas_train_each_copy_as_one_device_trains_the_global_batch(stra
     step = inputs.Step.prepare(config, {"f": ids})
     forward = lookup.look_up(step, engine.parameters, static_path.look_up_table)
     static_path.apply_gradients(
-      forward.upstream_by_table([upstream]), lambda _: rule, lambda _: state
+      forward.upstream_by_table([upstream]),
+      lambda _: rule,
+      lambda _: state,
+      lambda table: optimizer_specs.learning_rate_tensor(table.optimizer),
     )
 
   per_replica = strategy.experimental_distribute_values_from_function(

@@ -132,3 +132,27 @@ def test_fit_stops_at_the_first_non_finite_gradient():
   with pytest.raises(tf.errors.InvalidArgumentError, match="Feature 'watched'"):
     model.fit(np.array([[1], [3]]), np.array([[np.inf], [0.0]]), epochs=1, verbose=0)
   np.testing.assert_array_equal(table_of(model_layer), ROWS)
+
+
+@pytest.mark.parametrize("size_threshold", [None, 0], ids=["replicated", "sharded"])
+def test_partial_layer_checks_either_side(size_threshold):
+  """The replicated side is built by the same backend factory as TPUEmbedding, so it takes
+  check_finite too (it once bypassed the factory and had no such option)."""
+  table = E.TableConfig(
+    5, 2, name="videos", combiner="sum", initializer=tf.constant_initializer(ROWS)
+  )
+  model = tpu_embedding.PartialTPUEmbedding(
+    {"watched": E.FeatureConfig(table)},
+    E.SGD(learning_rate=0.5),
+    size_threshold=size_threshold,
+    check_finite=True,
+  )
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match="Feature 'watched' \\(table 'videos'\\)"
+  ):
+    train(model, scale=float("inf"))
+  np.testing.assert_array_equal(table_of(model), ROWS)
+  train(model)
+  expected = ROWS.copy()
+  expected[[1, 3]] -= 0.5
+  np.testing.assert_array_equal(table_of(model), expected)

@@ -60,8 +60,20 @@ def test_untranslatable_optimizer_names_the_table():
     config_conversion.to_mid_level_table(rs_table(optimizer=keras.optimizers.RMSprop()))
 
 
+@pytest.mark.parametrize("field", ["optimizer", "initializer"])
+def test_an_unknown_optimizer_or_initializer_name_names_the_table(field):
+  with pytest.raises(
+    ValueError,
+    match=rf"keras-rs TableConfig 'movies'.{field}='no_such_{field}': Keras has no {field} of "
+    "that name",
+  ):
+    config_conversion.to_mid_level_table(rs_table(**{field: f"no_such_{field}"}))
+
+
 def test_default_device_placement_is_refused_with_the_remedy():
-  with pytest.raises(ValueError, match="'movies' has placement='default_device'.*PartialTPU"):
+  with pytest.raises(
+    ValueError, match="'movies' has placement='default_device'.*DistributedEmbedding"
+  ):
     config_conversion.to_mid_level_table(rs_table(placement="default_device"))
 
 

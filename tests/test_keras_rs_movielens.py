@@ -33,7 +33,7 @@ def test_markdown_table_rows_and_speedup():
     [run("tpu_embedding", 0.23, [9.0, 2.0]), run("keras_rs", 0.28, [9.0, 5.0])]
   )
   lines = table.splitlines()
-  assert lines[2].startswith("| `tpu_embedding.keras.TPUEmbedding` |")
+  assert lines[2].startswith("| `tpu_embedding.keras.DistributedEmbedding` |")
   assert "| 0.2300 | 0.2600 | 2.00 |" in lines[2]
   assert "| 0.2800 | 0.2600 | 5.00 |" in lines[3]
   assert lines[-1].endswith("tpu_embedding is 2.50x keras-rs's speed per step.")

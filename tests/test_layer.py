@@ -674,6 +674,17 @@ if sys.argv[1] == "TPUEmbedding":
   mark("MARK mid-level Adam")
   tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.Adam(1.0))
   tpu_embedding.TPUEmbedding(config, tf_keras.optimizers.legacy.Adam(1.0))
+elif sys.argv[1] == "PartialTPUEmbedding, two sides":
+  # DLRM-like: small tables replicated, large ones sharded; every table is named at once.
+  two_sides = {
+    "big": E.FeatureConfig(E.TableConfig(100, 2, name="big")),
+    "f": E.FeatureConfig(E.TableConfig(4, 2, name="t")),
+    "large": E.FeatureConfig(E.TableConfig(200, 2, name="large")),
+  }
+  mark("MARK keras mode")
+  mark("MARK mid-level Adam")
+  tpu_embedding.PartialTPUEmbedding(two_sides, tf_keras.optimizers.Adam(1.0), size_threshold=50)
+  tpu_embedding.PartialTPUEmbedding(two_sides, tf_keras.optimizers.Adam(1.0), size_threshold=50)
 else:
   tpu_embedding.PartialTPUEmbedding(config, tf_keras.optimizers.Adam(1.0), table_updates="keras")
   mark("MARK keras mode")
@@ -683,9 +694,18 @@ mark("MARK end")
 """
 
 
-@pytest.mark.parametrize("layer", ["TPUEmbedding", "PartialTPUEmbedding"])
-def test_keras_adam_without_bias_correction_is_logged_once(layer):
-  """Only where the engine trains the tables (not table_updates="keras", not a mid-level Adam)."""
+@pytest.mark.parametrize(
+  "layer,tables",
+  [
+    ("TPUEmbedding", ["t"]),
+    ("PartialTPUEmbedding", ["t"]),
+    ("PartialTPUEmbedding, two sides", ["big", "t", "large"]),
+  ],
+)
+def test_keras_adam_without_bias_correction_is_logged_once(layer, tables):
+  """Only where the engine trains the tables (not table_updates="keras", not a mid-level Adam),
+  once per layer naming all its tables (both sides of a PartialTPUEmbedding), not again for a
+  layer with the same tables."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
     [sys.executable, "-c", ADAM_WARNING_SCRIPT, layer],
@@ -700,7 +720,7 @@ def test_keras_adam_without_bias_correction_is_logged_once(layer):
   ]
   warning = [line for line in lines if "no bias correction" in line]
   assert len(warning) == 1, lines
-  assert "tables ['t'] are trained by the TPU embedding engine's Adam" in warning[0]
+  assert f"tables {tables} are trained by the TPU embedding engine's Adam" in warning[0]
   assert "sqrt(1 - beta_2**t) / (1 - beta_1**t)" in warning[0]
   assert lines.index(warning[0]) == len(lines) - 2  # after every MARK but the end
 
@@ -747,3 +767,24 @@ def test_keras_fit_with_jit_compile_trains_dense_ragged_and_sparse_inputs_like_t
   np.testing.assert_allclose(variables["parameters"].numpy(), w, rtol=1e-5, atol=1e-6)
   for name, value in slots.items():
     np.testing.assert_allclose(variables[name].numpy(), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "make", [tpu_embedding.TPUEmbedding, tpu_embedding.PartialTPUEmbedding], ids=["full", "partial"]
+)
+@pytest.mark.parametrize("how", ["copy.deepcopy", "copy.copy", "pickle"])
+def test_copying_a_layer_is_refused_naming_checkpoints(make, how):
+  import copy
+  import pickle
+
+  values = row_id_table(5, 2)
+  layer = make({"f": E.FeatureConfig(table(values=values, name="t"))}, E.SGD(0.1))
+  layer({"f": tf.constant([1, 2])})
+  copier = {"copy.deepcopy": copy.deepcopy, "copy.copy": copy.copy, "pickle": pickle.dumps}[how]
+  with pytest.raises(
+    TypeError,
+    match=rf"cannot be copied with {re.escape(how)}: .*tf\.train\.Checkpoint\(model=model\)"
+    r"\.save\(path\).*Nothing was copied",
+  ):
+    copier(layer)
+  np.testing.assert_array_equal(layer.variables_by_table["t"]["parameters"].numpy(), values)

@@ -1,4 +1,5 @@
-"""MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1.
+"""MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1 (in a network of
+their own where one can be made).
 
 Each worker sees half of every global batch; the engine must sum both halves into one update,
 so the tables equal a single-process run on the same global batches.
@@ -11,10 +12,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import loopback
 
 JOB = pathlib.Path(__file__).with_name("multiworker_job.py")
+# Managed ids: each worker remaps the global batch with its own copy of the map.
+MANAGED_JOB = pathlib.Path(__file__).with_name("multiworker_managed_job.py")
 
 
 def _env(**extra):
@@ -23,31 +27,33 @@ def _env(**extra):
   return env
 
 
-def test_two_workers_on_loopback_equal_one_process(tmp_path):
-  workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
-  processes = []
-  for index in range(2):
-    config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-    processes.append(
-      subprocess.Popen(
-        [sys.executable, str(JOB), str(tmp_path / f"worker{index}.npy")],
-        env=_env(TF_CONFIG=json.dumps(config)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+@pytest.mark.parametrize("job", [JOB, MANAGED_JOB], ids=["plain", "managed_ids"])
+def test_two_workers_on_loopback_equal_one_process(tmp_path, job):
+  with loopback.network() as network:
+    workers = [f"127.0.0.1:{p}" for p in loopback.free_ports(2)]
+    processes = []
+    for index in range(2):
+      config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+      processes.append(
+        subprocess.Popen(
+          network.command([sys.executable, str(job), str(tmp_path / f"worker{index}.npy")]),
+          env=_env(TF_CONFIG=json.dumps(config)),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+        )
       )
+    single = subprocess.run(
+      [sys.executable, str(job), str(tmp_path / "single.npy")],
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
     )
-  single = subprocess.run(
-    [sys.executable, str(JOB), str(tmp_path / "single.npy")],
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert single.returncode == 0, single.stderr[-3000:]
-  for process in processes:
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, output[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    for process in processes:
+      output, _ = process.communicate(timeout=300)
+      assert process.returncode == 0, output[-3000:]
   reference = np.load(tmp_path / "single.npy")
   for index in range(2):
     np.testing.assert_allclose(

@@ -1,7 +1,7 @@
 """ParameterServerStrategy for real: tables on a ps task, steps scheduled on two workers.
 
 The cluster runs in a subprocess (`parameter_server_job.py`), since connecting to a cluster
-changes TensorFlow's global context. Expected values are worked out by hand from the job's
+changes TensorFlow's global context, in a network of its own where one can be made. Expected values are worked out by hand from the job's
 batches (see its docstring for why they do not depend on the order the workers run steps in).
 """
 
@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+import loopback
 
 JOB = pathlib.Path(__file__).with_name("parameter_server_job.py")
 
@@ -23,13 +25,14 @@ def _adagrad_step(row, accumulator, gradient):
 
 def test_tables_on_a_parameter_server_are_trained_by_the_engine(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-  result = subprocess.run(
-    [sys.executable, str(JOB), str(tmp_path / "out.npz")],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  with loopback.network() as network:
+    result = subprocess.run(
+      network.command([sys.executable, str(JOB), str(tmp_path / "out.npz")]),
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
   assert result.returncode == 0, result.stderr[-3000:]
   out = np.load(tmp_path / "out.npz")
   assert "/job:ps/" in str(out["placement"][0])

@@ -1,4 +1,4 @@
-"""Serving: `call(..., serving_config=...)`, `export_for_serving`, and the README's section.
+"""Serving: `call(..., serving_config=...)`, `export_for_serving`, and its documentation page.
 
 Exports are loaded back in fresh processes that import only TensorFlow, and must give exactly the
 predictions of the model in memory.
@@ -567,17 +567,17 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
 
 
 def readme_section():
-  with open(os.path.join(ROOT, "README.md")) as f:
+  with open(os.path.join(ROOT, "docs", "checkpoints-and-serving.md")) as f:
     text = f.read()
   match = re.search(
     r"<!-- section:checkpoints-serving -->(.*)<!-- /section:checkpoints-serving -->", text, re.S
   )
-  assert match, "README section checkpoints-serving is missing"
+  assert match, "docs/checkpoints-and-serving.md: section checkpoints-serving is missing"
   return match.group(1)
 
 
 def test_readme_snippets_run(tmp_path):
-  """Every block of the README's "Checkpoints and serving" section, in order, in a temp dir.
+  """Every block of docs/checkpoints-and-serving.md's first section, in order, in a temp dir.
 
   Python blocks start with `# <file>.py`: each is written under that name and run in its own
   process (`ranker.py` is the module the others import); `text` blocks show checkpoint keys or
@@ -653,3 +653,105 @@ def test_readme_snippets_run(tmp_path):
     "outputs['score'] tensor_info",
   ):
     assert shown in output["snippet.sh"]
+
+
+@pytest.mark.parametrize("optimizer", ["mid-level SGD", "Keras Adagrad", "None"])
+def test_a_signature_traced_before_saving_gives_plain_table_gradients(tmp_path, optimizer):
+  """tfrs's notebook traces the signature, then calls tf.saved_model.save. Reloaded with only
+  TensorFlow, a gradient through it must train nothing (the tables stay as saved, even with
+  optimizer=None) and give the tables the gradient of a plain lookup, as tfrs's tables get."""
+  tf.keras.utils.set_random_seed(0)
+  config = feature_config()
+  if optimizer == "None":
+    config = {
+      k: E.FeatureConfig(E.TableConfig(f.table.vocabulary_size, f.table.dim, name=f.table.name))
+      for k, f in config.items()
+    }
+  layer_optimizer = {
+    "mid-level SGD": "sgd",
+    "Keras Adagrad": tf_keras.optimizers.legacy.Adagrad(0.5),
+    "None": None,
+  }[optimizer]
+  model = Ranker(config, layer_optimizer)
+  features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
+  model(features)
+  serving = signatures(model)["serving_default"].get_concrete_function()
+  directory = str(tmp_path / "saved")
+  tf.saved_model.save(model, directory, signatures={"serving_default": serving})
+
+  # The reference: each feature has one id per sample, so its activation is the table's row.
+  tables = {t.name: tf.Variable(v) for t, v in model.embedding.embedding_tables.items()}
+  with tf.GradientTape() as tape:
+    rows = [tf.gather(tables[name], features[name]) for name in sorted(tables)]
+    loss = tf.reduce_sum(model.out(model.hidden(tf.concat(rows, 1))))
+  expected = {
+    name: tf.convert_to_tensor(g).numpy()
+    for name, g in zip(tables, tape.gradient(loss, list(tables.values())))
+  }
+  saved_values = {name: v.numpy() for name, v in tables.items()}
+  out = str(tmp_path / "out.npz")
+  result = run_python(
+    textwrap.dedent(f"""
+      import sys
+      sys.modules["tpu_embedding"] = None  # importing the package would fail
+      import numpy as np, tensorflow as tf
+      loaded = tf.saved_model.load({directory!r})
+      fn = loaded.signatures["serving_default"]
+      ids = {{k: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
+      tables = {{v.name.split("/")[-1][:-2]: v for v in loaded.variables
+                if v.name.split("/")[-1][:-2] in {sorted(tables)!r}}}
+      dense = [v for v in loaded.variables if "dense" in v.name]
+      with tf.GradientTape() as tape:  # the Dense layers only
+        loss = tf.reduce_sum(fn(**ids)["score"])
+      assert len(dense) == 4 and all(g is not None for g in tape.gradient(loss, dense))
+      with tf.GradientTape(persistent=True) as tape:
+        tape.watch(list(tables.values()))
+        loss = tf.reduce_sum(fn(**ids)["score"])
+      grads = tape.gradient(loss, list(tables.values()))
+      assert all(g is not None for g in grads), grads
+      np.savez({out!r}, **{{f"value_{{k}}": v.numpy() for k, v in tables.items()}},
+               **{{f"grad_{{k}}": tf.convert_to_tensor(g).numpy()
+                   for k, g in zip(tables, grads)}})
+      """)
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  found = np.load(out)
+  for name in tables:
+    np.testing.assert_array_equal(found[f"value_{name}"], saved_values[name])
+    np.testing.assert_allclose(found[f"grad_{name}"], expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_an_export_without_signatures_is_refused(exported, tmp_path):
+  model, _, _ = exported
+  with pytest.raises(ValueError, match="signatures is empty: an export without a signature"):
+    serving.export_for_serving(model, str(tmp_path / "empty"), {})
+  assert os.listdir(tmp_path) == []
+
+
+def test_an_export_of_a_mirrored_model_holds_and_guards_its_tables(tmp_path):
+  """Functions traced under MirroredStrategy read each table's per-device copies, which are
+  matched to their table as the variable itself is."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  tf.keras.utils.set_random_seed(0)
+  with strategy.scope():
+    model = Ranker(feature_config())
+  model({k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()})
+  fns = signatures(model)
+  path = serving.export_for_serving(model, str(tmp_path / "mirrored"), fns)
+  loaded = tf.saved_model.load(path)
+  assert sorted(loaded.embedding_tables) == ["genre", "movie", "user"]
+  for table, variable in model.embedding.embedding_tables.items():
+    np.testing.assert_array_equal(loaded.embedding_tables[table.name].numpy(), variable.numpy())
+  with pytest.raises(ValueError, match=r"read the table\(s\) \['movie'\], which tables= does"):
+    serving.export_for_serving(
+      model, str(tmp_path / "guard"), {"user_movie": fns["user_movie"]}, tables=["user"]
+    )
+  assert sorted(os.listdir(tmp_path)) == ["mirrored"]
+
+
+def test_export_dir_given_as_bytes_is_a_path_as_in_tensorflow(exported, tmp_path):
+  model, _, _ = exported
+  target = str(tmp_path / "bytes")
+  assert serving.export_for_serving(model, os.fsencode(target), signatures(model)) == target
+  assert os.listdir(tmp_path) == ["bytes"]
+  assert sorted(tf.saved_model.load(target).embedding_tables) == ["genre", "movie", "user"]

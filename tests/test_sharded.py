@@ -1,8 +1,8 @@
 """Tables row-sharded over parameter servers, with real ps and worker processes on loopback.
 
 One `LocalCluster` (3 ps, 2 workers, each its own process) serves the module; the coordinator
-runs in a subprocess (`sharded_job.py`), since connecting to a cluster changes TensorFlow's
-global context. Its steps are built so that the result does not depend on the order in which
+runs in a subprocess (`sharded_job.py`) in the cluster's network, since connecting to a cluster
+changes TensorFlow's global context. Its steps are built so that the result does not depend on the order in which
 the workers run them (see the job's docstring), so the sharded tables must equal a
 single-process run of the same steps: exactly for SGD and Adagrad, to float32 rounding for the
 others. Two workers update the same rows all along, so a lost update shows as a difference.
@@ -16,15 +16,15 @@ import sys
 import numpy as np
 import pytest
 
+import loopback
 import sharded_job
-from tpu_embedding.examples.local_cluster import LocalCluster
 
 JOB = pathlib.Path(__file__).with_name("sharded_job.py")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-  with LocalCluster(num_ps=3, num_workers=2) as running:
+  with loopback.cluster(num_ps=3, num_workers=2) as running:
     yield running
 
 
@@ -35,7 +35,9 @@ def job(cluster, tmp_path_factory):
 
   def run(phase: str, *extra: str) -> pathlib.Path:
     result = subprocess.run(
-      [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out), *extra],
+      cluster.command(
+        [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out), *extra]
+      ),
       capture_output=True,
       text=True,
       timeout=240,
@@ -143,9 +145,9 @@ def test_two_workers_updating_every_row_at_once_lose_no_update(job):
 def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, job, trained):
   # Last in this module: the cluster's worker 1 is killed here (and restarted afterwards).
   try:
-    out = job("worker_fault", str(cluster.pid("worker", 1)))
+    out = job("worker_fault", str(cluster.process("worker", 1).pid))
   finally:
-    cluster.restart("worker", 1)
+    loopback.restart(cluster, "worker", 1)
   survived = _load(out, "worker_fault.npz")
   reference = _load(trained, "reference.npz")
   for name in ("sgd/parameters", "adagrad/accumulators"):
@@ -155,9 +157,9 @@ def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, j
 def test_a_killed_ps_fails_the_job_and_a_restart_resumes_from_the_checkpoint(cluster, job, trained):
   # Last in this module: ps 0 is killed here and restarted (empty) for the resumed job.
   try:
-    out = job("ps_fault", str(cluster.pid("ps", 0)))
+    out = job("ps_fault", str(cluster.process("ps", 0).pid))
   finally:
-    cluster.restart("ps", 0)
+    loopback.restart(cluster, "ps", 0)
   with open(out / "ps_fault.json") as f:
     error = json.load(f)
   assert error is not None, "steps went on without a ps task"

@@ -4,7 +4,8 @@ Run as `TF_USE_LEGACY_KERAS=1 python tests/tfrs_checkpoint_writer.py OUT_DIR`. t
 needs `tf.keras` to be Keras 2, decided when TensorFlow is first imported, hence a subprocess.
 For every (layer, optimizer) in `CASES` it trains a two-table model for two steps with
 `model.fit`, as a tf-recommenders user does (the layer and `compile` share one Keras optimizer),
-and saves `tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt.
+and saves `tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt
+(and, before the first step, to OUT_DIR/<layer>-<optimizer>-untrained/ckpt-1, with `save`).
 The tests import this module (without tf-recommenders) to build the same model with this
 package's layers and restore those files. `--read CKPT OUT.npz LAYER` goes the other way: it
 restores a checkpoint written by this package into tf-recommenders' LAYER and saves what it got.
@@ -78,6 +79,10 @@ def main(out_dir):
     else:
       layer = PartialTPUEmbedding(feature_config(), optimizer, size_threshold=SIZE_THRESHOLD)
     model = build_model(layer, optimizer, tf.keras)
+    model(inputs())  # built, not trained: the Keras optimizer has no variable yet
+    tf.train.Checkpoint(model=model, optimizer=optimizer).save(  # as `ckpt-1`
+      os.path.join(out_dir, f"{layer_name}-{optimizer_name}-untrained", "ckpt")
+    )
     data = tf.data.Dataset.from_tensors((inputs(), tf.constant(LABELS))).repeat(2)
     model.fit(data, verbose=0)
     tf.train.Checkpoint(model=model, optimizer=optimizer).write(

@@ -25,22 +25,19 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 from tpu_embedding import tf_restore
 
-# The checkpoint name of the object holding the tables. tf-recommenders' layer keeps its
-# mid-level object at the attribute `_tpu_embedding`, so its checkpoints name every table
-# `.../_tpu_embedding/<table>`; the layers here track their tables under the same name, byte for
-# byte, so that those checkpoints restore (and theirs restore into tf-recommenders).
-TABLES_KEY = "_tpu_embedding"
+_KERAS_LAYERS = checkpoint_names.TFRS_KERAS_LAYERS_KEY
 
 
 def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[int]]]:
   """{dependency name: (table name, shape)} for every variable the engine tracks.
 
-  Mirrors `EmbeddingEngine._create_table`: the table under `<table>`, each slot under
-  `<table>/<slot>` unless a `slot_variable_creation_fn` owns the slots.
+  The table under `<table>`, each slot under `<table>/<slot>` (`checkpoint_names.variable_key`),
+  as the engine tracks them, unless a `slot_variable_creation_fn` owns the slots.
   """
   shapes = {}
   for table in config.tables:
@@ -52,7 +49,7 @@ def expected_shapes(config: Any, with_slots: bool) -> dict[str, tuple[str, list[
     if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
       continue
     for name, shape in config_lib.slot_shapes(table):
-      shapes[f"{table.name}/{name}"] = (table.name, shape)
+      shapes[checkpoint_names.variable_key(table.name, name)] = (table.name, shape)
   return shapes
 
 
@@ -76,14 +73,15 @@ def validate(
   """
   restore = tf_restore.restore_of(trackable)
   node = restore.node
+  unslotted: set[str] = set()  # tables whose slots tf-recommenders had not created yet
   if tables_key is not None:
-    node = _adopt_tfrs_partial_layout(restore, tables_key, config)
+    node = _adopt_tfrs_partial_layout(restore, tables_key, config, unslotted)
   if node is None:
     problems = [f"no table of this layer is in the checkpoint (nothing under {tables_key!r})"]
   else:
     if with_slots:
-      _adopt_keras_slots(restore, node, config)
-    problems = _problems(restore, node, config, with_slots)
+      _adopt_keras_slots(restore, node, config, unslotted)
+    problems = _problems(restore, node, config, with_slots, unslotted)
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
@@ -94,11 +92,20 @@ def validate(
     )
 
 
-def _problems(restore: tf_restore.Restore, node: Any, config: Any, with_slots: bool) -> list[str]:
+def _problems(
+  restore: tf_restore.Restore, node: Any, config: Any, with_slots: bool, unslotted: set[str]
+) -> list[str]:
   in_checkpoint = {child.local_name: child.node_id for child in node.children}
   problems = []
   for name, (table, shape) in expected_shapes(config, with_slots).items():
     what = f"table {table!r}" if name == table else f"slot {name!r} of table {table!r}"
+    if name not in in_checkpoint and name != table and table in unslotted:
+      # Left at its initial value, as tf-recommenders' first step would create it; an empty
+      # node (no value) makes it an object of the checkpoint, as it is of tf-recommenders'
+      # model, which has no such slot yet (`assert_existing_objects_matched`).
+      restore.nodes.add()
+      node.children.add(node_id=len(restore.nodes) - 1, local_name=name)
+      continue
     if name not in in_checkpoint:
       problems.append(f"{what} (shape {shape} in this layer) is missing from the checkpoint")
       continue
@@ -112,7 +119,9 @@ def _problems(restore: tf_restore.Restore, node: Any, config: Any, with_slots: b
 # Checkpoints written by tf-recommenders 0.7.7
 
 
-def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> None:
+def _adopt_keras_slots(
+  restore: tf_restore.Restore, node: Any, config: Any, unslotted: set[str]
+) -> None:
   """Makes the Keras optimizer's slots of each table also the engine's `<table>/<slot>`.
 
   tf-recommenders creates table slots through the Keras optimizer (on CPU and on TPU), so its
@@ -120,6 +129,10 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
   <optimizer>/accumulator`). Each one whose mid-level twin the engine expects becomes a child of
   the engine's node under the engine's name; the Keras optimizer is told not to restore it into
   a slot of its own, since the engine, not the Keras optimizer, trains these tables.
+
+  A table of `unslotted` (one of tf-recommenders' Keras `Embedding` layers) for which the
+  checkpoint has no Keras slot at all stays there: its Keras optimizer creates slots only at the
+  first step, so a checkpoint written before it has none. Any other table leaves it.
   """
   in_checkpoint = {child.local_name: child.node_id for child in node.children}
   keras_slots: dict[int, dict[str, int]] = {}
@@ -132,10 +145,12 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
     table_node = in_checkpoint.get(table.name)
     if table_node is None or table.optimizer is None:
       continue
+    if keras_slots.get(table_node):
+      unslotted.discard(table.name)  # tf-recommenders' first step has made its slots
     for name, _ in config_lib.slot_shapes(table):
-      key = f"{table.name}/{name}"
+      key = checkpoint_names.variable_key(table.name, name)
       slot_node = keras_slots.get(table_node, {}).get(
-        optimizers.keras_slot_name(table.optimizer, name)
+        optimizer_specs.keras_slot_name(table.optimizer, name)
       )
       if key in in_checkpoint or slot_node is None:
         continue
@@ -144,7 +159,7 @@ def _adopt_keras_slots(restore: tf_restore.Restore, node: Any, config: Any) -> N
 
 
 def _adopt_tfrs_partial_layout(
-  restore: tf_restore.Restore, tables_key: str, config: Any
+  restore: tf_restore.Restore, tables_key: str, config: Any, unslotted: set[str]
 ) -> Optional[Any]:
   """The node holding the tables under `tables_key`, built from tf-recommenders' layout if need be.
 
@@ -176,18 +191,22 @@ def _adopt_tfrs_partial_layout(
     child(nodes[tables_node], table.name) is not None for table in config.tables
   ):
     return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
-  if child(proto, "_keras_embedding_layers") is None and follow(tables_key, TABLES_KEY) is None:
+  if (
+    child(proto, _KERAS_LAYERS) is None and follow(tables_key, checkpoint_names.TABLES_KEY) is None
+  ):
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:
-    candidates = [(tables_key, TABLES_KEY, table.name)] + [
-      ("_keras_embedding_layers", feature.path, "embeddings")
+    candidates = [(tables_key, checkpoint_names.TABLES_KEY, table.name)] + [
+      (_KERAS_LAYERS, feature.path, checkpoint_names.TFRS_KERAS_EMBEDDINGS_KEY)
       for feature in config.features_of(table)
     ]
     for names in candidates:
       node_id = follow(*names)
       if node_id is not None:
         adopted.children.add(node_id=node_id, local_name=table.name)
+        if names[0] == "_keras_embedding_layers":
+          unslotted.add(table.name)  # decided by `_adopt_keras_slots`
         break
   adopted_id = len(nodes) - 1
   for reference in proto.children:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
+from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
 
 FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
@@ -53,7 +54,34 @@ class EmbeddingConfig:
   features: tuple[Feature, ...]
   tables: tuple[TableConfig, ...]
   user_tables: dict[TableConfig, TableConfig]
-  optimizer: Optional[optimizers.MidLevelOptimizer]
+  optimizer: Optional[optimizer_specs.MidLevelOptimizer]
+
+  def with_optimizers(
+    self, optimizer_of: Callable[[TableConfig], Any], optimizer: Any
+  ) -> EmbeddingConfig:
+    """A new config whose tables are copies of these with `optimizer_of(table)` as optimizer
+    and whose layer-wide optimizer is `optimizer`; this config and its tables stay as they are.
+
+    For an execution path that needs the optimizers in another form (see `backends.conversion`).
+    """
+    copies = {}
+    for table in self.tables:
+      copies[table] = copy.copy(table)
+      copies[table].optimizer = optimizer_of(table)
+    features, leaves = [], []
+    for feature in self.features:
+      leaf = copy.copy(feature.config)
+      leaf.table = copies[feature.table]
+      features.append(Feature(path=feature.path, config=leaf, table=leaf.table))
+      leaves.append(leaf)
+    return EmbeddingConfig(
+      user_feature_config=self.user_feature_config,
+      feature_config=tf.nest.pack_sequence_as(self.feature_config, leaves),
+      features=tuple(features),
+      tables=tuple(copies.values()),
+      user_tables={copies[clone]: user for clone, user in self.user_tables.items()},
+      optimizer=optimizer,
+    )
 
   def features_of(self, table: TableConfig) -> list[Feature]:
     return [f for f in self.features if f.table is table]
@@ -88,12 +116,7 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
     raise ValueError(
       "feature_config is empty: pass at least one tf.tpu.experimental.embedding.FeatureConfig."
     )
-  for path, leaf in paths_and_leaves:
-    if not isinstance(leaf, FeatureConfig):
-      raise ValueError(
-        f"feature_config entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
-        "tf.tpu.experimental.embedding.FeatureConfig."
-      )
+  _check_leaves(paths_and_leaves, "feature_config")
 
   global_optimizer = optimizers.normalize_optimizer(optimizer, where="optimizer")
   clones: dict[TableConfig, TableConfig] = {}
@@ -120,22 +143,23 @@ def prepare(feature_config: Any, optimizer: Any = None) -> EmbeddingConfig:
   )
 
 
-def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
-  """(slot name, shape) of each slot the table's optimizer needs, in the optimizer's order.
+def _check_leaves(paths_and_leaves: Sequence[tuple[str, Any]], argument: str) -> None:
+  """Refuses, by its place in the nest, a leaf of `argument` that is not a FeatureConfig."""
+  for path, leaf in paths_and_leaves:
+    if not isinstance(leaf, FeatureConfig):
+      raise ValueError(
+        f"{argument} entry {path or '<root>'!r} is a {type(leaf).__name__}; expected a "
+        "tf.tpu.experimental.embedding.FeatureConfig."
+      )
 
-  Slots are [vocabulary_size, dim], or [vocabulary_size] for a CustomOptimizer slot of rank 1.
-  """
-  optimizer = table.optimizer
-  if optimizer is None:
-    return []
-  names = optimizer._slot_names()  # pylint: disable=protected-access
-  ranks = getattr(optimizer, "slot_dims", ()) or (2,) * len(names)  # CustomOptimizer only
-  full = [table.vocabulary_size, table.dim]
-  return [(name, full[:rank]) for name, rank in zip(names, ranks)]
+
+def slot_shapes(table: TableConfig) -> list[tuple[str, list[int]]]:
+  """(slot name, shape) of each slot the table's optimizer needs, in the optimizer's order."""
+  return optimizer_specs.slot_shapes(table.optimizer, table.vocabulary_size, table.dim)
 
 
 def _clone_table(
-  table: TableConfig, index: int, global_optimizer: Optional[optimizers.MidLevelOptimizer]
+  table: TableConfig, index: int, global_optimizer: Optional[optimizer_specs.MidLevelOptimizer]
 ) -> TableConfig:
   clone = copy.copy(table)
   if clone.name is None:
@@ -168,6 +192,16 @@ def _check_unique_names(clones: dict[TableConfig, TableConfig]) -> None:
         "unique; features that should share a table must reference the same TableConfig object."
       )
     seen[clone.name] = clone
+  # The engine tracks each slot under `<table>/<slot>`, beside the tables (checkpoint keys).
+  for clone in clones.values():
+    for slot, _ in slot_shapes(clone):
+      key = f"{clone.name}/{slot}"
+      if key in seen:
+        raise ValueError(
+          f"Table name {key!r} is also the checkpoint name of the {slot!r} slot of table "
+          f"{clone.name!r} (its {type(clone.optimizer).__name__} optimizer's); the two would "
+          f"overwrite each other in checkpoints. Rename the table {key!r}; nothing was created."
+        )
 
 
 def match_structure(
@@ -187,11 +221,44 @@ def match_structure(
   return [(expected_by_path[path], leaf) for path, leaf in received]
 
 
+def weight_leaves(features: Any, weights: Any, count: int) -> list[Any]:
+  """One weight (or None) per feature leaf, after checking both nests have one structure."""
+  if weights is None:
+    return [None] * count
+  # Same keys, not only the same number of leaves: a misspelt key would otherwise pair a
+  # weight with whichever feature sorts at its position.
+  paths = lambda nest: [path for path, _ in tf_nest.flatten_with_joined_string_paths(nest)]
+  try:
+    tf.nest.assert_same_structure(features, weights, check_types=False)
+    same = paths(features) == paths(weights)
+  except (TypeError, ValueError):
+    same = False
+  if not same:
+    kinds = lambda nest: tf.nest.map_structure(lambda x: type(x).__name__, nest)
+    raise ValueError(
+      "The structure of weights does not match the structure of features: pass one weight "
+      f"(or None) per feature, under the same keys.\n  features: {kinds(features)}\n  "
+      f"weights:  {kinds(weights)}"
+    )
+  return tf.nest.flatten(weights)
+
+
 def _mismatch_message(what: str, expected: Sequence[str], received: Sequence[str]) -> str:
-  return (
+  message = (
     f"The structure of {what} does not match feature_config.\n"
     f"  expected keys: {sorted(expected)}\n  received keys: {sorted(received)}"
   )
+  for path in expected:
+    inside = [p for p in received if not path or p.startswith(f"{path}/")]
+    if inside and path not in received:
+      message += (
+        f"\nFeature {path or '<root>'!r} got a list or other nest of {len(inside)} entries "
+        "where one tensor of ids was expected: as in tf.nest (and tf-recommenders), a Python "
+        "list is a structure, not ids. Pass the ids as one tensor (e.g. tf.constant([...])), "
+        "a NumPy array, a tf.RaggedTensor or a tf.SparseTensor."
+      )
+      break
+  return message
 
 
 def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> EmbeddingConfig:
@@ -201,12 +268,9 @@ def for_serving(serving_feature_config: Any, layer: EmbeddingConfig) -> Embeddin
   first, then by name; a table the layer does not have is refused by name.
   """
   features, leaves = [], []
-  for path, leaf in tf_nest.flatten_with_joined_string_paths(serving_feature_config):
-    if not isinstance(leaf, FeatureConfig):
-      raise ValueError(
-        f"serving_config entry {path or '<root>'!r} is a {type(leaf).__name__}; "
-        "expected a tf.tpu.experimental.embedding.FeatureConfig."
-      )
+  paths_and_leaves = tf_nest.flatten_with_joined_string_paths(serving_feature_config)
+  _check_leaves(paths_and_leaves, "serving_config")
+  for path, leaf in paths_and_leaves:
     table = layer.find_table(leaf.table)
     if table is None:
       raise ValueError(

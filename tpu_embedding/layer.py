@@ -38,7 +38,7 @@ class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
       optimizer of any family, or a `tf.tpu.experimental.embedding` optimizer. None is for
       serving-only layers (no slot variables), refused on the TPU embedding engines (V1, V2).
       On a TPU without embedding hardware (V0) the Keras optimizer the model applies trains the
-      tables, so mid-level optimizers are refused there (README: "TPU paths").
+      tables, so mid-level optimizers are refused there (docs/tpu-paths.md).
     pipeline_execution_with_tensor_core: overlap embedding and dense work on TPU; on CPU the
       same one-step-stale lookups are emulated so its effect can be measured before paying.
     batch_size: per-replica batch size for building the TPU V1 engine (deprecated by TF).

@@ -8,25 +8,52 @@ imports no Keras, so neither flavour pulls in the other.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
 
 from tpu_embedding import backends
-from tpu_embedding import checkpoints
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 TRAP_NAME = "tpu_embedding_helper_dummy"
 
 
-class TPUEmbeddingCore:
+class RefusesCopies:
+  """Refuses `copy.copy`, `copy.deepcopy` and `pickle` of an embedding layer.
+
+  A copy would either share the tables' engine with the original (so that training one trains
+  both) or duplicate tables of any size outside TF's checkpointing, and the optimizer state and
+  execution path would not follow. The supported way to copy a layer's state is a checkpoint.
+  """
+
+  def _refuse_copy(self, how: str) -> None:
+    raise TypeError(
+      f"{type(self).__name__} layer {getattr(self, 'name', '')!r} cannot be copied with "
+      f"{how}: its tables live in TensorFlow variables the copy would not own. Build a new "
+      "layer (model) in code and copy the state through a checkpoint: "
+      "tf.train.Checkpoint(model=model).save(path), then "
+      "tf.train.Checkpoint(model=new_model).restore(path). Nothing was copied."
+    )
+
+  def __deepcopy__(self, memo: Any) -> Any:
+    self._refuse_copy("copy.deepcopy")
+
+  def __copy__(self) -> Any:
+    self._refuse_copy("copy.copy")
+
+  def __reduce_ex__(self, protocol: Any) -> Any:
+    self._refuse_copy("pickle")
+
+
+class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
   def __init__(
@@ -39,13 +66,20 @@ class TPUEmbeddingCore:
     sparse_core_embedding_config: Any = None,
     table_updates: str = "engine",
     check_finite: bool = False,
+    execution_path: Optional[hardware.ExecutionPath] = None,
+    managed_ids: Optional[Mapping[Any, Any]] = None,
     **kwargs,
   ):
+    """`execution_path` is for a layer that holds this one and has already asked the hardware
+    (`PartialTPUEmbedding`'s sharded side); by default the path is chosen here from the strategy
+    and `embedding_feature`."""
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
     self._strategy = tf.distribute.get_strategy()
+    if execution_path is None:
+      execution_path = hardware.choose_path(self._strategy, embedding_feature)
     self._backend = backends.create(
-      hardware.choose_path(self._strategy, embedding_feature),
+      execution_path,
       self._config,
       pipelining=pipeline_execution_with_tensor_core,
       batch_size=batch_size,
@@ -56,8 +90,18 @@ class TPUEmbeddingCore:
     )
     # Tracked under tf-recommenders' name only (not also under the attribute's).
     self._engine = self._no_dependency(self._backend.engine)
-    self._track_trackable(self._engine, name=checkpoints.TABLES_KEY)
+    self._track_trackable(self._engine, name=checkpoint_names.TABLES_KEY)
     self.batch_size = batch_size
+    self._managed = self._no_dependency(
+      managed_ids_lib.create(
+        managed_ids,
+        self._config,
+        self.execution_path,
+        pipelining=bool(pipeline_execution_with_tensor_core),
+      )
+    )
+    if self._managed is not None:
+      self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
@@ -77,19 +121,24 @@ class TPUEmbeddingCore:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
     if self._backend.table_updates == "engine":
-      setattr(
-        self,
-        TRAP_NAME,
-        self.add_weight(
-          name=TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
-        ),
-      )
+      add_gradient_trap(self, TRAP_NAME)
     else:
       # Replicated or Keras-managed tables must be trainable variables of the model.
       self._keras_trained_tables = self._backend.trainable_tables
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+  def call(
+    self,
+    features: Any,
+    weights: Any = None,
+    serving_config: Any = None,
+    training: Any = None,
+    remapped: bool = False,
+  ) -> Any:
+    """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
+    keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
+    when `remapped`."""
+    features = self._remap_call(features, training, remapped, serving_config)
     return self._lookup(features, weights, serving_config)
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
@@ -104,10 +153,7 @@ class TPUEmbeddingCore:
   def _serving_lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
     """A CPU lookup through `serving_config`, reading this layer's current tables."""
     config = config_lib.for_serving(serving_config, self._config)
-    tables = self._backend.embedding_tables
-    step = inputs.Step.prepare(config, features, weights, subset=True)
-    found = lookup.look_up(step, lambda table: tables[table], lookup.per_occurrence)
-    return tf.nest.pack_sequence_as(features, found.activations)
+    return serving_lookup(config, self._backend.embedding_tables, features, weights)
 
   def _check_strategy(self) -> None:
     current = tf.distribute.get_strategy()
@@ -198,7 +244,7 @@ class TPUEmbeddingCore:
         path,
         {t.name for t in self._config.tables},
         f"the TPUEmbedding layer {self.name!r} (path {self.execution_path.name})",
-        checkpoints.TABLES_KEY,
+        checkpoint_names.TABLES_KEY,
       )
     elif self.built and self.checkpoint_needs_relayout(path):
       raise ValueError(
@@ -210,6 +256,8 @@ class TPUEmbeddingCore:
         "build() (create the model under the strategy, restore, then train). Nothing was "
         "changed."
       )
+    if self._managed is not None:
+      managed_ids_lib.validate_checkpoint(self, self._managed, path)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
@@ -220,3 +268,12 @@ class TPUEmbeddingCore:
       children.pop(TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
     children.pop("_keras_trained_tables", None)
     return children
+
+
+def add_gradient_trap(layer: Any, name: str) -> None:
+  """Gives `layer` the trainable variable `name` that the gradient trap hangs on (see
+  `engine.trap`): the Keras model's gradient reaches the tables only through it."""
+  trap = layer.add_weight(
+    name=name, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
+  )
+  setattr(layer, name, trap)

@@ -47,11 +47,15 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
-from tpu_embedding.engine import updates
+from tpu_embedding import optimizer_specs as specs
+from tpu_embedding.optimizer_specs import MidLevelOptimizer
+from tpu_embedding.optimizer_specs import keras_slot_name
+from tpu_embedding.optimizer_specs import learning_rate_tensor
 
 __all__ = [
   "ADAGRAD_EPSILON_RTOL",
@@ -67,23 +71,6 @@ __all__ = [
 ]
 
 _embedding = tf.tpu.experimental.embedding
-
-MidLevelOptimizer = Union[
-  _embedding.SGD,
-  _embedding.Adagrad,
-  _embedding.AdagradMomentum,
-  _embedding.Adam,
-  _embedding.FTRL,
-  _embedding.CustomOptimizer,
-]
-_MID_LEVEL_CLASSES: Tuple[type, ...] = MidLevelOptimizer.__args__
-
-_BY_NAME: Dict[str, type] = {
-  "adagrad": _embedding.Adagrad,
-  "adam": _embedding.Adam,
-  "ftrl": _embedding.FTRL,
-  "sgd": _embedding.SGD,
-}
 
 ADAGRAD_EPSILON_RTOL = 1e-6
 """Largest relative change Keras's Adagrad epsilon may make to a step for us to drop it."""
@@ -159,9 +146,6 @@ class _Translation:
   carried: Tuple[str, ...]  # same name on both sides
   refused: Dict[str, _Refused]
   fixed: Dict[str, Any] = dataclasses.field(default_factory=dict)
-  # {mid-level slot name: the Keras (legacy) optimizer's name for the same slot}: read when a
-  # checkpoint written by tf-recommenders (slots owned by the Keras optimizer) is restored.
-  keras_slots: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _TRANSLATIONS: Dict[str, _Translation] = {
@@ -191,7 +175,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
         ),
       ),
     },
-    keras_slots={"accumulators": "accumulator"},
   ),
   "Adam": _Translation(
     _embedding.Adam,
@@ -203,7 +186,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
       ),
     },
     fixed={"sum_inside_sqrt": False},
-    keras_slots={"momenta": "m", "velocities": "v"},
   ),
   "Ftrl": _Translation(
     _embedding.FTRL,
@@ -220,7 +202,6 @@ _TRANSLATIONS: Dict[str, _Translation] = {
         "the TPU's FTRL has no L2 shrinkage; use 0.0, or l2_regularization_strength",
       ),
     },
-    keras_slots={"accumulators": "accumulator", "linears": "linear"},
   ),
 }
 
@@ -273,13 +254,15 @@ class KerasLearningRate:
 
   def __init__(self, keras_optimizer: Any):
     self.keras_optimizer = keras_optimizer
-    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
-    # Read now, outside any step: inside a replica step of `MirroredStrategy` that first read would
-    # create a variable there, which TF cannot run.
-    with tf.init_scope():
-      _ = keras_optimizer.learning_rate
 
   def __call__(self) -> tf.Tensor:
+    # tf-keras's legacy optimizers create their hyperparameter variables on the first read of one.
+    # That is left to the first step, as in tf-recommenders (a checkpoint written before it has
+    # none, and must restore with `assert_existing_objects_matched`), but lifted out of the
+    # step's graph: inside a replica step of `MirroredStrategy` TF could not run a variable
+    # created there.
+    with tf.init_scope():
+      _ = self.keras_optimizer.learning_rate
     if save_context.in_save_context():
       # A SavedModel holds only what its root reaches, and a custom loop's Keras optimizer is
       # not reachable from the model: functions traced while saving (the trap's gradient among
@@ -288,6 +271,12 @@ class KerasLearningRate:
         rate = float(self._current())
       return tf.constant(rate, tf.float32)
     return self._current()
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    """The current rate, so code that reads a mid-level rate as a number (NumPy, keras-rs's
+    tests) reads this one too."""
+    with tf.init_scope():
+      return np.asarray(self._current().numpy(), dtype=dtype)
 
   def _current(self) -> tf.Tensor:
     optimizer = self.keras_optimizer
@@ -331,7 +320,7 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     raise ValueError(
       f"{where}: Keras optimizer {full_name} has no TPU embedding equivalent; use a Keras "
       f"{', '.join(sorted(_TRANSLATIONS))} or a tf.tpu.experimental.embedding optimizer "
-      "(SGD, Adagrad, AdagradMomentum, Adam, FTRL)"
+      f"({specs.CLASS_NAMES})"
     )
 
   with warnings.catch_warnings():
@@ -371,47 +360,42 @@ def translate_keras_optimizer(optimizer: Any, *, where: str = "optimizer") -> Mi
     raise ValueError(f"{where}: Keras optimizer {full_name}: {error}") from error
 
 
-def keras_slot_name(optimizer: MidLevelOptimizer, slot: str) -> Optional[str]:
-  """The Keras optimizer's name for `slot` of the mid-level `optimizer`, or None if it has none.
-
-  tf-recommenders creates the slots of its tables through the Keras optimizer, so its
-  checkpoints hold them under these names (e.g. Adagrad's "accumulators" as "accumulator").
-  """
-  for translation in _TRANSLATIONS.values():
-    if type(optimizer) is translation.mid_level:
-      return translation.keras_slots.get(slot)
-  return None
-
-
 def follows_keras_optimizer(optimizer: Optional[MidLevelOptimizer]) -> bool:
   """Whether `optimizer` was translated from a Keras optimizer, whose learning rate it reads."""
   return optimizer is not None and isinstance(optimizer.learning_rate, KerasLearningRate)
 
 
+# Tables already named by the warning below: a layer rebuilt with the same tables (e.g. in a
+# loop) does not log it again.
+_NAMED_WITHOUT_BIAS_CORRECTION: set = set()
+
+
 def warn_if_bias_correction_dropped(tables: Sequence[Any]) -> None:
-  """Logs, once per process, that a Keras Adam trains these tables without bias correction.
+  """Logs that a Keras Adam trains these tables without bias correction: one warning per
+  layer, naming every such table, unless each was named before in this process.
 
   Called by layers whose tables are trained by their mid-level optimizers (the TPU embedding
-  engine or this package's CPU engine), not by the Keras optimizer itself.
+  engine or this package's CPU engine), not by the Keras optimizer itself; a layer made of
+  others (`PartialTPUEmbedding`) calls it once with all its tables, before its parts.
   """
   names = [
     table.name
     for table in tables
     if type(table.optimizer) is _embedding.Adam and follows_keras_optimizer(table.optimizer)
   ]
-  if names:
-    logging.log_first_n(
-      logging.WARNING,
-      "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
-      "from a Keras Adam; it has no bias correction. Keras scales each step by "
-      "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
-      "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
-      "which at a large learning rate changes early training. For Keras's steps, pass "
-      "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
-      "learning_rate is a callable including that factor.",
-      1,
-      names,
-    )
+  if not names or set(names) <= _NAMED_WITHOUT_BIAS_CORRECTION:
+    return
+  _NAMED_WITHOUT_BIAS_CORRECTION.update(names)
+  logging.warning(
+    "tpu_embedding: tables %s are trained by the TPU embedding engine's Adam, translated "
+    "from a Keras Adam; it has no bias correction. Keras scales each step by "
+    "sqrt(1 - beta_2**t) / (1 - beta_1**t); the TPU does not, so with the default betas "
+    "its first step is about 3.2x larger than Keras's (the ratio tends to 1 as t grows), "
+    "which at a large learning rate changes early training. For Keras's steps, pass "
+    "table_updates='keras' (CPU/GPU), or a tf.tpu.experimental.embedding.Adam whose "
+    "learning_rate is a callable including that factor.",
+    names,
+  )
 
 
 def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional[MidLevelOptimizer]:
@@ -419,14 +403,14 @@ def normalize_optimizer(optimizer: Any, *, where: str = "optimizer") -> Optional
   if optimizer is None:
     return None
   if isinstance(optimizer, str):
-    cls = _BY_NAME.get(optimizer.lower())
-    if cls is None:
+    spec = specs.BY_NAME.get(optimizer.lower())
+    if spec is None:
       raise ValueError(
         f"{where}: unknown optimizer name {optimizer!r}; accepted names (any case): "
-        f"{', '.join(repr(name) for name in _BY_NAME)}"
+        f"{', '.join(repr(name) for name in sorted(specs.BY_NAME))}"
       )
-    return cls()
-  if isinstance(optimizer, _MID_LEVEL_CLASSES):
+    return spec.mid_level()
+  if isinstance(optimizer, specs.MID_LEVEL_CLASSES):
     rate = optimizer.learning_rate
     if not (callable(rate) or isinstance(rate, numbers.Real)):
       raise ValueError(
@@ -446,35 +430,11 @@ def _check_limits(optimizer: MidLevelOptimizer, where: str) -> None:
     (
       "clipvalue",
       " (a single clipvalue c means (-c, c), so c must be >= 0)",
-      updates.gradient_limits(optimizer),
+      specs.gradient_limits(optimizer),
     ),
-    ("clip_weight_min/clip_weight_max", "", updates.weight_limits(optimizer)),
+    ("clip_weight_min/clip_weight_max", "", specs.weight_limits(optimizer)),
   ):
     if low is not None and high is not None and low > high:
       raise ValueError(
         f"{where}: {what} has minimum {low} above maximum {high}; give min <= max{hint}."
       )
-
-
-def learning_rate_tensor(optimizer: MidLevelOptimizer, where: str = "optimizer") -> tf.Tensor:
-  """The rate of the current step as a float32 scalar, calling a dynamic rate every time.
-
-  Anything but a real scalar is refused here, so that both engine paths (compiled kernel and
-  TF ops, which would broadcast a vector) accept exactly the same rates.
-  """
-  rate = optimizer.learning_rate
-  value = rate() if callable(rate) else rate
-  try:
-    tensor = tf.convert_to_tensor(value)
-  except (TypeError, ValueError):
-    tensor = None
-  if (
-    tensor is None
-    or not (tensor.dtype.is_floating or tensor.dtype.is_integer)
-    or tensor.shape.rank not in (0, None)
-  ):
-    source = "its learning_rate callable returned" if callable(rate) else "learning_rate is"
-    raise TypeError(f"{where}: {source} {value!r}; expected a scalar float.")
-  if tensor.shape.rank is None:
-    tensor = tf.reshape(tensor, [])  # checked when the step runs
-  return tf.cast(tensor, tf.float32)

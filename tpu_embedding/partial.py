@@ -45,6 +45,10 @@ class PartialTPUEmbedding(PartialTPUEmbeddingCore, tf_keras.layers.Layer):
       optimizers, as the sharded side; "keras" makes them trainable variables of this layer,
       updated by the Keras optimizer the user applies (tf-recommenders' behaviour), and is
       passed to the sharded side (where it applies off TPU).
+    check_finite: raise an error naming the feature or table at the first NaN/Inf gradient,
+      weight or learning rate on its way to a table, before anything is written, as
+      `TPUEmbedding`'s: for the replicated tables on every hardware, and for the sharded ones
+      off TPU (refused on TPU, whose embedding engine cannot stop at such a value).
     **kwargs: Keras layer arguments (`name`, ...).
   """
 

@@ -23,7 +23,6 @@ so a checkpoint restores under any other threshold, and into or from a plain `TP
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -31,105 +30,34 @@ from tensorflow.python.trackable import autotrackable
 from tensorflow.python.util import nest as tf_nest  # path-aware flattening, same order as tf.nest
 
 from tpu_embedding import backends
+from tpu_embedding import checkpoint_names
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import optimizers
+from tpu_embedding import placement as placement_lib
 from tpu_embedding import sparse_core
-from tpu_embedding.engine import inputs as engine_inputs
-from tpu_embedding.engine.engine import EmbeddingEngine
+from tpu_embedding.layer_core import RefusesCopies
 from tpu_embedding.layer_core import TPUEmbeddingCore
+from tpu_embedding.layer_core import add_gradient_trap
+from tpu_embedding.placement import REPLICATED
+from tpu_embedding.placement import SHARDED
+from tpu_embedding.placement import Placement
+from tpu_embedding.placement import TablePlacement
+
+__all__ = [
+  "REPLICATED",
+  "SHARDED",
+  "PartialTPUEmbeddingCore",
+  "Placement",
+  "ReplicatedTable",
+  "TablePlacement",
+]
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
-REPLICATED = "replicated"
-SHARDED = "sharded"
-
-_FLOAT32_BYTES = 4
 _TRAP_NAME = "partial_embedding_helper_dummy"
-# On TPU paths the sharded layer stays in the checkpoint too, under this name, so TensorFlow's
-# save/restore callbacks move the tables between TPU memory and their host variables.
-_SHARDED_LAYER_KEY = "_sharded_embedding"
-
-
-# ---------------------------------------------------------------------------------------------
-# Placement report
-
-
-@dataclasses.dataclass(frozen=True)
-class TablePlacement:
-  """Where one table lives and what it costs.
-
-  Attributes:
-    table: the table's name.
-    side: `"replicated"` or `"sharded"`.
-    vocabulary_size, dim: the table's shape.
-    slots: the optimizer's slot variable names (none for SGD or no optimizer).
-    features: the feature paths served by the table.
-    bytes: float32 bytes of the whole table plus its slots.
-    bytes_per_device: the most bytes any one device holds: replicated, the whole `bytes`;
-      sharded over n devices, `ceil(vocabulary_size / n)` rows of table and slots.
-  """
-
-  table: str
-  side: str
-  vocabulary_size: int
-  dim: int
-  slots: tuple[str, ...]
-  features: tuple[str, ...]
-  bytes: int
-  bytes_per_device: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-  """`PartialTPUEmbedding.placement()`: every table's side and memory; `str()` prints a table."""
-
-  size_threshold: Optional[int]
-  num_replicas: int
-  tables: tuple[TablePlacement, ...]
-
-  def __getitem__(self, table_name: str) -> TablePlacement:
-    for entry in self.tables:
-      if entry.table == table_name:
-        return entry
-    raise KeyError(f"No table named {table_name!r}; tables: {[t.table for t in self.tables]}.")
-
-  def bytes_per_device(self, side: Optional[str] = None) -> int:
-    """Bytes each device holds for one side, or for both when `side` is None."""
-    return sum(t.bytes_per_device for t in self.tables if side in (None, t.side))
-
-  def __str__(self) -> str:
-    header = ("table", "side", "rows", "dim", "slots", "bytes", "bytes/device")
-    rows = [
-      (
-        t.table,
-        t.side,
-        f"{t.vocabulary_size:,}",
-        str(t.dim),
-        ",".join(t.slots) or "-",
-        f"{t.bytes:,}",
-        f"{t.bytes_per_device:,}",
-      )
-      for t in self.tables
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    numeric = {2, 3, 5, 6}
-
-    def line(cells):
-      return "  ".join(
-        c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-      ).rstrip()
-
-    title = (
-      f"PartialTPUEmbedding placement: size_threshold={self.size_threshold}, "
-      f"{self.num_replicas} replica(s), float32 table + optimizer slots"
-    )
-    footer = (
-      f"per device: replicated {self.bytes_per_device(REPLICATED):,} B + sharded "
-      f"{self.bytes_per_device(SHARDED):,} B = {self.bytes_per_device():,} B"
-    )
-    return "\n".join([title, line(header), *map(line, rows), footer])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +101,7 @@ class CheckpointNode(autotrackable.AutoTrackable):
 # The layer
 
 
-class PartialTPUEmbeddingCore:
+class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours).
 
   `sharded_layer_class` is the flavour's `TPUEmbedding`, which serves the sharded tables.
@@ -189,74 +117,82 @@ class PartialTPUEmbeddingCore:
     batch_size: Optional[int] = None,
     size_threshold: Optional[int] = 10_000,
     table_updates: str = "engine",
+    check_finite: bool = False,
+    sparse_core_embedding_config: Any = None,
+    managed_ids: Any = None,
     **kwargs,
   ):
     super().__init__(**kwargs)
-    if table_updates not in backends.TABLE_UPDATES:
-      raise ValueError(
-        f"table_updates={table_updates!r}; expected one of {backends.TABLE_UPDATES}."
-      )
+    backends.check_layer_options(hardware.ExecutionPath.CPU, table_updates, check_finite)
     self._table_updates = table_updates
-    if size_threshold is not None and (
-      isinstance(size_threshold, bool) or not isinstance(size_threshold, int) or size_threshold < 0
-    ):
-      raise ValueError(
-        f"size_threshold={size_threshold!r}; expected an int >= 0 (0 shards "
-        "every table) or None (replicates every table)."
-      )
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once
-    self._sides = tuple(
-      (
-        table.name,
-        SHARDED
-        if size_threshold is not None and table.vocabulary_size > size_threshold
-        else REPLICATED,
-      )
-      for table in self._config.tables
-    )
-    side_of = dict(self._sides)
+    self._sides = self._choose_sides(size_threshold)
     # Each side gets a flat {feature path: cloned FeatureConfig}; the clones already carry the
     # names and optimizers resolved over the whole nest, so names never depend on the threshold.
     per_side = {REPLICATED: {}, SHARDED: {}}
     for feature in self._config.features:
-      per_side[side_of[feature.table.name]][feature.path] = feature.config
-    self._paths = tuple((f.path, side_of[f.table.name]) for f in self._config.features)
+      per_side[self._sides[feature.table.name]][feature.path] = feature.config
+    self._paths = tuple((f.path, self._sides[f.table.name]) for f in self._config.features)
 
+    if table_updates == "engine":  # one warning naming both sides' tables (the sharded
+      optimizers.warn_if_bias_correction_dropped(self._config.tables)  # layer's is then silent)
     self._sharded = None  # the TPUEmbedding layer serving the sharded tables
     if per_side[SHARDED]:
-      _refuse_sharding_without_embedding_hardware(sorted(per_side[SHARDED]))
       self._sharded = self.sharded_layer_class(
         per_side[SHARDED],
         self._config.optimizer,
         pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
         batch_size=batch_size,
         table_updates=table_updates,
+        check_finite=check_finite,
+        sparse_core_embedding_config=sparse_core_embedding_config,
+        execution_path=placement_lib.sharded_path(
+          tf.distribute.get_strategy(), sorted(per_side[SHARDED])
+        ),
         name="sharded_embedding",
       )
       if self._sharded.execution_path is hardware.ExecutionPath.CPU:
         self._sharded.build(None)  # needs no shapes off TPU: tables exist from the start
 
-    # The replicated engine needs no shapes: build it now, under the strategy in scope, so its
-    # variables are that strategy's replicated variables (TensorCore memory on TPU).
+    # The replicated side is the CPU/GPU engine, whatever the hardware, and needs no shapes:
+    # built now, under the strategy in scope, so its variables are that strategy's replicated
+    # variables (TensorCore memory on TPU).
     self._replicated = None
     if per_side[REPLICATED]:
-      self._replicated = EmbeddingEngine(
+      replicated = backends.create(
+        hardware.ExecutionPath.CPU,
         config_lib.prepare(per_side[REPLICATED], self._config.optimizer),
         pipelining=False,
+        batch_size=None,
+        sparse_core_embedding_config=None,
         table_updates=table_updates,
+        check_finite=check_finite,
       )
-      self._replicated.build()
-      if table_updates == "engine":
-        optimizers.warn_if_bias_correction_dropped(
-          [table for table in self._config.tables if side_of[table.name] == REPLICATED]
-        )
+      replicated.build(None)
+      self._replicated = replicated.engine
+
+    # Maps over all tables, whatever their side: the call remaps before splitting by side.
+    self._managed = self._no_dependency(
+      managed_ids_lib.create(
+        managed_ids,
+        self._config,
+        hardware.choose_path(tf.distribute.get_strategy(), None),
+        pipelining=bool(pipeline_execution_with_tensor_core),
+      )
+    )
+    if self._managed is not None:
+      self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
 
     self._tables_view = self._no_dependency(CheckpointNode())
     # tf-recommenders' names for the same variables (see `_track_tables`).
     self._tfrs_sharded_view = self._no_dependency(CheckpointNode())
     self._tfrs_keras_layers_view = self._no_dependency(CheckpointNode())
     self._track_tables()
+
+  def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
+    """{table name: side}: by `size_threshold` here; a subclass may decide otherwise."""
+    return placement_lib.sides(self._config, size_threshold)
 
   # -------------------------------------------------------------------------------------------
   # Public surface
@@ -291,46 +227,22 @@ class PartialTPUEmbeddingCore:
       result[feature.path] = views[table.name]
     return result
 
+  @property
+  def embedding_config(self) -> config_lib.EmbeddingConfig:
+    """The prepared (cloned, validated) configuration of both sides, as `TPUEmbedding`'s."""
+    return self._config
+
   def side(self, table: Any) -> str:
     """`"replicated"` or `"sharded"` for a table name or one of the user's TableConfigs."""
     name = table if isinstance(table, str) else self._clone_of(table).name
-    for table_name, side in self._sides:
-      if table_name == name:
-        return side
-    raise ValueError(f"No table named {name!r}; tables: {[n for n, _ in self._sides]}.")
+    if name not in self._sides:
+      raise ValueError(f"No table named {name!r}; tables: {list(self._sides)}.")
+    return self._sides[name]
 
   def placement(self, num_replicas: int = 1) -> Placement:
-    """Each table's side and float32 bytes (table + slots), in total and per device.
-
-    A replicated table is whole on each of the `num_replicas` devices; a sharded one is split by
-    rows, so the fullest device holds `ceil(vocabulary_size / num_replicas)` rows of the table
-    and of each slot. (SparseCore pads rows and columns further; that is not counted.)
-    """
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-      raise ValueError(f"num_replicas={num_replicas!r}; expected an int >= 1.")
-    entries = []
-    for table in self._config.tables:
-      slots = [(name, math.prod(shape[1:])) for name, shape in config_lib.slot_shapes(table)]
-      row_bytes = _FLOAT32_BYTES * (table.dim + sum(width for _, width in slots))
-      side = self.side(table.name)
-      rows_per_device = (
-        table.vocabulary_size
-        if side == REPLICATED
-        else math.ceil(table.vocabulary_size / num_replicas)
-      )
-      entries.append(
-        TablePlacement(
-          table=table.name,
-          side=side,
-          vocabulary_size=table.vocabulary_size,
-          dim=table.dim,
-          slots=tuple(name for name, _ in slots),
-          features=tuple(f.path for f in self._config.features_of(table)),
-          bytes=table.vocabulary_size * row_bytes,
-          bytes_per_device=rows_per_device * row_bytes,
-        )
-      )
-    return Placement(self._size_threshold, num_replicas, tuple(entries))
+    """Each table's side and float32 bytes (table + slots), in total and per device: see
+    `tpu_embedding.placement.report`."""
+    return placement_lib.report(self._config, self._sides, self._size_threshold, num_replicas)
 
   @property
   def embedding_tables(self) -> dict[TableConfig, Any]:
@@ -368,17 +280,14 @@ class PartialTPUEmbeddingCore:
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())
     elif self._replicated is not None:
-      setattr(
-        self,
-        _TRAP_NAME,
-        self.add_weight(
-          name=_TRAP_NAME, shape=(1,), initializer="zeros", trainable=True, dtype=tf.float32
-        ),
-      )
+      add_gradient_trap(self, _TRAP_NAME)
     self._track_tables()
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None) -> Any:
+  def call(
+    self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
+  ) -> Any:
+    features = self._remap_call(features, training, remapped)
     return self._lookup(features, weights)
 
   # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras
@@ -387,7 +296,7 @@ class PartialTPUEmbeddingCore:
   @tf.autograph.experimental.do_not_convert
   def _lookup(self, features: Any, weights: Any) -> Any:
     pairs = config_lib.match_structure(self._config, features)
-    weight_leaves = engine_inputs.weight_leaves(features, weights, len(pairs))
+    weight_leaves = config_lib.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}
     input_weights = {REPLICATED: {}, SHARDED: {}}
     side_of_path = dict(self._paths)
@@ -440,16 +349,17 @@ class PartialTPUEmbeddingCore:
     variables_by_table = self.variables_by_table
     for table_name, variables in variables_by_table.items():
       for key, variable in variables.items():
-        self._tables_view.add(
-          table_name if key == "parameters" else f"{table_name}/{key}", variable
-        )
+        self._tables_view.add(checkpoint_names.variable_key(table_name, key), variable)
       self._tfrs_sharded_view.add(table_name, variables["parameters"])
-    self._tables_view.add(checkpoints.TABLES_KEY, self._tfrs_sharded_view)
+    self._tables_view.add(checkpoint_names.TABLES_KEY, self._tfrs_sharded_view)
     for feature in self._config.features:
       if feature.table.name not in variables_by_table:
         continue
       keras_layer = CheckpointNode()
-      keras_layer.add("embeddings", variables_by_table[feature.table.name]["parameters"])
+      keras_layer.add(
+        checkpoint_names.TFRS_KERAS_EMBEDDINGS_KEY,
+        variables_by_table[feature.table.name]["parameters"],
+      )
       self._tfrs_keras_layers_view.add(feature.path, keras_layer)
 
   def _checkpoint_adapter(self, path: str) -> Any:
@@ -469,10 +379,10 @@ class PartialTPUEmbeddingCore:
         path,
         {t.name for t in self._config.tables},
         f"the PartialTPUEmbedding layer {self.name!r}",
-        f"{_SHARDED_LAYER_KEY}/{checkpoints.TABLES_KEY}",
+        f"{checkpoint_names.SHARDED_LAYER_KEY}/{checkpoint_names.TABLES_KEY}",
       )
     if on_sparse_core and sharded.checkpoint_needs_relayout(path):
-      names = sorted(name for name, side in self._sides if side == SHARDED)
+      names = sorted(name for name, side in self._sides.items() if side == SHARDED)
       raise ValueError(
         f"Cannot restore the checkpoint {path!r} into the PartialTPUEmbedding layer "
         f"{self.name!r}: its sharded tables {names} are on SparseCore (path "
@@ -489,8 +399,10 @@ class PartialTPUEmbeddingCore:
         self._table_updates == "engine",
         path,
         layer="PartialTPUEmbedding",
-        tables_key=checkpoints.TABLES_KEY,
+        tables_key=checkpoint_names.TABLES_KEY,
       )
+    if self._managed is not None:
+      managed_ids_lib.validate_checkpoint(self, self._managed, path)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
@@ -504,9 +416,9 @@ class PartialTPUEmbeddingCore:
     children.pop("_replicated", None)
     sharded = children.pop("_sharded", None)
     if sharded is not None and self._sharded.execution_path is not hardware.ExecutionPath.CPU:
-      children[_SHARDED_LAYER_KEY] = sharded
-    children[checkpoints.TABLES_KEY] = self._tables_view
-    children["_keras_embedding_layers"] = self._tfrs_keras_layers_view
+      children[checkpoint_names.SHARDED_LAYER_KEY] = sharded
+    children[checkpoint_names.TABLES_KEY] = self._tables_view
+    children[checkpoint_names.TFRS_KERAS_LAYERS_KEY] = self._tfrs_keras_layers_view
     return children
 
   # -------------------------------------------------------------------------------------------
@@ -531,18 +443,6 @@ def _sharded_variables(layer: TPUEmbeddingCore) -> dict[str, dict[str, tf.Variab
     for name, variables in layer.variables_by_table.items()
     if isinstance(name, str)
   }
-
-
-def _refuse_sharding_without_embedding_hardware(sharded_features: list[str]) -> None:
-  """On a TPU without embedding hardware TF replicates every table and trains it with the Keras
-  optimizer (path V0), so the sharded side could not train as the replicated side does."""
-  if hardware.choose_path(tf.distribute.get_strategy()) is hardware.ExecutionPath.TPU_V0:
-    raise ValueError(
-      f"Features {sharded_features} would be sharded, but this TPU has no embedding hardware "
-      "(embedding feature UNSUPPORTED): there is nothing to shard onto. Pass "
-      "size_threshold=None to replicate every table (trained by the layer's optimizer), or use "
-      "TPUEmbedding."
-    )
 
 
 def _replicated_first(outputs: Any, side_of_path: dict[str, str]) -> Any:

@@ -42,7 +42,8 @@ def export_for_serving(
   Args:
     model: the model (any `tf.Module`, e.g. a tf-keras model) whose `TPUEmbedding` layers and
       other variables the signatures read.
-    export_dir: a local directory that must not exist yet (unless `overwrite`).
+    export_dir: a local directory that must not exist yet (unless `overwrite`): a str, bytes or
+      os.PathLike, as for `tf.saved_model.save`.
     signatures: a `tf.function` with an `input_signature` (exported as "serving_default"), or a
       dict {signature name: such a function}. The functions call the model as in training code;
       the graph they trace must hold only ops with a CPU kernel.
@@ -83,11 +84,13 @@ def export_for_serving(
   _check_cpu_only(functions)
 
   owners = _embedding_variables(layers)
+  copies = _per_device_copies(owners)
   read = {}
   for function in functions.values():
     for variable in function.variables:
       read.setdefault(variable.ref(), variable)
-  needed = {owners[r][0] for r in read if r in owners and owners[r][1] is None}
+  read_by = {**owners, **copies}
+  needed = {read_by[r][0] for r in read if r in read_by and read_by[r][1] is None}
   kept = _kept_tables(tables, layers, owners, needed)
 
   root = tf.Module()
@@ -101,7 +104,13 @@ def export_for_serving(
       if slot is not None and name in kept:
         slots.setdefault(name, {})[slot] = value
     root.optimizer_slots = slots
-  root.model_variables = [v for r, v in read.items() if r not in owners]
+  root.model_variables = [v for r, v in read.items() if r not in read_by]
+  # Managed tables' key -> row maps, which serving signatures read (lookups only).
+  root.managed_ids = {
+    layer.name: {table: id_map.rows_of_keys for table, id_map in layer.managed_ids.items()}
+    for layer in layers
+    if layer.managed_ids
+  }
 
   parent = os.path.dirname(target)
   os.makedirs(parent, exist_ok=True)
@@ -142,7 +151,8 @@ def _target_path(export_dir: Any) -> str:
       f"export_dir={export_dir!r}: expected a path (str or os.PathLike) naming "
       "the directory to write the SavedModel to."
     ) from None
-  if not str(path).strip():
+  path = os.fsdecode(path)  # bytes name a path too, as in tf.saved_model.save
+  if not path.strip():
     raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
   return os.path.abspath(path)
 
@@ -202,6 +212,12 @@ def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
 def _concrete_signatures(signatures: Any) -> dict[str, Any]:
   if not isinstance(signatures, Mapping):
     signatures = {DEFAULT_SIGNATURE: signatures}
+  if not signatures:
+    raise ValueError(
+      "signatures is empty: an export without a signature serves nothing. Pass a tf.function "
+      "with an input_signature, or a dict {signature name: such a function}. Nothing was "
+      "written."
+    )
   functions = {}
   for name, function in signatures.items():
     if isinstance(function, tf.types.experimental.ConcreteFunction):
@@ -236,6 +252,20 @@ def _embedding_variables(layers: list[TPUEmbeddingCore]) -> dict[Any, tuple[str,
         for part in parts:
           owners[part.ref()] = key
   return owners
+
+
+def _per_device_copies(
+  owners: Mapping[Any, tuple[str, Optional[str]]],
+) -> dict[Any, tuple[str, Optional[str]]]:
+  """{ref of a per-device copy: its variable's (table, slot)}: a function traced under a
+  `MirroredStrategy` reads the copy of its device, not the mirrored variable itself."""
+  copies = {}
+  for ref, key in owners.items():
+    variable = ref.deref()
+    if isinstance(variable, tf.distribute.DistributedValues):
+      for copy in tf.nest.flatten(variable.values):
+        copies[copy.ref()] = key
+  return copies
 
 
 def _row_blocks(variable: Any) -> list[tf.Variable]:

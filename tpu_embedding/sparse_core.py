@@ -21,6 +21,8 @@ from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
 from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import trackable_utils
 
+from tpu_embedding import checkpoint_names
+
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 
@@ -130,8 +132,7 @@ def restore_from_checkpoint(
   for table, variables in variables_by_table.items():
     layout = by_table[table]
     for slot, variable in variables.items():
-      stack = layout.stacked_table_name + ("" if slot == "parameters" else f"/{slot}")
-      key = _key(layer_path, stack)
+      key = _key(layer_path, checkpoint_names.variable_key(layout.stacked_table_name, slot))
       if not reader.has_tensor(key):
         raise ValueError(
           f"The SparseCore checkpoint {path} has no {slot!r} for table "

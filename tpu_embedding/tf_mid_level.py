@@ -30,3 +30,8 @@ def variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]
 def retrieve_from_tpu(mid_level: tf.Module) -> None:
   """Copies V1's tables and slots from TPU memory into their host variables, as a save does."""
   mid_level._retrieve_variables()  # pylint: disable=protected-access
+
+
+def slot_initializers(optimizer) -> list:
+  """The initializers of a mid-level optimizer's slots, in the order of its slot names."""
+  return optimizer._slot_initializers()  # pylint: disable=protected-access

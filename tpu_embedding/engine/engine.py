@@ -23,15 +23,19 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # uninitialised variables
 from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import checkpoints
 from tpu_embedding import config as config_lib
+from tpu_embedding import optimizer_specs
 from tpu_embedding import optimizers
 from tpu_embedding.engine import exchange
+from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.engine import finite
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine import static_path
+from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import PendingUpdate
 from tpu_embedding.engine.state import TableState
@@ -42,7 +46,7 @@ SECOND_GRADIENT_WARNING = (
   "tpu_embedding: the activations of one TPUEmbedding call received a second gradient (e.g. "
   "a persistent GradientTape asked twice); each gradient that reaches the activations "
   "updates the tables, so this step updated them again. Take one tape.gradient per step "
-  "with respect to all trainable variables (see the README: the gradient trap's contract)."
+  "with respect to all trainable variables (see docs/engine.md: the gradient trap's contract)."
 )
 
 
@@ -91,6 +95,7 @@ class EmbeddingEngine(tf.Module):
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
     self._built = False
     self._strategy = tf.distribute.get_strategy()  # tables are created under it, as TF does
+    self._distribution = Distribution.current()
 
   # -------------------------------------------------------------------------------------------
   # Variables
@@ -128,10 +133,7 @@ class EmbeddingEngine(tf.Module):
       variables.update(self._create_slots(table, parameters))
       if sharded.is_sharded(parameters) and self._pipelining:
         sharded.refuse_pipelining(table)
-      on_parameter_servers = isinstance(
-        tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy
-      )
-      if on_parameter_servers and not self._pipelining:
+      if self._distribution is Distribution.PARAMETER_SERVERS and not self._pipelining:
         self._shard_locks[table.name] = sharded.ShardLocks(parameters)
     self._variables[table.name] = variables
     if self._pipelining and self._updates_tables:
@@ -141,20 +143,22 @@ class EmbeddingEngine(tf.Module):
     optimizer = table.optimizer
     shapes = config_lib.slot_shapes(table)
     names = [name for name, _ in shapes]
-    initializers = optimizer._slot_initializers()  # pylint: disable=protected-access
+    initializers = optimizer_specs.slot_initializers(optimizer)
     creator = getattr(optimizer, "slot_variable_creation_fn", None)
     if creator is not None:
       return dict(creator(parameters, names, initializers))
     if sharded.is_sharded(parameters):
       slots = sharded.create_slots(table, parameters, names, initializers)
     else:
-      with sharded.colocated_with(parameters):
+      with sharded.colocated_with(parameters, self._distribution is Distribution.PARAMETER_SERVERS):
         slots = {
-          name: _new_variable(initializer, shape, f"{table.name}/{name}", trainable=False)
+          name: _new_variable(
+            initializer, shape, checkpoint_names.variable_key(table.name, name), trainable=False
+          )
           for (name, shape), initializer in zip(shapes, initializers)
         }
     for name, slot in slots.items():
-      self._track_trackable(slot, name=f"{table.name}/{name}")
+      self._track_trackable(slot, name=checkpoint_names.variable_key(table.name, name))
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -212,27 +216,23 @@ class EmbeddingEngine(tf.Module):
       reusable = self._register_training_lookup(step)
 
       gradients_taken = [0]
+      forward = []
 
-      @tf.custom_gradient
-      def gradient_trap(dummy):
+      def look_up():
         how = static_path.look_up_table if static else lookup.deduplicated
-        forward = lookup.look_up(step, self.parameters, how)
+        forward.append(lookup.look_up(step, self.parameters, how))
+        return forward[-1].activations
 
-        def grad(*upstream, variables=None):
-          # tf.saved_model.save traces this function once more to save it: not a second
-          # gradient of the step.
-          if not save_context.in_save_context():
-            gradients_taken[0] += 1
-            if gradients_taken[0] == 2:
-              warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=2)
-          # Tables are trained here, never by the user's optimizer, even if they are trainable
-          # variables (e.g. one passed to `update_embedding_table`).
-          self._apply_gradients(forward.upstream_by_table(upstream), reusable(), static)
-          return tf.zeros_like(dummy), [None] * len(variables or ())
+      def update(upstream):
+        gradients_taken[0] += 1
+        if gradients_taken[0] == 2:
+          warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=3)
+        # Tables are trained here, never by the user's optimizer, even if they are trainable
+        # variables (e.g. one passed to `update_embedding_table`).
+        self._apply_gradients(forward[-1].upstream_by_table(upstream), reusable(), static)
 
-        return forward.activations, grad
-
-      flat = gradient_trap(trap)
+      # A SavedModel of a function traced before saving gets a plain lookup's gradient.
+      flat = trap_lib.trapped(trap, look_up, update, plain_when_saved=True)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
     return tf.nest.pack_sequence_as(features, flat)
@@ -246,7 +246,12 @@ class EmbeddingEngine(tf.Module):
     gradient of this lookup, off any strategy and without pipelining (whose update is
     applied a step later).
     """
-    if self._pipelining or tf.executing_eagerly() or tf.distribute.has_strategy():
+    if (
+      self._pipelining
+      or tf.executing_eagerly()
+      or self._distribution is not Distribution.LOCAL
+      or tf.distribute.has_strategy()
+    ):
       return lambda: frozenset()  # re-read everything
     graph = tf.compat.v1.get_default_graph()
     counts = self._training_lookups.setdefault(graph, collections.Counter())
@@ -301,7 +306,7 @@ class EmbeddingEngine(tf.Module):
       else:
         trainable.append((table, batch, upstream))
     if static:  # fixed shapes, and an all-reduce where several replicas train
-      static_path.apply_gradients(trainable, self._rule, self._state)
+      static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
       return
     if not exchange.in_replica():
       for table, batch, upstream in trainable:
@@ -318,15 +323,13 @@ class EmbeddingEngine(tf.Module):
     grads: tf.Tensor,
     table_rows: Optional[tf.Tensor] = None,
   ) -> None:
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer, where=f"Table {table.name!r}")
-    if self._check_finite:
-      learning_rate = finite.check_learning_rate(learning_rate, table.name)
+    learning_rate = self._learning_rate(table)
     rule, state = self._rule(table), self._state(table)
     if table.name in self._shard_locks:
       self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
       return
     # Parameter-server workers update the shared tables concurrently.
-    atomic = isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy)
+    atomic = self._distribution is Distribution.PARAMETER_SERVERS
     apply = functools.partial(updates.apply_sparse_update, rule, atomic=atomic)
     if not self._pipelining:
       for copy, _ in _on_each_device(state):
@@ -347,6 +350,15 @@ class EmbeddingEngine(tf.Module):
       rule = self._rule(table)
       for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
         pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
+
+  def _learning_rate(self, table: TableConfig) -> tf.Tensor:
+    """The table's learning rate for this step (checked to be finite with `check_finite`)."""
+    learning_rate = optimizer_specs.learning_rate_tensor(
+      table.optimizer, where=f"Table {table.name!r}"
+    )
+    if self._check_finite:
+      learning_rate = finite.check_learning_rate(learning_rate, table.name)
+    return learning_rate
 
   def _rule(self, table: TableConfig) -> updates.UpdateRule:
     return self._rules[table.name]
@@ -429,7 +441,7 @@ def _on_each_device(
   Every copy of a mirrored variable receives the same update from the same global gradient,
   which keeps the copies identical without any table-sized communication.
   """
-  copies = state.copies()
+  copies = exchange.copies_to_update(state)
   held = pending.copies() if pending is not None else [None] * len(copies)
   for copy, pending_copy in zip(copies, held):
     with tf.device(copy.parameters.device):

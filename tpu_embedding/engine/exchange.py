@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tpu_embedding.engine import lookup
+from tpu_embedding.engine.state import TableState
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 # `update(table, unique ids, row gradients)`: one table's update from the global batch.
@@ -28,6 +29,14 @@ def in_replica() -> bool:
   """Whether this runs in one replica of a strategy's step, whose gradients are only part of
   the global batch's."""
   return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+def copies_to_update(state: TableState) -> list[TableState]:
+  """The copies of a table's state an update must write: in a replica step only this replica's
+  own (the variables resolve to it); elsewhere each device's copy (one when not distributed).
+  Every copy receives the same update from the same global gradient, which keeps mirrored
+  copies identical without any table-sized communication."""
+  return [state] if in_replica() else state.copies()
 
 
 def replicas_to_sum() -> int:
@@ -42,7 +51,7 @@ def cross_replica_sum(value: tf.Tensor) -> tf.Tensor:
 
   On TPU and on GPUs under XLA this is one collective all-reduce. Under MirroredStrategy on CPU,
   TensorFlow has no XLA collective (it refuses to compile one), so there the step that sums must
-  be a plain `tf.function`; see the README's "engine paths" section.
+  be a plain `tf.function`; see docs/xla.md.
   """
   if replicas_to_sum() == 1:
     return value

@@ -101,11 +101,11 @@ class TableLookup:
       if bag.gains is not None:
         grad = grad * bag.gains[:, None]
       parts.append(grad)
-    return _concat(parts)
+    return concat(parts)
 
   def row_gradients(self, upstream: Sequence[Optional[Tensor]], dim: int) -> Tensor:
     """The summed gradient of each unique row [U, D] (SPEC §2.1), never a dense table gradient."""
-    grads = _concat(
+    grads = concat(
       [
         tf.zeros([bag.num_samples, dim])
         if g is None
@@ -165,6 +165,14 @@ def look_up(step: Step, read_table: Callable[[Any], Tensor], how: TableLookupFn)
   return StepLookup(tuple(step.bags), [by_bag[id(bag)] for bag in step.bags], tables)
 
 
+def serving_lookup(config: Any, tables: Any, features: Any, weights: Any = None) -> Any:
+  """Activations of `features` (any subset of `config`'s, in their own structure) read from
+  `tables` ({table of `config`: its value}): no gradient trap, nothing to update."""
+  step = Step.prepare(config, features, weights, subset=True)
+  found = look_up(step, lambda table: tables[table], per_occurrence)
+  return tf.nest.pack_sequence_as(features, found.activations)
+
+
 def per_occurrence(
   table: Any, variable: Tensor, bags: tuple[Bags, ...]
 ) -> tuple[TableLookup, list[Tensor]]:
@@ -183,7 +191,7 @@ def deduplicated(
   exported and loaded with TensorFlow alone.
   """
   occurrences = Occurrences.of(bags)
-  ids = _concat([b.ids for b in bags])
+  ids = concat([b.ids for b in bags])
   if (
     table.quantization_config is None
     and record.could_possibly_record()
@@ -215,7 +223,8 @@ def _split(flat: Tensor, bags: Sequence[Bags]) -> list[Tensor]:
   return tf.split(flat, tf.stack([b.num_samples for b in bags]), num=len(bags))
 
 
-def _concat(parts: Sequence[Tensor]) -> Tensor:
+def concat(parts: Sequence[Tensor]) -> Tensor:
+  """`parts` joined along rows, without an op when there is only one."""
   return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import TableState
@@ -56,14 +57,14 @@ def row_starts(variable: ShardedVariable) -> list[int]:
   return starts
 
 
-def colocated_with(parameters: tf.Variable):
+def colocated_with(parameters: tf.Variable, on_parameter_servers: bool):
   """Where a whole (unsharded) table's slots are created: beside the table on its ps task.
 
   Left to `ParameterServerStrategy`, each variable goes to the next ps task in turn, so a
   slot would land on another ps than its table and the update, which reads both, could not
   be placed.
   """
-  if isinstance(tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy):
+  if on_parameter_servers:
     return tf.distribute.get_strategy().extended.colocate_vars_with(parameters)
   return contextlib.nullcontext()
 
@@ -140,7 +141,7 @@ def create_slots(
             name=f"{table.name}/{name}/part_{index}",
           )
         )
-    slots[name] = ShardedVariable(parts, name=f"{table.name}/{name}")
+    slots[name] = ShardedVariable(parts, name=checkpoint_names.variable_key(table.name, name))
   return slots
 
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # whether XLA compiles the current graph
 
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 from tpu_embedding.engine import exchange
 from tpu_embedding.engine import inputs
 from tpu_embedding.engine import lookup
@@ -90,15 +90,16 @@ def apply_gradients(
   per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]],
   rule_of: Callable[[TableConfig], updates.UpdateRule],
   state_of: Callable[[TableConfig], TableState],
+  learning_rate_of: Callable[[TableConfig], Tensor],
 ) -> None:
   """One update per table from this replica's activation gradients, summed over replicas, in
   the formulation `update_for` picks (module docstring)."""
   summed = exchange.replicas_to_sum() > 1
   for table, batch, upstream in per_table:
-    ids = _concat([bag.ids for bag in batch.bags])
+    ids = lookup.concat([bag.ids for bag in batch.bags])
     grads = batch.occurrence_gradients(upstream, table.dim)
     rule = rule_of(table)
-    learning_rate = optimizers.learning_rate_tensor(table.optimizer)
+    learning_rate = learning_rate_of(table)
     update = FORMULATIONS[update_for(rule, summed, table.vocabulary_size, ids.shape[0])]
     update(rule, state_of(table), ids, grads, table.vocabulary_size, learning_rate)
 
@@ -137,10 +138,10 @@ def _update_whole_table(
   # Clipping and weight decay act on touched rows only (SPEC §2.2, §2.9); untouched rows get
   # g = 0, the step non-lazy Adam gives them, so one pass of the rule serves every row.
   row_grads = _touched_or(touched, updates.clip_gradient(optimizer, row_grads), 0.0)
-  for copy in _copies(state):
+  for copy in exchange.copies_to_update(state):
     old = tuple(variable.value() for variable in copy.variables)
     table = old[0]
-    if updates.has_weight_decay(optimizer):
+    if optimizer_specs.has_weight_decay(optimizer):
       table = _touched_or(touched, updates.decay_weights(optimizer, table, learning_rate), table)
     new_table, new_slots = rule.compute(table, old[1:], row_grads, learning_rate)
     new = (updates.clip_weights(optimizer, new_table),) + tuple(new_slots)
@@ -167,7 +168,7 @@ def _update_unique_rows(
   unique_ids, row_grads = _deduplicate(ids, grads, vocabulary_size)
   row_grads = updates.clip_gradient(rule.optimizer, row_grads)
   read_ids = tf.minimum(unique_ids, vocabulary_size - 1)  # unused slots read a real row
-  for copy in _copies(state):
+  for copy in exchange.copies_to_update(state):
     table, slots = copy.parameters, copy.slots
     rows = updates.update_rows(
       rule, *updates.gather_rows(table, slots, read_ids), row_grads, learning_rate
@@ -199,15 +200,3 @@ FORMULATIONS: dict[updates.XlaForm, Callable[..., None]] = {
   updates.XlaForm.WHOLE_TABLE: _update_whole_table,
   updates.XlaForm.UNIQUE_ROWS: _update_unique_rows,
 }
-
-
-def _copies(state: TableState) -> list[TableState]:
-  """The copies of a table's state to update: in a replica step only this replica's own (the
-  variables resolve to it); in a cross-replica context each device's copy."""
-  if not tf.distribute.has_strategy() or not tf.distribute.in_cross_replica_context():
-    return [state]
-  return state.copies()
-
-
-def _concat(parts: Sequence[Tensor]) -> Tensor:
-  return parts[0] if len(parts) == 1 else tf.concat(parts, 0)

@@ -37,10 +37,14 @@ from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Typ
 import tensorflow as tf
 
 from tpu_embedding.engine import native
+from tpu_embedding.optimizer_specs import gradient_limits
+from tpu_embedding.optimizer_specs import has_weight_decay
+from tpu_embedding.optimizer_specs import slot_names
+from tpu_embedding.optimizer_specs import weight_limits
 from tpu_embedding.engine.state import TableState
 
 Rows = Tuple[tf.Tensor, Tuple[tf.Tensor, ...]]
-"""A table block and the matching blocks of its slots, in `_slot_names()` order."""
+"""A table block and the matching blocks of its slots, in `slot_names` order."""
 
 _embedding = tf.tpu.experimental.embedding
 
@@ -63,22 +67,6 @@ def _clip(x: tf.Tensor, low: Optional[float], high: Optional[float]) -> tf.Tenso
   return x
 
 
-Limits = Tuple[Optional[float], Optional[float]]
-
-
-def gradient_limits(optimizer) -> Limits:
-  """(min, max) of `clipvalue` gradient clipping; None where there is no limit."""
-  return (
-    getattr(optimizer, "clip_gradient_min", None),
-    getattr(optimizer, "clip_gradient_max", None),
-  )
-
-
-def weight_limits(optimizer) -> Limits:
-  """(min, max) the stored table rows are clamped to; None where there is no limit."""
-  return (getattr(optimizer, "clip_weight_min", None), getattr(optimizer, "clip_weight_max", None))
-
-
 def clip_gradient(optimizer, grads: tf.Tensor) -> tf.Tensor:
   """SPEC §2.2 step 1: clip the accumulated per-row gradient (`clipvalue`)."""
   return _clip(grads, *gradient_limits(optimizer))
@@ -87,11 +75,6 @@ def clip_gradient(optimizer, grads: tf.Tensor) -> tf.Tensor:
 def clip_weights(optimizer, rows: tf.Tensor) -> tf.Tensor:
   """SPEC §2.2 last step: clamp the stored table rows; slots are never clipped."""
   return _clip(rows, *weight_limits(optimizer))
-
-
-def has_weight_decay(optimizer) -> bool:
-  # The proto only receives a truthy factor, so 0.0 means "no decay" (SPEC §2.0).
-  return bool(getattr(optimizer, "weight_decay_factor", None))
 
 
 def _without_extras(optimizer) -> bool:
@@ -174,7 +157,7 @@ class UpdateRule(abc.ABC):
   @property
   def slot_names(self) -> Tuple[str, ...]:
     """The optimizer's slots, in the order `compute` and every form take them."""
-    return tuple(self.optimizer._slot_names())  # pylint: disable=protected-access
+    return slot_names(self.optimizer)
 
   @property
   def updates_every_row(self) -> bool:
@@ -415,8 +398,8 @@ class CustomOptimizerRule(UpdateRule):
     if new_slot_rows and len(new_slot_rows) != len(slot_rows):
       raise ValueError(
         f"custom_computation returned {len(new_slot_rows)} slot values for "
-        f"{len(slot_rows)} slots {opt._slot_names()}."
-      )  # pylint: disable=protected-access
+        f"{len(slot_rows)} slots {slot_names(opt)}."
+      )
     return new_table_rows, tuple(new_slot_rows) if new_slot_rows else slot_rows
 
 

@@ -19,13 +19,17 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-import tensorflow as tf
-import tf_keras
+from tpu_embedding.examples import quiet
 
-import tpu_embedding
-from tpu_embedding import serving
-from tpu_embedding.data import movielens
+# Run as a script, TensorFlow's start-up messages are dropped unless --verbose is given.
+with quiet.tensorflow_start_up(verbose=__name__ != "__main__" or "--verbose" in sys.argv[1:]):
+  import numpy as np
+  import tensorflow as tf
+  import tf_keras
+
+  import tpu_embedding
+  from tpu_embedding import serving
+  from tpu_embedding.data import movielens
 
 EMBEDDING_DIM = 32
 # Tuned on the synthetic data for the 5 default epochs (batch 256): embedding rates 0.001..0.03
@@ -374,6 +378,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   )
   parser.add_argument("--embedding_learning_rate", type=float, default=EMBEDDING_LEARNING_RATE)
   parser.add_argument("--dense_learning_rate", type=float, default=DENSE_LEARNING_RATE)
+  parser.add_argument(
+    "--verbose", action="store_true", help="show TensorFlow's start-up and log messages"
+  )
   return parser.parse_args(argv)
 
 

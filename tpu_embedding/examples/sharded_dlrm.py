@@ -2,155 +2,89 @@
 
     python -m tpu_embedding.examples.sharded_dlrm --ps 2 --workers 2
 
-starts the ps and worker tasks as local processes on 127.0.0.1 (`LocalCluster`: free ports,
-one TF_CONFIG per process, all stopped at the end), makes this process the coordinator of a
-`ParameterServerStrategy` whose `variable_partitioner` shards every embedding table (and its
-optimizer slots) by rows over the ps tasks, trains on synthetic clicks, writes a checkpoint,
-restores it into an unsharded model and exports that one for CPU serving.
+starts the ps and worker tasks as local processes (`LocalCluster`: free ports, one TF_CONFIG per
+process, in a private network that only loopback reaches, all stopped at the end), then runs
+the coordinator (`dlrm.py`) as its own process in that network: a `ParameterServerStrategy`
+whose `variable_partitioner` shards every embedding table (and its optimizer slots) by rows over
+the ps tasks trains on synthetic clicks, writes a checkpoint, restores it into an unsharded
+model and exports that one for CPU serving. The coordinator ends before the tasks are stopped.
 
 On a real cluster, run `python -m tpu_embedding.examples.local_cluster` on every ps and worker
 machine with that machine's TF_CONFIG, and this script with `--cluster '<the cluster spec as
-JSON>'` on the coordinator (see the README).
+JSON>'` on the coordinator (see docs/sharded-tables.md, and docs/cluster-security.md for what
+such a cluster exposes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
+import subprocess
 import sys
 import tempfile
-import time
 from typing import Optional, Sequence
 
-import tensorflow as tf
-import tf_keras
+from tpu_embedding.examples import quiet
+from tpu_embedding.examples.local_cluster import ExposedClusterError, LocalCluster
 
-import tpu_embedding
-from tpu_embedding import serving
-from tpu_embedding.examples.local_cluster import LocalCluster
-
-E = tf.tpu.experimental.embedding
-DIM = 16
-DENSE_FEATURES = 13
+# Every task is a process on this machine: more than this many per job only share its cores.
+MAX_LOCAL_TASKS = 8
 
 
-class DLRM(tf.Module):
-  """Dense features through a bottom MLP, concatenated with one embedding per table."""
+def _count(low: int, high: Optional[int] = None):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < low or (high is not None and value > high):
+      bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+      raise argparse.ArgumentTypeError(f"expected a whole number {bounds}, got {text!r}")
+    return value
 
-  def __init__(self, num_tables: int, vocabulary_size: int):
-    super().__init__(name="dlrm")
-    features = {
-      f"cat_{i}": E.FeatureConfig(
-        table=E.TableConfig(
-          vocabulary_size=vocabulary_size,
-          dim=DIM,
-          combiner="sum",
-          name=f"table_{i}",
-        )
-      )
-      for i in range(num_tables)
-    }
-    self.embedding = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
-    self.bottom = tf_keras.layers.Dense(DIM, activation="relu")
-    self.top = tf_keras.Sequential(
-      [tf_keras.layers.Dense(32, activation="relu"), tf_keras.layers.Dense(1)]
+  return parse
+
+
+def _cluster_spec(text: str) -> dict[str, list[str]]:
+  try:
+    spec = json.loads(text)
+  except json.JSONDecodeError as error:
+    raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+  if not (
+    isinstance(spec, dict)
+    and all(isinstance(spec.get(job), list) and spec[job] for job in ("ps", "worker"))
+  ):
+    raise argparse.ArgumentTypeError(
+      f'expected {{"ps": ["host:port", ...], "worker": ["host:port", ...]}}, got {text!r}'
     )
-    # Create every variable now, under the caller's strategy.
-    self.embedding.variables_by_table  # pylint: disable=pointless-statement
-    self(*synthetic_batch(tf.constant(0, tf.int64), 1, num_tables, vocabulary_size)[:2])
-
-  def __call__(self, dense: tf.Tensor, ids: dict) -> tf.Tensor:
-    embedded = self.embedding(ids)
-    parts = [self.bottom(dense)] + [embedded[name] for name in sorted(ids)]
-    return self.top(tf.concat(parts, axis=1))[:, 0]
-
-  @property
-  def dense_variables(self) -> list:
-    return self.bottom.trainable_variables + self.top.trainable_variables
+  return spec
 
 
-def synthetic_batch(step: tf.Tensor, batch: int, num_tables: int, vocabulary_size: int):
-  """(dense, ids, labels) of one step; the label depends on the first table's id."""
-  seed = tf.stack([step, tf.constant(7, tf.int64)])
-  dense = tf.random.stateless_uniform([batch, DENSE_FEATURES], seed)
-  ids = {
-    f"cat_{i}": tf.random.stateless_uniform(
-      [batch], seed + i + 1, maxval=vocabulary_size, dtype=tf.int64
-    )
-    for i in range(num_tables)
-  }
-  labels = tf.cast(ids["cat_0"] % 2 == 0, tf.float32)
-  return dense, ids, labels
-
-
-def train(strategy, model: DLRM, args) -> list[float]:
-  """Schedules `args.steps` steps on the workers; returns the loss of every step."""
-  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-
-  @tf.function
-  def worker_step(step):
-    def replica_step(step):
-      dense, ids, labels = synthetic_batch(step, args.batch, args.tables, args.vocabulary)
-      with tf.GradientTape() as tape:
-        logits = model(dense, ids)
-        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
-      # The tables are updated by the embedding layer's own optimizer as the tape
-      # reaches them; the dense layers by plain SGD here.
-      grads = tape.gradient(loss, model.dense_variables + model.embedding.trainable_variables)
-      for variable, grad in zip(model.dense_variables, grads):
-        variable.assign_sub(0.1 * grad)
-      return loss
-
-    return strategy.run(replica_step, args=(step,))
-
-  losses = [
-    coordinator.schedule(worker_step, args=(tf.constant(step, tf.int64),))
-    for step in range(args.steps)
-  ]
-  coordinator.join()
-  return [float(loss.fetch()) for loss in losses]
-
-
-def export(checkpoint: str, args, export_dir: str) -> str:
-  """Restores the sharded checkpoint into an unsharded model and exports it for serving."""
-  model = DLRM(args.tables, args.vocabulary)
-  tf.train.Checkpoint(model=model).read(checkpoint).assert_existing_objects_matched()
-  # Named specs: the serving signature's inputs are `dense`, `cat_0`, `cat_1`, ...
-  spec = (
-    tf.TensorSpec([None, DENSE_FEATURES], tf.float32, name="dense"),
-    {f"cat_{i}": tf.TensorSpec([None], tf.int64, name=f"cat_{i}") for i in range(args.tables)},
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  local = f"(local cluster, 1 to {MAX_LOCAL_TASKS})"
+  parser.add_argument("--ps", type=_count(1, MAX_LOCAL_TASKS), default=2, help=f"ps tasks {local}")
+  parser.add_argument(
+    "--workers", type=_count(1, MAX_LOCAL_TASKS), default=2, help=f"worker tasks {local}"
   )
-  predict = tf.function(lambda dense, ids: tf.sigmoid(model(dense, ids)), input_signature=spec)
-  return serving.export_for_serving(model, export_dir, predict, overwrite=True)
-
-
-def run(strategy, args) -> None:
-  with strategy.scope():
-    model = DLRM(args.tables, args.vocabulary)
-  shards = len(model.embedding.variables_by_table["table_0"]["parameters"].variables)
-  print(f"{args.tables} tables of {args.vocabulary} x {DIM}, each in {shards} shards")
-  start = time.monotonic()
-  losses = train(strategy, model, args)
-  elapsed = time.monotonic() - start
-  print(
-    f"{args.steps} steps of {args.batch} examples in {elapsed:.1f} s "
-    f"({args.steps * args.batch / elapsed:.0f} examples/s); "
-    f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+  parser.add_argument("--cluster", type=_cluster_spec, help="a running cluster's spec as JSON")
+  parser.add_argument(
+    "--allow_exposed_ports",
+    action="store_true",
+    help="where the local cluster cannot get a private network, let its tasks listen on "
+    "every interface of this machine (unauthenticated) instead of refusing to start",
   )
-  checkpoint = tf.train.Checkpoint(model=model).write(os.path.join(args.output_dir, "ckpt"))
-  print(f"checkpoint: {checkpoint}")
-  print(f"serving export: {export(checkpoint, args, os.path.join(args.output_dir, 'export'))}")
-
-
-def sharded_strategy(resolver, num_ps: int) -> tf.distribute.ParameterServerStrategy:
-  """Variables of 256 KiB and more (the tables and their slots) split by rows over the ps
-  tasks, in shards of at least 256 KiB; the small dense layers stay whole."""
-  partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-    min_shard_bytes=256 << 10, max_shards=num_ps
-  )
-  return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+  parser.add_argument("--tables", type=_count(1), default=3)
+  parser.add_argument("--vocabulary", type=_count(1), default=100_000)
+  parser.add_argument("--batch", type=_count(1), default=256)
+  parser.add_argument("--steps", type=_count(1), default=40)
+  parser.add_argument("--output_dir", default=None, help="default: a new temporary directory")
+  parser.add_argument("--timeout", type=_count(1), default=600, help="seconds before giving up")
+  parser.add_argument("--verbose", action="store_true", help="show TensorFlow's own messages")
+  args = parser.parse_args(argv)
+  args.output_dir = args.output_dir or tempfile.mkdtemp(prefix="sharded_dlrm_")
+  return args
 
 
 def _timeout(seconds: int) -> None:
@@ -161,30 +95,39 @@ def _timeout(seconds: int) -> None:
   signal.alarm(seconds)
 
 
+def coordinator_command(spec: dict[str, list[str]], args: argparse.Namespace) -> list[str]:
+  """This script, as a real cluster's coordinator runs it, with the same settings."""
+  command = [sys.executable, "-m", "tpu_embedding.examples.sharded_dlrm", "--cluster"]
+  command.append(json.dumps(spec))
+  for name in ("tables", "vocabulary", "batch", "steps", "output_dir", "timeout"):
+    command += [f"--{name}", str(getattr(args, name))]
+  if args.verbose:
+    command.append("--verbose")
+  return command
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--ps", type=int, default=2, help="ps tasks (table shards)")
-  parser.add_argument("--workers", type=int, default=2, help="worker tasks")
-  parser.add_argument("--cluster", help="a running cluster's spec as JSON (else local)")
-  parser.add_argument("--tables", type=int, default=3)
-  parser.add_argument("--vocabulary", type=int, default=100_000)
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=40)
-  parser.add_argument("--output_dir", default=None, help="default: a new temporary directory")
-  parser.add_argument("--timeout", type=int, default=600, help="seconds before giving up")
-  args = parser.parse_args(argv)
-  args.output_dir = args.output_dir or tempfile.mkdtemp(prefix="sharded_dlrm_")
+  args = parse_args(argv)
   _timeout(args.timeout)
   if args.cluster:
-    spec = json.loads(args.cluster)
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-      tf.train.ClusterSpec(spec), rpc_layer="grpc"
-    )
-    run(sharded_strategy(resolver, len(spec["ps"])), args)
+    with quiet.tensorflow_start_up(verbose=args.verbose):
+      from tpu_embedding.examples import dlrm
+
+    dlrm.run_on_cluster(args.cluster, args)
     return
-  with LocalCluster(num_ps=args.ps, num_workers=args.workers) as cluster:
-    print(f"cluster on loopback: {json.dumps(cluster.spec)}")
-    run(sharded_strategy(cluster.resolver(), args.ps), args)
+  cluster = LocalCluster(
+    num_ps=args.ps,
+    num_workers=args.workers,
+    allow_exposed=args.allow_exposed_ports,
+    verbose=args.verbose,
+  )
+  try:
+    with cluster:
+      print(f"cluster {cluster.network}: {json.dumps(cluster.spec)}", flush=True)
+      coordinator = subprocess.run(cluster.command(coordinator_command(cluster.spec, args)))
+  except ExposedClusterError as error:
+    sys.exit(f"{error}\nRefusing to start. To go on anyway: --allow_exposed_ports.")
+  sys.exit(coordinator.returncode)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,32 @@
-"""The `TPUEmbedding` layers for Keras 3 with the TensorFlow backend (`tf.keras` on TF 2.16+).
+"""The Keras 3 surface: the `TPUEmbedding` layers for Keras 3 with the TensorFlow backend
+(`tf.keras` on TF 2.16+), and the package's other public names.
 
 The same layers as `tpu_embedding.TPUEmbedding` / `PartialTPUEmbedding` (tf-keras), sharing
 their configuration, hardware dispatch, TPU backends and CPU engine; importing this package
 never imports tf-keras.
 """
 
+from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
+from tpu_embedding.keras.distributed import DistributedEmbedding
 from tpu_embedding.keras.layer import TPUEmbedding
 from tpu_embedding.keras.partial import PartialTPUEmbedding
+from tpu_embedding.optimizers import NotAnOptimizerError, translate_keras_optimizer
+from tpu_embedding.partial_core import ReplicatedTable
+from tpu_embedding.placement import Placement, TablePlacement
+from tpu_embedding.serving import export_for_serving
+from tpu_embedding.sparse_core import restore_from_checkpoint as restore_sparse_core_checkpoint
 
-__all__ = ["PartialTPUEmbedding", "TPUEmbedding"]
+__all__ = [
+  "DistributedEmbedding",
+  "EmbeddingFeature",
+  "ExecutionPath",
+  "NotAnOptimizerError",
+  "PartialTPUEmbedding",
+  "Placement",
+  "ReplicatedTable",
+  "TPUEmbedding",
+  "TablePlacement",
+  "export_for_serving",
+  "restore_sparse_core_checkpoint",
+  "translate_keras_optimizer",
+]

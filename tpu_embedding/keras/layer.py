@@ -17,10 +17,13 @@ from tensorflow.python.util import nest as tf_nest  # flattening up to the featu
 from tpu_embedding import hardware
 from tpu_embedding.keras import config_conversion
 from tpu_embedding.keras import saving
+from tpu_embedding.keras import shapes
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 
-def feature_config_for_keras3(feature_config: Any) -> Any:
+def feature_config_for_keras3(
+  feature_config: Any, placements: tuple[str, ...] = config_conversion.ENGINE_PLACEMENTS
+) -> Any:
   """The user's nest as mid-level configs, once the Keras 3 backend is known to be TensorFlow."""
   if keras.backend.backend() != "tensorflow":
     raise RuntimeError(
@@ -28,7 +31,7 @@ def feature_config_for_keras3(feature_config: Any) -> Any:
       f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
   num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  return config_conversion.to_mid_level(feature_config, num_replicas)
+  return config_conversion.to_mid_level(feature_config, num_replicas, placements)
 
 
 @keras.saving.register_keras_serializable(package="tpu_embedding")
@@ -99,6 +102,17 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
     except (TypeError, ValueError):
       pass  # not the features' structure (e.g. None): the backend detects shapes on its own
     super().build(input_shape)
+
+  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+    return super().call(shapes.cast_placeholders(features), weights, serving_config)
+
+  def compute_output_spec(self, features: Any, weights: Any = None, serving_config: Any = None):
+    if serving_config is not None:  # another nest of features: trace it
+      return super().compute_output_spec(features, weights, serving_config)
+    return shapes.output_spec(self._config, features, shapes.mid_level_shape)
+
+  def compute_output_shape(self, input_shape: Any) -> Any:
+    return shapes.output_shape(self._config, input_shape, shapes.mid_level_shape)
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
     return self.variables_by_table

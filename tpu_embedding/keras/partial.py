@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from tpu_embedding.keras import saving
+from tpu_embedding.keras import shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
 from tpu_embedding.partial_core import PartialTPUEmbeddingCore
 
@@ -29,6 +30,10 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
     batch_size: passed to the sharded side (per-replica batch size to build the TPU engine).
     size_threshold: a table with `vocabulary_size > size_threshold` is sharded, any other is
       replicated. 0 shards every table; None replicates every table.
+    check_finite: raise an error naming the feature or table at the first NaN/Inf gradient,
+      weight or learning rate on its way to a table, before anything is written, as
+      `TPUEmbedding`'s: for the replicated tables on every hardware, and for the sharded ones
+      off TPU (refused on TPU, whose embedding engine cannot stop at such a value).
     **kwargs: Keras layer arguments (`name`, ...).
 
   Every table is trained by its own optimizer (`table_updates="engine"`, the only value taken:
@@ -45,6 +50,7 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
     batch_size: Optional[int] = None,
     size_threshold: Optional[int] = 10_000,
     table_updates: str = "engine",
+    check_finite: bool = False,
     **kwargs,
   ):
     if table_updates == "keras":
@@ -60,13 +66,24 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
       batch_size=batch_size,
       size_threshold=size_threshold,
       table_updates=table_updates,
+      check_finite=check_finite,
       **kwargs,
     )
     self._arguments = dict(
       pipeline_execution_with_tensor_core=pipeline_execution_with_tensor_core,
       batch_size=batch_size,
       size_threshold=size_threshold,
+      check_finite=check_finite,
     )
+
+  def call(self, features: Any, weights: Any = None) -> Any:
+    return super().call(shapes.cast_placeholders(features), weights)
+
+  def compute_output_spec(self, features: Any, weights: Any = None) -> Any:
+    return shapes.output_spec(self._config, features, shapes.mid_level_shape)
+
+  def compute_output_shape(self, input_shape: Any) -> Any:
+    return shapes.output_shape(self._config, input_shape, shapes.mid_level_shape)
 
   def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
     # The sharded side is a Keras sublayer, which Keras saves on its own.

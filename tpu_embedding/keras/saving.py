@@ -14,18 +14,17 @@ assigns the saved values anyway). The hardware arguments (`embedding_feature`,
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tpu_embedding import checkpoint_names
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizers
+from tpu_embedding import optimizer_specs
 
 E = tf.tpu.experimental.embedding
-OPTIMIZER_CLASSES = ("SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL")
 _FEATURE_KEY = "tpu_embedding_feature"
 
 
@@ -46,6 +45,12 @@ class KerasFileMixin:
     raise NotImplementedError
 
   def get_config(self) -> dict:
+    if getattr(self, "managed_ids", None):  # a rebuilt layer would lose its key -> row maps
+      raise ValueError(
+        f"Layer {self.name!r} has managed_ids, which a .keras file does not hold yet: save and "
+        "restore it with tf.train.Checkpoint (the maps are saved with the tables), or export "
+        "it with tf.saved_model.save / tpu_embedding.serving.export_for_serving."
+      )
     config = super().get_config()
     config.update(feature_config=serialize_feature_config(self._config), **self._arguments)
     return config
@@ -62,6 +67,42 @@ class KerasFileMixin:
 
   def load_own_variables(self, store: Any) -> None:
     load_tables(store, self._own_tables(), self.name)
+
+  @property
+  def non_trainable_weights(self) -> list:
+    """Keras's list, then every table and slot as a `TableVariable`.
+
+    The tables are trained by their own optimizers, never by the model's, so to Keras they
+    are non-trainable weights. Listing them here (and not as tracked variables, which `.keras`
+    files and checkpoints already hold under their own names) is what makes legacy HDF5 files
+    (`model.save("m.h5")`, `save_weights`/`load_weights` with `.h5`), which store a layer's
+    `trainable_weights + non_trainable_weights` by position, hold and restore them.
+    """
+    return super().non_trainable_weights + [
+      TableVariable(
+        variable, checkpoint_names.keras_file_key(table, slot).replace(":", "_").replace("/", "_")
+      )
+      for table, variables in self.variables_by_table.items()
+      for slot, variable in variables.items()
+    ]
+
+
+class TableVariable(keras.Variable):
+  """A Keras variable over one of the engine's `tf.Variable`s: the same storage, not a copy,
+  so Keras code that reads and assigns Keras variables reads and assigns the table itself."""
+
+  def __init__(self, variable: tf.Variable, name: str):
+    self._engine_variable = variable
+    super().__init__(
+      initializer="zeros",  # never run: the engine's variable is adopted instead
+      shape=tuple(variable.shape.as_list()),
+      dtype=variable.dtype.name,
+      trainable=False,
+      name=name,
+    )
+
+  def _initialize_with_initializer(self, initializer: Any) -> None:
+    self._initialize(self._engine_variable)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +158,7 @@ def _serialize_table(table: E.TableConfig) -> dict:
     "dim": table.dim,
     "combiner": table.combiner,
     "initializer": keras.initializers.serialize(initializer) if keep else None,
-    "optimizer": serialize_optimizer(table.optimizer, table.name),
+    "optimizer": optimizer_specs.serialize(table.optimizer, table.name),
   }
 
 
@@ -128,66 +169,19 @@ def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
     dim=table["dim"],
     combiner=table["combiner"],
     name=table["name"],
-    optimizer=deserialize_optimizer(table["optimizer"]),
+    optimizer=optimizer_specs.deserialize(table["optimizer"]),
     initializer=None if initializer is None else keras.initializers.deserialize(initializer),
   )
-
-
-def serialize_optimizer(optimizer: Optional[Any], table: str) -> Optional[dict]:
-  """A mid-level optimizer as {"class", "config"}: its constructor arguments' current values."""
-  if optimizer is None:
-    return None
-  name = type(optimizer).__name__
-  if name not in OPTIMIZER_CLASSES or getattr(E, name) is not type(optimizer):
-    raise ValueError(
-      f"Table {table!r}: its optimizer {type(optimizer).__name__} cannot be "
-      f"saved in a .keras file; use one of {', '.join(OPTIMIZER_CLASSES)}."
-    )
-  if getattr(optimizer, "slot_variable_creation_fn", None) is not None:
-    raise ValueError(
-      f"Table {table!r}: an optimizer with a slot_variable_creation_fn cannot be "
-      "saved in a .keras file (the function is code, not configuration)."
-    )
-  config = {}
-  for argument in inspect.signature(type(optimizer).__init__).parameters:
-    if argument in ("self", "slot_variable_creation_fn", "low_dimensional_packing_status"):
-      continue
-    if argument == "clipvalue":
-      limits = (optimizer.clip_gradient_min, optimizer.clip_gradient_max)
-      config["clipvalue"] = None if limits == (None, None) else list(limits)
-    elif argument == "learning_rate":
-      config["learning_rate"] = float(optimizers.learning_rate_tensor(optimizer))
-    else:
-      config[argument] = getattr(optimizer, argument)
-  return {"class": name, "config": config}
-
-
-def deserialize_optimizer(serialized: Optional[Mapping[str, Any]]) -> Optional[Any]:
-  if serialized is None:
-    return None
-  if serialized["class"] not in OPTIMIZER_CLASSES:
-    raise ValueError(
-      f"Unknown embedding optimizer {serialized['class']!r} in a .keras file; "
-      f"expected one of {', '.join(OPTIMIZER_CLASSES)}."
-    )
-  config = dict(serialized["config"])
-  if config.get("clipvalue") is not None:
-    config["clipvalue"] = tuple(config["clipvalue"])
-  return getattr(E, serialized["class"])(**config)
 
 
 # ---------------------------------------------------------------------------------------------
 # Tables and slots
 
 
-def _key(table: str, slot: str) -> str:
-  return f"table:{table}" if slot == "parameters" else f"table:{table}:{slot}"
-
-
 def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      store[_key(table, slot)] = variable.numpy()
+      store[checkpoint_names.keras_file_key(table, slot)] = variable.numpy()
 
 
 def load_tables(
@@ -197,7 +191,7 @@ def load_tables(
   values = {}
   for table, variables in variables_by_table.items():
     for slot, variable in variables.items():
-      key = _key(table, slot)
+      key = checkpoint_names.keras_file_key(table, slot)
       if key not in store.keys():
         raise ValueError(
           f"Layer {layer!r}: the .keras file holds no {slot!r} for table "

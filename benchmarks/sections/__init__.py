@@ -1,0 +1,1 @@
+"""One module per benchmark case: its section of the report (`write(report)`)."""

@@ -1,0 +1,176 @@
+"""TPUEmbedding with managed_ids on the CPU engine, against the reference map and NumPy training."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tpu_embedding
+from tests import reference
+from tests.managed_ids_reference import ReferenceMap
+
+E = tf.tpu.experimental.embedding
+CAPACITY, DIM, LR, INIT, ACC = 5, 3, 0.3, 0.5, 0.1
+
+
+def _layer(eviction="lru", key_dtype=tf.int64, min_count=1, initializer=None, combiner="sum"):
+  table = E.TableConfig(
+    CAPACITY,
+    DIM,
+    initializer=initializer or tf.constant_initializer(INIT),
+    combiner=combiner,
+    name="movies",
+  )
+  features = {"movie": E.FeatureConfig(table, name="movie")}
+  return tpu_embedding.TPUEmbedding(
+    features,
+    optimizer=E.Adagrad(LR, initial_accumulator_value=ACC),
+    managed_ids={
+      "movies": tpu_embedding.ManagedIds(
+        key_dtype=key_dtype, eviction=eviction, min_count=min_count
+      )
+    },
+  )
+
+
+def _train(layer, features, upstream, weights=None, training=None):
+  with tf.GradientTape() as tape:
+    out = layer(features, weights, training=training)["movie"]
+    loss = tf.reduce_sum(out * upstream)
+  tape.gradient(loss, layer.trainable_variables)
+  return out
+
+
+def _stream(steps=12, batch=4, seed=0):
+  rng = np.random.default_rng(seed)
+  universe = np.array([9_123_456_789_012, -7, 2**31 + 1, 3, -(2**40), 77, 123456789])
+  for _ in range(steps):
+    yield universe[rng.integers(0, len(universe), batch)], rng.normal(size=[batch, DIM])
+
+
+@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_training_follows_numpy_reference_with_resets(eviction, traced):
+  layer = _layer(eviction)
+  ref = ReferenceMap(CAPACITY, eviction)
+  table = np.full([CAPACITY, DIM], INIT)
+  slots = {"accumulators": np.full([CAPACITY, DIM], ACC)}
+  params = reference.params_from_optimizer(E.Adagrad(LR, initial_accumulator_value=ACC))
+  step = tf.function(_train) if traced else _train
+  evicted = 0
+  for keys, upstream in _stream():
+    out = step(layer, {"movie": tf.constant(keys, tf.int64)}, tf.constant(upstream, tf.float32))
+    used = set(ref.key_of)
+    rows, fresh = ref.train(keys.tolist())
+    evicted += len(used & set(fresh))
+    table[fresh] = INIT
+    slots["accumulators"][fresh] = ACC
+    np.testing.assert_allclose(out.numpy(), table[rows], rtol=1e-5)
+    touched, grads = reference.assemble_gradients([([r], None) for r in rows], upstream, "sum")
+    table, slots = reference.apply_step(table, slots, touched, grads, LR, params)
+  assert evicted >= 3  # rows were taken from keys and reset
+  variables = layer.variables_by_table["movies"]
+  np.testing.assert_allclose(variables["parameters"].numpy(), table, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(variables["accumulators"].numpy(), slots["accumulators"], rtol=1e-5)
+  keys, rows, _ = layer.managed_ids["movies"].export()
+  assert list(zip(keys.numpy(), rows.numpy())) == sorted(ref.row_of.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_string_keys_ragged_and_sparse_with_weights(kind):
+  layer = _layer("lfu", key_dtype=tf.string, min_count=2, combiner="mean")
+  ref = ReferenceMap(CAPACITY, "lfu", min_count=2)
+  table = np.full([CAPACITY, DIM], INIT)
+  params = reference.params_from_optimizer(E.Adagrad(LR, initial_accumulator_value=ACC))
+  slots = {"accumulators": np.full([CAPACITY, DIM], ACC)}
+  batches = [
+    [[b"a", b"b"], [b"a"], [b"c", b"a", b"b"]],
+    [[b"b"], [b"d", b"d"], [b"c"]],
+  ]
+  weights = [[[1.0, 2.0], [0.5], [1.0, 1.0, 3.0]], [[2.0], [1.0, 1.0], [0.25]]]
+  for bags, bag_weights in zip(batches, weights):
+    ids = tf.ragged.constant(bags, tf.string)
+    w = tf.ragged.constant(bag_weights, tf.float32)
+    if kind == "sparse":
+      ids, w = ids.to_sparse(), w.to_sparse()
+    upstream = np.ones([3, DIM])
+    out = _train(layer, {"movie": ids}, tf.constant(upstream, tf.float32), {"movie": w})
+    rows, fresh = ref.train([k for bag in bags for k in bag])
+    table[fresh] = INIT
+    slots["accumulators"][fresh] = ACC
+    row_bags, start = [], 0
+    for bag in bags:
+      row_bags.append(rows[start : start + len(bag)])
+      start += len(bag)
+    expected = [reference.combine_bag(table, r, w_, "mean") for r, w_ in zip(row_bags, bag_weights)]
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5)
+    touched, grads = reference.assemble_gradients(
+      list(zip(row_bags, bag_weights)), upstream, "mean"
+    )
+    table, slots = reference.apply_step(table, slots, touched, grads, LR, params)
+  np.testing.assert_allclose(layer.variables_by_table["movies"]["parameters"].numpy(), table, 1e-5)
+  # a (3) and b (2) reach min_count=2 in step 1; d (2) and c (1 + 1) in step 2, d first.
+  assert ref.row_of == {b"a": 1, b"b": 2, b"d": 3, b"c": 4}
+  found = layer.managed_ids["movies"].lookup(tf.constant([b"a", b"b", b"d", b"c", b"zz"]))
+  assert found.numpy().tolist() == [1, 2, 3, 4, 0]
+
+
+def test_training_false_never_admits_and_reads_row_zero():
+  layer = _layer()
+  _train(layer, {"movie": tf.constant([11, 12], tf.int64)}, tf.ones([2, DIM]))
+  table_before = layer.variables_by_table["movies"]["parameters"].numpy().copy()
+  out = layer({"movie": tf.constant([11, 99], tf.int64)}, training=False)["movie"]
+  np.testing.assert_allclose(out.numpy(), table_before[[1, 0]])
+  assert int(layer.managed_ids["movies"].size()) == 2
+  assert int(layer.managed_ids["movies"].step) == 1
+
+
+def test_random_initializer_resets_rows_with_fresh_draws():
+  init = tf.initializers.TruncatedNormal(stddev=0.01, seed=1)
+  layer = _layer("lru", initializer=init)
+  for keys in ([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]):  # the third step evicts every row
+    _train(layer, {"movie": tf.constant(keys, tf.int64)}, tf.fill([4, DIM], 100.0))
+  table = layer.variables_by_table["movies"]["parameters"].numpy()
+  accumulators = layer.variables_by_table["movies"]["accumulators"].numpy()
+  # Trained twice with huge gradients the old rows moved by ~LR; fresh ones are small draws
+  # trained once: |w - (-LR * g / sqrt(ACC + g^2))| <= 2 stddev.
+  assert np.all(np.abs(table[1:] + LR * 100 / np.sqrt(ACC + 100**2)) <= 0.02 + 1e-6)
+  np.testing.assert_allclose(accumulators[1:], ACC + 100.0**2, rtol=1e-6)
+
+
+def _error(**layer_kwargs):
+  table = E.TableConfig(CAPACITY, DIM, name="movies")
+  features = {"movie": E.FeatureConfig(table, name="movie")}
+  return tpu_embedding.TPUEmbedding(features, optimizer=E.SGD(0.1), **layer_kwargs)
+
+
+def test_errors_name_feature_and_table():
+  layer = _layer()
+  with pytest.raises(ValueError, match="Feature 'movie'.*table 'movies'.*int64.*got string"):
+    layer({"movie": tf.constant(["a"])})
+  with pytest.raises(ValueError, match="Feature 'movie'.*table 'movies'.*got float32"):
+    layer({"movie": tf.constant([1.0])})
+  strings = _layer(key_dtype=tf.string)
+  with pytest.raises(ValueError, match="Feature 'movie'.*table 'movies'.*tf.string.*got int64"):
+    strings({"movie": tf.constant([1], tf.int64)})
+  assert int(layer.managed_ids["movies"].step) == 0  # nothing changed
+  with pytest.raises(ValueError, match="managed_ids names table 'users'.*\\['movies'\\]"):
+    _error(managed_ids={"users": tpu_embedding.ManagedIds()})
+  with pytest.raises(TypeError, match="expected tpu_embedding.ManagedIds"):
+    _error(managed_ids={"movies": "lfu"})
+  tiny = E.TableConfig(1, DIM, name="tiny")
+  with pytest.raises(ValueError, match="Table 'tiny'.*vocabulary_size >= 2"):
+    tpu_embedding.TPUEmbedding(
+      {"f": E.FeatureConfig(tiny)},
+      optimizer=E.SGD(0.1),
+      managed_ids={tiny: tpu_embedding.ManagedIds()},
+    )
+
+
+def test_tpu_path_refuses_managed_ids_by_path(monkeypatch):
+  from tests import tpu_harness
+  from tpu_embedding import hardware
+
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  with strategy.scope():
+    with pytest.raises(ValueError, match="managed_ids is not supported on path TPU_V1 yet"):
+      _layer()

@@ -1,0 +1,97 @@
+"""managed_ids on PartialTPUEmbedding and the Keras 3 layers: the same maps and tables as
+TPUEmbedding for the same stream; checkpoints interchangeable."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tpu_embedding  # noqa: E402
+from tpu_embedding import keras as keras3  # noqa: E402
+
+E = tf.tpu.experimental.embedding
+
+
+def _features():
+  small = E.TableConfig(5, 2, initializer=tf.constant_initializer(0.1), name="small")
+  large = E.TableConfig(7, 2, initializer=tf.constant_initializer(0.2), name="large")
+  return {"a": E.FeatureConfig(small, name="a"), "b": E.FeatureConfig(large, name="b")}
+
+
+def _managed():
+  return {
+    "small": tpu_embedding.ManagedIds(eviction="lru"),
+    "large": tpu_embedding.ManagedIds(key_dtype=tf.string, eviction="lfu", min_count=2),
+  }
+
+
+LAYERS = {
+  "TPUEmbedding": lambda: tpu_embedding.TPUEmbedding(
+    _features(), E.Adagrad(0.3), managed_ids=_managed()
+  ),
+  "PartialTPUEmbedding": lambda: tpu_embedding.PartialTPUEmbedding(
+    _features(), E.Adagrad(0.3), size_threshold=6, managed_ids=_managed()
+  ),
+  "keras.TPUEmbedding": lambda: keras3.TPUEmbedding(
+    _features(), E.Adagrad(0.3), managed_ids=_managed()
+  ),
+  "keras.PartialTPUEmbedding": lambda: keras3.PartialTPUEmbedding(
+    _features(), E.Adagrad(0.3), size_threshold=6, managed_ids=_managed()
+  ),
+}
+
+
+def _stream(steps=10):
+  rng = np.random.default_rng(5)
+  for _ in range(steps):
+    a = rng.integers(-(2**40), 2**40, size=3) % 9 * 2**33
+    b = [f"item{i}".encode() for i in rng.integers(0, 12, size=3)]
+    yield {"a": tf.constant(a), "b": tf.constant(b)}
+
+
+def _train(layer):
+  for features in _stream():
+    with tf.GradientTape() as tape:
+      out = layer(features)
+      loss = tf.reduce_sum(out["a"]) + 2 * tf.reduce_sum(out["b"])
+    tape.gradient(loss, layer.trainable_variables)
+  return {
+    name: (
+      [t.numpy().tolist() for t in layer.managed_ids[name].export()],
+      layer.variables_by_table[name]["parameters"].numpy(),
+    )
+    for name in ("small", "large")
+  }
+
+
+@pytest.mark.parametrize("kind", [k for k in LAYERS if k != "TPUEmbedding"])
+def test_layer_trains_managed_tables_as_tpu_embedding_does(kind):
+  expected = _train(LAYERS["TPUEmbedding"]())
+  layer = LAYERS[kind]()
+  got = _train(layer)
+  if "Partial" in kind:
+    assert layer.side("small") == "replicated" and layer.side("large") == "sharded"
+  for name in ("small", "large"):
+    assert got[name][0] == expected[name][0]
+    np.testing.assert_allclose(got[name][1], expected[name][1], rtol=1e-6)
+  assert len(expected["large"][0][0]) == 6  # the string table filled up (min_count=2)
+
+
+def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):
+  partial = LAYERS["PartialTPUEmbedding"]()
+  trained = _train(partial)
+  path = tf.train.Checkpoint(layer=partial).save(str(tmp_path / "ckpt"))
+  layer = LAYERS["TPUEmbedding"]()
+  assert layer.variables_by_table
+  tf.train.Checkpoint(layer=layer).restore(path)
+  for name in ("small", "large"):
+    assert [t.numpy().tolist() for t in layer.managed_ids[name].export()] == trained[name][0]
+
+
+def test_keras3_file_refuses_managed_ids():
+  layer = LAYERS["keras.TPUEmbedding"]()
+  with pytest.raises(ValueError, match="managed_ids, which a .keras file does not hold"):
+    layer.get_config()

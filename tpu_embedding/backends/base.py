@@ -1,0 +1,76 @@
+"""What the layer needs from an execution path: the `Backend` interface every path implements."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import hardware
+from tpu_embedding import tf_mid_level
+
+
+class Backend(abc.ABC):
+  """One execution path's tables and lookup, as the layer uses them.
+
+  `config` is the layer's prepared configuration, never modified: a path that needs another
+  form of it (see `conversion`) hands TF its own converted copy, and keys what it returns by the
+  tables of `config`.
+  """
+
+  path: hardware.ExecutionPath
+  table_updates: str  # one of conversion.TABLE_UPDATES; "engine" needs the gradient trap
+
+  def __init__(self, config: config_lib.EmbeddingConfig):
+    self.config = config
+
+  _engine: tf.Module  # set by each backend's constructor
+
+  @property
+  def engine(self) -> tf.Module:
+    """The trackable holding (and on most paths training) the tables: our `EmbeddingEngine`
+    off TPU, TF's mid-level `TPUEmbeddingV0`/`TPUEmbedding`/`TPUEmbeddingV2` on TPU."""
+    return self._engine
+
+  @abc.abstractmethod
+  def build(self, per_replica_input_shapes: Any) -> None:
+    """Creates the tables (and slots) once, given the per-replica input shapes (a nest like
+    the feature config, or None where the path needs none)."""
+
+  @abc.abstractmethod
+  def lookup(self, features: Any, weights: Any, trap: Optional[tf.Variable]) -> Any:
+    """The activations of one call, with the structure of the feature config.
+
+    `trap` is the layer's gradient-trap variable (see `engine.trap`) where `table_updates` is
+    "engine": the gradient reaching the activations then updates the tables. None otherwise.
+    """
+
+  @property
+  def embedding_tables(self) -> dict:
+    """{table of `config`: its variable}."""
+    by_name = {table.name: value for table, value in self.engine.embedding_tables.items()}
+    return {table: by_name[table.name] for table in self.config.tables}
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{table name: {"parameters": table, slot name: slot}}, the engine's own dict."""
+    return tf_mid_level.variables_by_table(self.engine)
+
+  def replace_table(self, table: config_lib.TableConfig, variable: tf.Variable) -> None:
+    """Makes `variable` the table everywhere; TF's classes track their variables dict."""
+    self.variables_by_table[table.name]["parameters"] = variable
+
+  @property
+  def trainable_tables(self) -> list[tf.Variable]:
+    """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
+    return []
+
+  def flush(self) -> None:
+    """Applies any update the hardware still holds back (pipelining); most paths hold none."""
+
+  def needs_relayout(self, path: str) -> bool:
+    """Whether the checkpoint at `path` holds the tables in a layout that TF converts only while
+    it creates the variables (SparseCore); every other path restores per table at any time."""
+    return False

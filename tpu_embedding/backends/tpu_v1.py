@@ -1,0 +1,73 @@
+"""The TPU embedding engine path (V1): TF's `TPUEmbedding`, trained through the gradient trap."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import hardware
+from tpu_embedding import tf_mid_level
+from tpu_embedding.backends import conversion
+from tpu_embedding.backends.base import Backend
+from tpu_embedding.engine import trap as trap_lib
+
+
+class TpuV1Backend(Backend):
+  """TPU embedding engine: enqueue on the host, dequeue in the step, gradients via the trap."""
+
+  path = hardware.ExecutionPath.TPU_V1
+  table_updates = "engine"
+
+  def __init__(
+    self,
+    config: config_lib.EmbeddingConfig,
+    pipelining: bool = False,
+    batch_size: Optional[int] = None,
+  ):
+    super().__init__(config)
+    self._batch_size = batch_size
+    converted = conversion.for_tpu_v1(config)
+    self._engine = tf.tpu.experimental.embedding.TPUEmbedding(
+      converted.feature_config, converted.optimizer, pipelining
+    )
+    self._call_ids = itertools.count(1)
+
+  @property
+  def embedding_tables(self) -> dict:
+    """{TableConfig: variable}, refreshed from TPU memory first.
+
+    TF's class answers only while a checkpoint is written (its host copies are stale in
+    between), so the tables are retrieved as a save would, eagerly even inside a trace.
+    """
+    with tf.init_scope():
+      tf_mid_level.retrieve_from_tpu(self._engine)
+    variables = self.variables_by_table
+    return {table: variables[table.name]["parameters"] for table in self.config.tables}
+
+  def flush(self) -> None:
+    """Copies the tables and slots from TPU memory into their host variables, so that what
+    export reads is current (TF's own checkpoint saver does the same before a save)."""
+    tf_mid_level.retrieve_from_tpu(self._engine)
+
+  def build(self, per_replica_input_shapes):
+    if self._batch_size is None:
+      self._engine.build(per_replica_input_shapes=per_replica_input_shapes)
+    else:
+      self._engine.build(per_replica_batch_size=self._batch_size)
+
+  def lookup(self, features, weights, trap):
+    conversion.refuse_wide_dense_ids(self.config, features)
+    # A name pairs this call's enqueue, dequeue and apply_gradients within one traced step.
+    name = str(next(self._call_ids))
+    self._engine.enqueue(features, weights, training=True, name=name)
+    activations = trap_lib.trapped(
+      trap,
+      lambda: tf.nest.flatten(self._engine.dequeue(name=name)),
+      lambda upstream: self._engine.apply_gradients(
+        tf.nest.pack_sequence_as(self.config.feature_config, upstream), name=name
+      ),
+    )
+    return tf.nest.pack_sequence_as(self.config.feature_config, activations)

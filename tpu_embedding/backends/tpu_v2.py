@@ -1,0 +1,72 @@
+"""The SparseCore path (V2): TF's `TPUEmbeddingV2`, trained through the gradient trap."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import hardware
+from tpu_embedding import sparse_core
+from tpu_embedding.backends import conversion
+from tpu_embedding.backends.base import Backend
+from tpu_embedding.engine import trap as trap_lib
+
+
+class TpuV2Backend(Backend):
+  """SparseCore: one call does enqueue+dequeue; gradients go back with the preserved state."""
+
+  path = hardware.ExecutionPath.TPU_V2
+  table_updates = "engine"
+
+  def __init__(
+    self,
+    config: config_lib.EmbeddingConfig,
+    pipelining: bool = False,
+    sparse_core_embedding_config=None,
+  ):
+    super().__init__(config)
+    converted = conversion.for_tpu_v2(config)
+    self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV2(
+      converted.feature_config, converted.optimizer, pipelining, sparse_core_embedding_config
+    )
+
+  def build(self, per_replica_input_shapes):
+    self._engine.build()
+
+  @property
+  def embedding_tables(self) -> dict:
+    """{TableConfig: tensor}: each table's logical value, whether stacked or alone.
+
+    TPUEmbeddingV2 keys its variables by stacked table name, and even a table stacked alone is
+    padded, row-dealt and rotated over the SparseCores; these are read-only copies of the
+    tables as configured (write through a checkpoint restore, not through these).
+    """
+    return sparse_core.logical_tables(
+      self._engine.embedding_tables, self._engine.embedding_layouts, self.config.tables
+    )
+
+  @property
+  def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
+    """{stacked table name: {"parameters"/slot: variable}}: SparseCore keeps them by stack."""
+    return self._engine.variables
+
+  def needs_relayout(self, path: str) -> bool:
+    return sparse_core.needs_relayout(path, self._engine)
+
+  def lookup(self, features, weights, trap):
+    preserved = []
+
+    def forward():
+      activations, state = self._engine(features, weights)
+      preserved.append(state)
+      return tf.nest.flatten(activations)
+
+    activations = trap_lib.trapped(
+      trap,
+      forward,
+      lambda upstream: self._engine.apply_gradients(
+        tf.nest.pack_sequence_as(self.config.feature_config, upstream),
+        preserved_outputs=preserved[-1],
+      ),
+    )
+    return tf.nest.pack_sequence_as(self.config.feature_config, activations)

@@ -1,0 +1,313 @@
+"""The hostile-input checks of a step's inputs: each bad input refused by feature name.
+
+`inputs` converts ids and weights into bags and calls these on the way; they are kept apart
+from the conversion because they are a concern of their own (what a hostile input could do
+to a kernel, and the graph-safe way to refuse it: `require`). Every check leaves the input
+unchanged and only lets it through once it holds; nothing later reads an input that failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tpu_embedding.config import Feature
+
+if TYPE_CHECKING:
+  from tpu_embedding.engine.inputs import Bags
+
+Tensor = tf.Tensor
+
+
+def checked_output_shape(bags: Bags) -> Bags:
+  """Refuses an input whose sample count differs from the configured output_shape's."""
+  configured = static_output_shape(bags.feature)
+  if configured is None:
+    return bags
+  expected = configured.num_elements()
+  (ids,) = require(
+    bags.feature,
+    [
+      (
+        tf.equal(bags.num_samples, expected),
+        f"FeatureConfig.output_shape {configured.as_list()} holds {expected} samples, which the "
+        "input must have too (its batch, or batch x sequence length).",
+        [bags.num_samples],
+      )
+    ],
+    [bags.ids],
+  )
+  return dataclasses.replace(bags, ids=ids)
+
+
+def as_id_tensor(name: str, ids: Any) -> Tensor:
+  try:
+    ids = tf.convert_to_tensor(ids)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"Feature {name!r}: could not convert its input to a tensor of ids: {e}") from e
+  check_id_dtype(name, ids.dtype)
+  return ids
+
+
+def check_id_dtype(name: str, dtype: tf.DType) -> None:
+  if not dtype.is_integer:
+    raise TypeError(
+      f"Feature {name!r}: ids must be of an integer dtype, got {dtype.name}. "
+      "Map strings or floats to integer ids first (e.g. tf.keras StringLookup)."
+    )
+
+
+def check_weights_kind(name: str, weights: Any, kind: type) -> None:
+  if weights is not None and not isinstance(weights, kind):
+    raise ValueError(
+      f"Feature {name!r}: its ids are a {kind.__name__}, so its weights must be a "
+      f"{kind.__name__} with the same layout; got {type(weights).__name__}."
+    )
+  if weights is not None and not weights.dtype.is_floating:
+    raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
+
+
+def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
+  """`bags`, their ids let through only once all of them are in range.
+
+  Graph mode makes one check for the whole step (an unsigned max per feature, so a negative id
+  counts as too large); only when it fails does it find which feature and ids are at fault.
+  """
+  if tf.executing_eagerly():
+    for bag in bags:
+      in_range = _in_range(bag)
+      if not bool(tf.reduce_all(in_range)):
+        offending = tf.boolean_mask(bag.ids, tf.logical_not(in_range))[:5].numpy().tolist()
+        raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
+    return list(bags)
+  if not bags:
+    return []
+  checked = _ids_in_range(
+    [bag.ids for bag in bags],
+    tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64),
+    tf.constant([_range_message(bag) for bag in bags]),
+  )
+  return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, checked)]
+
+
+# One function for every step that checks the same number of features: each trace of a step
+# (Keras traces a training step twice, and PartialTPUEmbedding checks each side) adds one call
+# instead of building the check again.
+@tf.function(autograph=False, reduce_retracing=True)
+def _ids_in_range(ids: list[Tensor], sizes: Tensor, messages: Tensor) -> list[Tensor]:
+  largest = tf.stack([tf.reduce_max(tf.bitcast(i, tf.uint64)) for i in ids])
+
+  def fail():
+    # Run only on bad ids: one Assert over all features' ids at once (naming the first
+    # feature at fault), so that the check does not grow with the features.
+    flat = tf.concat([tf.reshape(i, [-1]) for i in ids], 0)
+    owner = tf.repeat(tf.range(len(ids)), tf.stack([tf.size(i) for i in ids]))
+    too_large = tf.bitcast(flat, tf.uint64) >= tf.gather(sizes, owner)
+    at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
+    offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
+    message = tf.gather(messages, at_fault)
+    with tf.control_dependencies(
+      [tf.debugging.Assert(False, [message, "Offending ids:", offending], summarize=5)]
+    ):
+      return tf.constant(False)
+
+  checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
+  with tf.control_dependencies([checked]):
+    return tf.identity_n(ids)
+
+
+def _in_range(bag: Bags) -> Tensor:
+  return tf.logical_and(bag.ids >= 0, bag.ids < bag.feature.table.vocabulary_size)
+
+
+def _range_message(bag: Bags) -> str:
+  table = bag.feature.table
+  return (
+    f"Feature {bag.feature.name!r} (table {table.name!r}, vocabulary_size="
+    f"{table.vocabulary_size}): every id must be in [0, {table.vocabulary_size})."
+  )
+
+
+def static_output_shape(feature: Feature) -> Optional[tf.TensorShape]:
+  shape = feature.config.output_shape
+  return shape if shape.rank is not None else None
+
+
+# Samples and unique rows are int32 coordinates in the engine's sparse matrices and kernels.
+MAX_SAMPLES = 2**31 - 1
+
+
+def check_static_samples(
+  feature: Feature, shape: tf.TensorShape, bag_rank: int, positions: int
+) -> None:
+  """Refuses, while tracing, a shape already known to hold too many samples for the engine."""
+  known = [d for d in shape[:bag_rank] if d is not None] if shape.rank is not None else []
+  if any(d < 0 for d in known) or float(np.prod(known, dtype=np.float64)) * positions > MAX_SAMPLES:
+    raise ValueError(
+      f"Feature {feature.name!r}: its SparseTensor's dense_shape {shape} must be "
+      f"non-negative and hold at most {MAX_SAMPLES} samples (every dimension "
+      "but the last)."
+    )
+
+
+def checked_sparse(
+  feature: Feature, sp: tf.SparseTensor, bag_rank: Any, positions: int
+) -> tuple[Tensor, Tensor, Tensor]:
+  """(indices, values, dense_shape) of `sp`, let through only if they describe a valid input.
+
+  A hostile dense_shape (e.g. [2**61, 3]) would otherwise reach kernels that abort the process.
+  """
+  indices, values, dense_shape = sp.indices, sp.values, sp.dense_shape
+  entries = tf.shape(indices, out_type=tf.int64)
+  rank = tf.size(dense_shape, out_type=tf.int64)
+  samples = tf.reduce_prod(tf.cast(dense_shape[:bag_rank], tf.float64)) * positions
+  well_formed = tf.logical_and(
+    tf.equal(entries[0], tf.size(values, out_type=tf.int64)), tf.equal(entries[1], rank)
+  )
+  # Only compared once the layout is consistent, so that the comparison itself cannot fail.
+  inside = tf.cond(
+    well_formed,
+    lambda: tf.reduce_all(tf.logical_and(indices >= 0, indices < dense_shape[None, :])),
+    lambda: tf.constant(False),
+  )
+  return require(
+    feature,
+    [
+      (
+        well_formed,
+        "its SparseTensor's indices must be [N, rank] with one row per value "
+        "(N values) and rank = len(dense_shape).",
+        [entries, tf.size(values)],
+      ),
+      (
+        tf.logical_and(tf.reduce_all(dense_shape >= 0), samples <= MAX_SAMPLES),
+        f"its SparseTensor's dense_shape must be non-negative and hold at most {MAX_SAMPLES} "
+        "samples (every dimension but the last).",
+        [dense_shape],
+      ),
+      (
+        inside,
+        "every index of its SparseTensor must lie inside dense_shape.",
+        [dense_shape, lambda: _first_outside(indices, dense_shape, well_formed)],
+      ),
+    ],
+    [indices, values, dense_shape],
+  )
+
+
+def _first_outside(indices: Tensor, dense_shape: Tensor, well_formed: Tensor) -> Tensor:
+  """The first index row outside dense_shape (for the error message), or an empty one."""
+
+  def first():
+    outside = tf.reduce_any(tf.logical_or(indices < 0, indices >= dense_shape[None, :]), axis=1)
+    return tf.boolean_mask(indices, outside)[:1]
+
+  return tf.cond(well_formed, first, lambda: tf.zeros([0, 0], tf.int64))
+
+
+def sparse_weight_values(
+  feature: Feature,
+  sp: tf.SparseTensor,
+  weights: Optional[tf.SparseTensor],
+  indices: Tensor,
+  dense_shape: Tensor,
+) -> Optional[Tensor]:
+  """The weights' values, once they pair with the ids (one per id; same indices if validated)."""
+  if weights is None:
+    return None
+  count = tf.size(weights.values, out_type=tf.int64)
+  ids = tf.size(sp.values, out_type=tf.int64)
+  checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
+  if feature.config.validate_weights_and_indices:
+    same = tf.logical_and(
+      same_tensor(weights.dense_shape, dense_shape), same_tensor(weights.indices, indices)
+    )
+    checks.append(
+      (
+        same,
+        "its weights must have the same indices and dense_shape as its ids "
+        "(FeatureConfig.validate_weights_and_indices is True).",
+        [weights.dense_shape, dense_shape],
+      )
+    )
+  return require(feature, checks, [weights.values])[0]
+
+
+def same_tensor(a: Tensor, b: Tensor) -> Tensor:
+  """Whether two int64 tensors have the same shape and values (never an error)."""
+  same_shape = (
+    tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b)))
+    if a.shape.rank == b.shape.rank
+    else tf.constant(False)
+  )
+  return tf.cond(
+    same_shape,
+    lambda: tf.reduce_all(tf.equal(a, tf.reshape(b, tf.shape(a)))),
+    lambda: tf.constant(False),
+  )
+
+
+Data = Sequence[Any]  # tensors for the message, or callables building them only on failure
+
+
+def require(
+  feature: Feature, checks: Sequence[tuple[Tensor, str, Data]], guarded: Sequence[Tensor]
+) -> list[Tensor]:
+  """`guarded`, let through only once every check (ok, message, data) holds.
+
+  Eagerly the first failing check raises a ValueError naming the feature. In a graph the
+  returned tensors depend on one test of all checks; only when it fails are the asserts that
+  name the failing check (and the data they show) run, so no later op sees an input that failed.
+  """
+  prefix = f"Feature {feature.name!r}: "
+  shown = lambda data: [d() if callable(d) else d for d in data]
+  if tf.executing_eagerly():
+    for ok, message, data in checks:
+      if not bool(ok):
+        got = ", ".join(str(d.numpy().tolist()) for d in shown(data))
+        raise ValueError(f"{prefix}{message} Got: {got}.")
+    return list(guarded)
+
+  def fail():
+    asserts = [
+      tf.debugging.Assert(ok, [prefix + message, "Got:", *shown(data)], summarize=8)
+      for ok, message, data in checks
+    ]
+    with tf.control_dependencies(asserts):
+      return tf.constant(False)
+
+  passed = tf.cond(
+    tf.reduce_all(tf.stack([ok for ok, _, _ in checks])), lambda: tf.constant(True), fail
+  )
+  with tf.control_dependencies([passed]):
+    return [tf.identity(t) for t in guarded]
+
+
+def ragged_weight_values(
+  feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]
+) -> Optional[Tensor]:
+  """The weights' values, once they pair with the ids (one per id; same rows if validated)."""
+  if weights is None:
+    return None
+  if weights.ragged_rank != rt.ragged_rank:
+    raise ValueError(
+      f"Feature {feature.name!r}: its weights must be a RaggedTensor of the same "
+      f"ragged rank as its ids ({rt.ragged_rank}), got {weights.ragged_rank}."
+    )
+  count = tf.size(weights.values, out_type=tf.int64)
+  ids = tf.size(rt.values, out_type=tf.int64)
+  checks = [(tf.equal(count, ids), "its weights must hold one value per id.", [count, ids])]
+  if feature.config.validate_weights_and_indices:
+    lengths, id_lengths = weights.row_lengths(), rt.row_lengths()
+    checks.append(
+      (
+        same_tensor(lengths, id_lengths),
+        "its weights must have the same row lengths as its ids "
+        "(FeatureConfig.validate_weights_and_indices is True).",
+        [lengths, id_lengths],
+      )
+    )
+  return require(feature, checks, [weights.values])[0]

@@ -1,0 +1,57 @@
+"""The gradient trap: how the embedding update rides on the user's `tape.gradient`.
+
+Activations come out of a `tf.custom_gradient` function of one trainable dummy variable, so
+when the user's gradient reaches them, TensorFlow calls back with their upstream gradients:
+the only place the tables can be updated from a gradient the model computed. The dummy's own
+gradient is always zero. The CPU/GPU engine and the TPU paths V1 and V2 all train through it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.saved_model import save_context  # whether a SavedModel is being traced
+
+
+def trapped(
+  trap: tf.Variable,
+  forward: Callable[[], Sequence[tf.Tensor]],
+  backward: Callable[[list[tf.Tensor]], None],
+  *,
+  plain_when_saved: bool = False,
+) -> list[tf.Tensor]:
+  """`forward()`'s flat activations, whose gradient is handed to `backward` instead of flowing
+  further (to `trap`, it is zero).
+
+  With `plain_when_saved`, `forward` runs outside the trap, which receives its activations, and
+  the gradient that `tf.saved_model.save` traces (to save it with a function traced before
+  saving) passes the upstream gradients on instead of calling `backward`: in the reloaded
+  SavedModel a gradient trains nothing and reaches the tables through TF's own gradients of
+  `forward`'s ops, as a plain lookup's would (tf-recommenders' behaviour).
+  """
+  if not plain_when_saved:
+
+    @tf.custom_gradient
+    def gradient_trap(dummy):
+      activations = forward()
+
+      def grad(*upstream, variables=None):
+        backward(list(upstream))
+        return tf.zeros_like(dummy), [None] * len(variables or ())
+
+      return list(activations), grad
+
+    return gradient_trap(trap)
+
+  @tf.custom_gradient
+  def passing_trap(dummy, *activations):
+    def grad(*upstream):
+      if save_context.in_save_context():
+        return [tf.zeros_like(dummy), *upstream]
+      backward(list(upstream))
+      return [tf.zeros_like(dummy), *([None] * len(activations))]
+
+    return [tf.identity(a) for a in activations], grad
+
+  return passing_trap(trap, *forward())

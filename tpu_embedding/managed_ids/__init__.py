@@ -1,0 +1,24 @@
+"""Managed ids: embedding tables that take raw keys and give rows to them (docs/managed-ids.md).
+
+`ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables);
+`ManagedTables` applies a layer's maps to its feature nest and resets the rows given to new
+keys; `attach` and `checkpoint` are how a layer holds them.
+"""
+
+from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create
+from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
+from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
+from tpu_embedding.managed_ids.spec import ManagedIds
+from tpu_embedding.managed_ids.tables import ManagedTables, refuse_per_replica_remap
+
+__all__ = [
+  "CHECKPOINT_KEY",
+  "IdMap",
+  "ManagedIds",
+  "ManagedIdsMixin",
+  "ManagedTables",
+  "create",
+  "refuse_per_replica_remap",
+  "validate_checkpoint",
+]

@@ -1,0 +1,186 @@
+"""`IdMap`: one table's key -> row map, with admission, eviction and ages, in TF ops only.
+
+Everything is TensorFlow's own machinery (a `MutableHashTable` and variables), so the map runs
+eagerly and in `tf.function`, is saved by `tf.train.Checkpoint` and exported in SavedModels.
+No decision depends on a hash table's iteration order: free rows are taken in row order, victims
+by an explicit sort, candidates are pruned after a full sort (docs/managed-ids.md).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tpu_embedding.managed_ids.spec import ManagedIds
+
+_MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
+
+
+class IdMap(tf.Module):
+  """The map of one managed table: row 0 is out of vocabulary, rows 1.. belong to keys."""
+
+  def __init__(self, spec: ManagedIds, table_name: str, capacity: int):
+    super().__init__()
+    spec.check_capacity(table_name, capacity)
+    self.spec = spec
+    self.table_name = table_name
+    self.capacity = capacity
+    dtype = spec.key_dtype
+    empty = tf.constant("" if dtype == tf.string else 0, dtype)
+    with tf.init_scope():
+      self.rows_of_keys = tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0)
+      self.candidates = (
+        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
+      )
+      self.keys = _variable(tf.fill([capacity], empty), "keys")
+      self.counts = _variable(tf.zeros([capacity], tf.int64), "counts")
+      self.counted_at = _variable(tf.zeros([capacity], tf.int64), "counted_at")
+      self.last_seen = _variable(tf.fill([capacity], tf.constant(-1, tf.int64)), "last_seen")
+      self.step = _variable(tf.constant(0, tf.int64), "step")
+
+  @property
+  def key_dtype(self) -> tf.DType:
+    return self.spec.key_dtype
+
+  # -------------------------------------------------------------------------------------------
+  # Reading
+
+  def lookup(self, keys: tf.Tensor) -> tf.Tensor:
+    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts."""
+    return self.rows_of_keys.lookup(tf.convert_to_tensor(keys, self.key_dtype))
+
+  def size(self) -> tf.Tensor:
+    """How many keys hold a row."""
+    return self.rows_of_keys.size()
+
+  def export(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(keys, rows, counts) of every key holding a row, by ascending row; counts aged to now."""
+    rows = tf.where(self._used_rows())[:, 0]
+    return tf.gather(self.keys, rows), rows, self._aged_counts(rows, self._epoch(self.step))
+
+  # -------------------------------------------------------------------------------------------
+  # One training step
+
+  @tf.autograph.experimental.do_not_convert
+  def remap(self, keys: tf.Tensor, training: bool) -> tuple[tf.Tensor, tf.Tensor]:
+    """(row of each key, rows given to new keys this step, which the caller must reset).
+
+    With `training`, this is one step of the map: counts and ages advance, eligible keys are
+    admitted in order of first occurrence, victims are freed. Otherwise a plain lookup.
+    """
+    if not training:
+      return self.lookup(keys), tf.zeros([0], tf.int64)
+    step = self.step.assign_add(1)
+    unique, position = tf.unique(keys, out_idx=tf.int64)
+    occurrences = tf.math.unsorted_segment_sum(
+      tf.ones_like(position), position, tf.size(unique, tf.int64)
+    )
+    rows = tf.reshape(self.rows_of_keys.lookup(unique), [-1])
+    known = rows > 0
+    self._count_hits(tf.boolean_mask(rows, known), tf.boolean_mask(occurrences, known), step)
+    if self.spec.eviction == "ttl":
+      self._free_expired(step)
+    new_rows = self._admit(
+      tf.boolean_mask(unique, ~known), tf.boolean_mask(occurrences, ~known), step
+    )
+    return tf.gather(self.rows_of_keys.lookup(unique), position), new_rows
+
+  def _count_hits(self, rows: tf.Tensor, occurrences: tf.Tensor, step: tf.Tensor) -> None:
+    epoch = self._epoch(step)
+    self.counts.scatter_update(tf.IndexedSlices(self._aged_counts(rows, epoch) + occurrences, rows))
+    self.counted_at.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), epoch), rows))
+    self.last_seen.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), step), rows))
+
+  def _free_expired(self, step: tf.Tensor) -> None:
+    """TTL: rows unseen for `ttl_steps` steps lose their keys (which read row 0 again)."""
+    last = self.last_seen.read_value()
+    expired = tf.where(self._used_rows(last) & (step - last >= self.spec.ttl_steps))[:, 0]
+    self.rows_of_keys.remove(tf.gather(self.keys, expired))
+    self.last_seen.scatter_update(
+      tf.IndexedSlices(tf.fill(tf.shape(expired), tf.constant(-1, tf.int64)), expired)
+    )
+
+  def _admit(self, keys: tf.Tensor, occurrences: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    """Gives rows to the eligible ones of `keys` (new keys in first-occurrence order)."""
+    if self.candidates is not None:
+      totals = tf.reshape(self.candidates.lookup(keys), [-1]) + occurrences
+      eligible = totals >= self.spec.min_count
+    else:
+      totals, eligible = occurrences, tf.ones_like(occurrences, tf.bool)
+    chosen_keys, chosen_totals = tf.boolean_mask(keys, eligible), tf.boolean_mask(totals, eligible)
+    rows = self._rows_to_give(tf.size(chosen_keys, tf.int64), step)
+    placed = tf.size(rows)
+    admitted = chosen_keys[:placed]
+    previous = tf.gather(self.keys, rows)
+    self.rows_of_keys.remove(tf.boolean_mask(previous, tf.gather(self.last_seen, rows) >= 0))
+    self.rows_of_keys.insert(admitted, rows)
+    self.keys.scatter_update(tf.IndexedSlices(admitted, rows))
+    self.counts.scatter_update(tf.IndexedSlices(chosen_totals[:placed], rows))
+    self.counted_at.scatter_update(
+      tf.IndexedSlices(tf.fill(tf.shape(rows), self._epoch(step)), rows)
+    )
+    self.last_seen.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), step), rows))
+    if self.candidates is not None:
+      self.candidates.remove(admitted)
+      waiting = tf.concat([tf.boolean_mask(keys, ~eligible), chosen_keys[placed:]], 0)
+      waiting_totals = tf.concat([tf.boolean_mask(totals, ~eligible), chosen_totals[placed:]], 0)
+      self.candidates.insert(waiting, waiting_totals)
+      self._prune_candidates()
+    return rows
+
+  def _rows_to_give(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    """Up to `wanted` rows: free rows by ascending index, then victims in eviction order among
+    rows whose key was not seen in this step."""
+    last = self.last_seen.read_value()
+    index = tf.range(self.capacity, dtype=tf.int64)
+    free = tf.where((last < 0) & (index > 0))[:, 0]
+
+    def with_victims() -> tf.Tensor:
+      victims = tf.where(self._used_rows(last) & (last < step))[:, 0]  # ascending rows
+      order = tf.argsort(tf.gather(last, victims), stable=True)  # least recently seen first
+      if self.spec.eviction == "lfu":
+        aged = self._aged_counts(tf.gather(victims, order), self._epoch(step))
+        order = tf.gather(order, tf.argsort(aged, stable=True))
+      ranked = tf.concat([free, tf.gather(victims, order)], 0)
+      return ranked[: tf.minimum(wanted, tf.size(ranked, tf.int64))]
+
+    enough = tf.size(free, tf.int64) >= wanted
+    return tf.cond(enough, lambda: free[:wanted], with_victims)
+
+  def _prune_candidates(self) -> None:
+    """Keeps the `candidate_capacity` highest candidate counts once twice as many are held;
+    ties keep the smaller key (strings: the smaller 64-bit fingerprint)."""
+    bound = self.spec.candidate_capacity or self.capacity
+
+    def prune() -> tf.Tensor:
+      keys, counts = (tf.reshape(t, [-1]) for t in self.candidates.export())
+      order = tf.argsort(_tie_breaker(keys), stable=True)
+      order = tf.gather(
+        order, tf.argsort(tf.gather(counts, order), direction="DESCENDING", stable=True)
+      )
+      self.candidates.remove(tf.gather(keys, order[bound:]))
+      return tf.constant(0)
+
+    tf.cond(self.candidates.size() > 2 * bound, prune, lambda: tf.constant(0))
+
+  # -------------------------------------------------------------------------------------------
+
+  def _epoch(self, step: tf.Tensor) -> tf.Tensor:
+    return step // self.spec.lfu_half_life_steps
+
+  def _aged_counts(self, rows: tf.Tensor, epoch: tf.Tensor) -> tf.Tensor:
+    halvings = tf.minimum(epoch - tf.gather(self.counted_at, rows), _MAX_SHIFT)
+    return tf.bitwise.right_shift(tf.gather(self.counts, rows), halvings)
+
+  def _used_rows(self, last_seen: tf.Tensor = None) -> tf.Tensor:
+    last = self.last_seen.read_value() if last_seen is None else last_seen
+    return (last >= 0) & (tf.range(self.capacity, dtype=tf.int64) > 0)
+
+
+def _variable(initial_value: tf.Tensor, name: str) -> tf.Variable:
+  return tf.Variable(initial_value, trainable=False, name=name)
+
+
+def _tie_breaker(keys: tf.Tensor) -> tf.Tensor:
+  if keys.dtype == tf.string:
+    return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
+  return keys

@@ -1,0 +1,79 @@
+"""`ManagedIds`: how one table manages its own vocabulary (what the user passes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import tensorflow as tf
+
+EVICTION_POLICIES = ("lfu", "lru", "ttl")
+KEY_DTYPES = (tf.int64, tf.string)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagedIds:
+  """A table that takes raw keys and gives each admitted key a row of its own.
+
+  Args:
+    key_dtype: tf.int64 (any int64 value; narrower integer inputs are widened) or tf.string.
+    eviction: which row to free when every row is taken: "lfu" (smallest aged count), "lru"
+      (least recently seen) or "ttl" (rows unseen for `ttl_steps` steps are freed, then lru).
+    min_count: a key gets a row at its `min_count`-th occurrence in training steps.
+    ttl_steps: for "ttl" only: steps without an occurrence after which a row is freed.
+    lfu_half_life_steps: LFU counts are halved every this many steps (yesterday's hits fade).
+    candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1);
+      None: the table's vocabulary size.
+  """
+
+  key_dtype: Any = tf.int64
+  eviction: str = "lfu"
+  min_count: int = 1
+  ttl_steps: Optional[int] = None
+  lfu_half_life_steps: int = 1000
+  candidate_capacity: Optional[int] = None
+
+  def __post_init__(self):
+    dtype = _as_dtype(self.key_dtype)
+    if dtype not in KEY_DTYPES:
+      raise ValueError(
+        f"ManagedIds(key_dtype={self.key_dtype!r}): expected tf.int64 or tf.string (narrower "
+        "integer keys are widened to int64 when they arrive)."
+      )
+    object.__setattr__(self, "key_dtype", dtype)
+    if self.eviction not in EVICTION_POLICIES:
+      raise ValueError(
+        f"ManagedIds(eviction={self.eviction!r}): unknown eviction policy; expected one of "
+        f"{EVICTION_POLICIES}."
+      )
+    _check_positive_int("min_count", self.min_count)
+    _check_positive_int("lfu_half_life_steps", self.lfu_half_life_steps)
+    if self.candidate_capacity is not None:
+      _check_positive_int("candidate_capacity", self.candidate_capacity)
+    if self.eviction == "ttl":
+      _check_positive_int("ttl_steps", self.ttl_steps)
+    elif self.ttl_steps is not None:
+      raise ValueError(
+        f"ManagedIds(ttl_steps={self.ttl_steps!r}) is only used with eviction='ttl' (got "
+        f"eviction={self.eviction!r})."
+      )
+
+  def check_capacity(self, table_name: str, vocabulary_size: int) -> None:
+    """Refuses a table too small to hold the out-of-vocabulary row and one key."""
+    if vocabulary_size < 2:
+      raise ValueError(
+        f"Table {table_name!r}: managed ids need vocabulary_size >= 2 (row 0 is the "
+        f"out-of-vocabulary row, the others are given to keys); got {vocabulary_size}."
+      )
+
+
+def _as_dtype(value: Any) -> Any:
+  try:
+    return tf.as_dtype(value)
+  except TypeError:
+    return value
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"ManagedIds({name}={value!r}): expected an int >= 1.")

@@ -1,0 +1,117 @@
+"""`ManagedTables`: a layer's managed-id maps, applied to its feature nest before the lookup."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import tensorflow as tf
+from tensorflow.python.saved_model import save_context  # serving traces never admit keys
+
+from tpu_embedding import config as config_lib
+from tpu_embedding.managed_ids import resets
+from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.spec import ManagedIds
+
+VariablesByTable = Callable[[], Mapping[str, Mapping[str, tf.Variable]]]
+
+
+class ManagedTables(tf.Module):
+  """{table name: IdMap} for the tables named in a layer's `managed_ids`."""
+
+  def __init__(self, managed_ids: Mapping[Any, ManagedIds], config: config_lib.EmbeddingConfig):
+    super().__init__()
+    if not isinstance(managed_ids, Mapping):
+      raise TypeError(
+        f"managed_ids must be a dict {{table name or TableConfig: tpu_embedding.ManagedIds}}, "
+        f"got {type(managed_ids).__name__}."
+      )
+    maps = {}
+    for key, spec in managed_ids.items():
+      table = config.find_table(key)
+      name = key if isinstance(key, str) else getattr(key, "name", key)
+      if table is None:
+        raise ValueError(
+          f"managed_ids names table {name!r}, which no feature of this layer uses; its tables "
+          f"are {[t.name for t in config.tables]}."
+        )
+      if not isinstance(spec, ManagedIds):
+        raise TypeError(
+          f"managed_ids[{name!r}] is a {type(spec).__name__}; expected tpu_embedding.ManagedIds."
+        )
+      maps[table.name] = IdMap(spec, table.name, table.vocabulary_size)
+    self.maps = maps
+    self._tables = {t.name: t for t in config.tables}
+
+  def remap(
+    self,
+    config: config_lib.EmbeddingConfig,
+    features: Any,
+    training: bool,
+    variables_by_table: Optional[VariablesByTable] = None,
+  ) -> Any:
+    """`features` with each managed table's raw keys replaced by rows (int64).
+
+    All keys of one table (its features in feature order, each flattened row-major) form one
+    stream, so one call is one step of that table's map. With `training`, rows given to new keys
+    are reset in the variables `variables_by_table()` returns before this returns. Functions
+    traced for a SavedModel only look keys up.
+    """
+    training = training and not save_context.in_save_context()
+    if training:
+      refuse_per_replica_remap()
+    pairs = config_lib.match_structure(config, features, subset=True)
+    streams: dict[str, list[tuple[int, tf.Tensor]]] = {}
+    for index, (feature, ids) in enumerate(pairs):
+      if feature.table.name in self.maps:
+        keys = _keys_of(feature, ids, self.maps[feature.table.name])
+        streams.setdefault(feature.table.name, []).append((index, keys))
+    leaves = [ids for _, ids in pairs]
+    for name, parts in streams.items():
+      sizes = [tf.size(keys) for _, keys in parts]
+      rows, fresh = self.maps[name].remap(tf.concat([k for _, k in parts], 0), training)
+      if training and variables_by_table is not None:
+        resets.reset_rows(self._tables[name], variables_by_table()[name], fresh)
+      for (index, _), part in zip(parts, tf.split(rows, tf.stack(sizes))):
+        leaves[index] = _with_rows(leaves[index], part)
+    return tf.nest.pack_sequence_as(features, leaves)
+
+
+def _keys_of(feature: config_lib.Feature, ids: Any, id_map: IdMap) -> tf.Tensor:
+  """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
+  if isinstance(ids, tf.SparseTensor):
+    values = ids.values
+  elif isinstance(ids, tf.RaggedTensor):
+    values = ids.flat_values
+  else:
+    values = tf.convert_to_tensor(ids) if not isinstance(ids, tf.Tensor) else ids
+  dtype, expected = values.dtype, id_map.key_dtype
+  ok = dtype == tf.string if expected == tf.string else dtype.is_integer
+  if not ok:
+    wanted = "tf.string keys" if expected == tf.string else "integer keys (int64 or narrower)"
+    raise ValueError(
+      f"Feature {feature.name!r}: its table {feature.table.name!r} manages its ids with "
+      f"key_dtype {expected.name}, which takes {wanted}; got {dtype.name} keys."
+    )
+  return tf.reshape(tf.cast(values, expected) if dtype != expected else values, [-1])
+
+
+def _with_rows(ids: Any, rows: tf.Tensor) -> Any:
+  if isinstance(ids, tf.SparseTensor):
+    return tf.SparseTensor(ids.indices, rows, ids.dense_shape)
+  if isinstance(ids, tf.RaggedTensor):
+    return ids.with_flat_values(rows)
+  return tf.reshape(rows, tf.shape(ids))
+
+
+def refuse_per_replica_remap() -> None:
+  """A training remap inside one replica of several would give the replicas different maps."""
+  if tf.distribute.in_cross_replica_context():
+    return
+  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+  if replicas > 1:
+    raise ValueError(
+      f"A layer with managed_ids was called with raw keys inside one of {replicas} replicas; "
+      "every replica must see one key -> row map. Remap the global batch once, outside "
+      "strategy.run: rows = layer.remap(global_features); then distribute the rows and call "
+      "layer(rows, remapped=True) in the replica step."
+    )
