@@ -289,6 +289,13 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
     self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
   ) -> Any:
     features = self._remap_call(features, training, remapped)
+    return self._lookup(features, weights)
+
+  # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras
+  # and Keras 3 apply to a model's call inside `fit`) would convert every function it reaches,
+  # the whole engine included, and that conversion cost most of the first step.
+  @tf.autograph.experimental.do_not_convert
+  def _lookup(self, features: Any, weights: Any) -> Any:
     pairs = config_lib.match_structure(self._config, features)
     weight_leaves = config_lib.weight_leaves(features, weights, len(pairs))
     inputs = {REPLICATED: {}, SHARDED: {}}

@@ -86,19 +86,43 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     return list(bags)
   if not bags:
     return []
-  largest = tf.stack([tf.reduce_max(tf.bitcast(_all_ids(bag), tf.uint64)) for bag in bags])
-  sizes = tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64)
+  checked = _ids_in_range(
+    [bag.ids for bag in bags],
+    [bag.truncated_ids for bag in bags if bag.truncated_ids is not None],
+    tuple(i for i, bag in enumerate(bags) if bag.truncated_ids is not None),
+    tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64),
+    tf.constant([_range_message(bag) for bag in bags]),
+  )
+  return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, checked)]
+
+
+# One function for every step that checks the same number of features: each trace of a step
+# (Keras traces a training step twice, and PartialTPUEmbedding checks each side) adds one call
+# instead of building the check again.
+@tf.function(autograph=False, reduce_retracing=True)
+def _ids_in_range(
+  ids: list[Tensor],
+  truncated: list[Tensor],
+  truncated_of: tuple[int, ...],
+  sizes: Tensor,
+  messages: Tensor,
+) -> list[Tensor]:
+  """`ids` once every feature's ids, with the ids cut off by max_sequence_length
+  (`truncated[j]` belongs to feature `truncated_of[j]`), are known to be in range."""
+  every = [tf.reshape(i, [-1]) for i in ids]
+  for position, cut in zip(truncated_of, truncated):
+    every[position] = tf.concat([every[position], cut], 0)
+  largest = tf.stack([tf.reduce_max(tf.bitcast(i, tf.uint64)) for i in every])
 
   def fail():
-    # Traced in every step but run only on bad ids: one Assert over all features' ids at once
-    # (naming the first feature at fault), so tracing time does not grow with the features.
-    every = [_all_ids(bag) for bag in bags]
-    ids = tf.concat(every, 0)
-    owner = tf.repeat(tf.range(len(bags)), tf.stack([tf.size(bag_ids) for bag_ids in every]))
-    too_large = tf.bitcast(ids, tf.uint64) >= tf.gather(sizes, owner)
+    # Run only on bad ids: one Assert over all features' ids at once (naming the first
+    # feature at fault), so that the check does not grow with the features.
+    flat = tf.concat(every, 0)
+    owner = tf.repeat(tf.range(len(every)), tf.stack([tf.size(i) for i in every]))
+    too_large = tf.bitcast(flat, tf.uint64) >= tf.gather(sizes, owner)
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
-    offending = tf.boolean_mask(ids, tf.logical_and(too_large, tf.equal(owner, at_fault)))
-    message = tf.gather(tf.constant([_range_message(bag) for bag in bags]), at_fault)
+    offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
+    message = tf.gather(messages, at_fault)
     with tf.control_dependencies(
       [tf.debugging.Assert(False, [message, "Offending ids:", offending], summarize=5)]
     ):
@@ -106,7 +130,7 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
 
   checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
   with tf.control_dependencies([checked]):
-    return [dataclasses.replace(bag, ids=tf.identity(bag.ids)) for bag in bags]
+    return tf.identity_n(ids)
 
 
 def _all_ids(bag: Bags) -> Tensor:

@@ -193,6 +193,9 @@ class EmbeddingEngine(tf.Module):
   # -------------------------------------------------------------------------------------------
   # Lookup
 
+  # Not converted by AutoGraph (see `PartialTPUEmbeddingCore.call`): it has no tensor-dependent
+  # Python control flow, and converting it and all it calls is slower than tracing it.
+  @tf.autograph.experimental.do_not_convert
   def lookup(self, features: Any, weights: Any = None, trap: Optional[tf.Variable] = None) -> Any:
     """Activations with the structure of `features`.
 

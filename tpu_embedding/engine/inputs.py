@@ -127,7 +127,7 @@ def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
     static = tf.TensorShape(None)
   return Bags(
     feature,
-    tf.reshape(ids, [-1]),
+    ids if ids.shape.rank == 1 else tf.reshape(ids, [-1]),
     None,
     None,
     tf.reduce_prod(shape),

@@ -322,6 +322,8 @@ def _combine(bag: Bags, rows: Tensor) -> Tensor:
 
 
 def shape_activations(bag: Bags, flat: Tensor) -> Tensor:
+  if bag.static_shape.rank == 1:  # one row per sample already: [N, D] is the activation
+    return _set_static_shape(flat, bag, flat.shape[-1])
   dim = tf.shape(flat, out_type=tf.int64)[1:]
   out = tf.reshape(flat, tf.concat([bag.output_shape, dim], axis=0))
   return _set_static_shape(out, bag, flat.shape[-1])
