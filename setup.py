@@ -17,7 +17,7 @@ class BuildTensorFlowKernels(build_ext.build_ext):
   """Compiles each extension as a TF op library with the installed TF's flags."""
 
   def build_extension(self, ext):
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf
 
     ext.include_dirs.append(".")  # "tpu_embedding/engine/cc/kernels.h"
     ext.extra_compile_args = tf.sysconfig.get_compile_flags() + [
@@ -32,7 +32,7 @@ class BuildTensorFlowKernels(build_ext.build_ext):
       super().build_extension(ext)
       # The kernels load only under this TF (tpu_embedding/engine/native.py reads this record).
       _record(self.get_ext_fullpath(ext.name)).write_text(tf.__version__ + "\n")
-    except Exception as e:  # pylint: disable=broad-except  (any compiler or linker failure)
+    except Exception as e:  # any compiler or linker failure
       print(
         f"WARNING: could not compile {ext.name} ({e}); tpu_embedding will use TF ops, "
         "which are slower. Install a C++17 compiler and reinstall to get the kernels.",

@@ -115,7 +115,7 @@ def embedding_layer(impl: str, layer: str, tf: Any, optimizer: Any, batch: int) 
     return _keras_rs_layer(batch)
   configs = feature_configs(tf)
   if impl == "tfrs":
-    import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+    import tensorflow_recommenders as tfrs
 
     if layer == "partial":
       return tfrs.experimental.layers.embedding.PartialTPUEmbedding(
@@ -123,11 +123,11 @@ def embedding_layer(impl: str, layer: str, tf: Any, optimizer: Any, batch: int) 
       )
     return tfrs.layers.embedding.TPUEmbedding(configs, optimizer)
   if impl == "ours":
-    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    import tpu_embedding
 
     module = tpu_embedding
   else:  # ours-keras3
-    import tpu_embedding.keras  # pylint: disable=g-import-not-at-top
+    import tpu_embedding.keras
 
     module = tpu_embedding.keras
   if layer == "partial":
@@ -138,8 +138,8 @@ def embedding_layer(impl: str, layer: str, tf: Any, optimizer: Any, batch: int) 
 def _keras_rs_layer(batch: int) -> Any:
   """keras-rs's `DistributedEmbedding` over the same tables (off TPU: Keras embeddings that the
   model's optimizer trains)."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import keras_rs  # pylint: disable=g-import-not-at-top
+  import keras
+  import keras_rs
 
   configs = {}
   for name, vocab, i in zip(feature_names(), vocabularies(), range(len(feature_names()))):

@@ -52,9 +52,9 @@ def child(case: str, impl: str, steps: int, batch: int, small: bool) -> dict:
   how, layer, keras_name, _ = CASES[case]
   if impl == "tfrs":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"  # tfrs 0.7.7 imports only with legacy Keras
-  import importlib  # pylint: disable=g-import-not-at-top
+  import importlib
 
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
 
   keras = importlib.import_module(keras_name)
   importlib.import_module(
@@ -79,7 +79,7 @@ def child(case: str, impl: str, steps: int, batch: int, small: bool) -> dict:
 
 
 def _model_garden_steps(tf, keras, impl: str, how: str, layer: str, steps: int) -> dict:
-  from benchmarks import dlrm_keras  # pylint: disable=g-import-not-at-top
+  from benchmarks import dlrm_keras
 
   t0 = time.perf_counter()
   model, optimizer = dlrm_keras.build(impl, layer, tf, keras, MODEL_GARDEN_BATCH)
@@ -118,8 +118,7 @@ def _model_garden_steps(tf, keras, impl: str, how: str, layer: str, steps: int) 
 
 
 def _worker_steps(tf, tf_keras, impl: str, steps: int, batch: int, small: bool) -> dict:
-  from benchmarks import cases  # pylint: disable=g-import-not-at-top
-  from benchmarks import worker  # pylint: disable=g-import-not-at-top
+  from benchmarks import cases, worker
 
   sizes = [1000] * 26 if small else cases.dlrm_sizes()
   t0 = time.perf_counter()

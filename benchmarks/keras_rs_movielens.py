@@ -44,13 +44,13 @@ SEED = 42
 
 
 def _train(implementation: str, args: argparse.Namespace, result_file: str) -> None:
-  import time  # pylint: disable=g-import-not-at-top
+  import time
 
-  import keras  # pylint: disable=g-import-not-at-top
-  import keras_rs  # pylint: disable=g-import-not-at-top
+  import keras
+  import keras_rs
 
-  from tpu_embedding.data import movielens  # pylint: disable=g-import-not-at-top
-  from tpu_embedding.keras import DistributedEmbedding  # pylint: disable=g-import-not-at-top
+  from tpu_embedding.data import movielens
+  from tpu_embedding.keras import DistributedEmbedding
 
   keras.utils.set_random_seed(SEED)
   data = movielens.load_movielens(args.source, args.data_dir, seed=SEED)

@@ -11,16 +11,8 @@ from typing import Optional
 
 from benchmarks import harness as h
 from benchmarks.cases import Settings
-from benchmarks.results import Row
-from benchmarks.results import pyplot
-from benchmarks.results import collect
-from benchmarks.sections import batch
-from benchmarks.sections import dlrm
-from benchmarks.sections import jit
-from benchmarks.sections import limit
-from benchmarks.sections import memory
-from benchmarks.sections import serving
-from benchmarks.sections import table_size
+from benchmarks.results import Row, collect, pyplot
+from benchmarks.sections import batch, dlrm, jit, limit, memory, serving, table_size
 
 # (case name, its section), in the report's order.
 SECTIONS = (
@@ -70,7 +62,7 @@ class Report:
       if name in cases:
         try:
           section.write(self)
-        except Exception as e:  # pylint: disable=broad-except
+        except Exception as e:
           self.errors.append(f"report section {name} failed: {type(e).__name__}: {e}")
     s = self.s
     head = [

@@ -6,8 +6,7 @@ import dataclasses
 from typing import Optional
 
 from benchmarks import harness as h
-from benchmarks.cases import Settings
-from benchmarks.cases import impl_label
+from benchmarks.cases import Settings, impl_label
 
 
 @dataclasses.dataclass
@@ -122,9 +121,9 @@ def timing_table(rows: list, ratio_header: str) -> str:
 
 def pyplot():
   """matplotlib.pyplot on the file-only backend, imported when a plot is drawn."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   return plt

@@ -36,10 +36,10 @@ USERS, MOVIES, DIM = 100_000, 20_000, 32
 
 
 def _export(implementation: str, directory: str) -> None:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  import tf_keras
 
-  E = tf.tpu.experimental.embedding  # pylint: disable=invalid-name
+  E = tf.tpu.experimental.embedding
 
   def initializer(seed):
     def init(shape, dtype=tf.float32):
@@ -54,11 +54,11 @@ def _export(implementation: str, directory: str) -> None:
     "movie": E.FeatureConfig(E.TableConfig(MOVIES, DIM, name="movie", initializer=initializer(2))),
   }
   if implementation == "tfrs":
-    import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+    import tensorflow_recommenders as tfrs
 
     embedding = tfrs.layers.embedding.TPUEmbedding(config, E.Adagrad(0.1))
   else:
-    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    import tpu_embedding
 
     embedding = tpu_embedding.TPUEmbedding(config, E.Adagrad(0.1))
 
@@ -93,7 +93,7 @@ def _export(implementation: str, directory: str) -> None:
   if implementation == "tfrs":
     tf.saved_model.save(model, directory, signatures={"serving_default": serve})
   else:
-    from tpu_embedding.serving import export_for_serving  # pylint: disable=g-import-not-at-top
+    from tpu_embedding.serving import export_for_serving
 
     export_for_serving(model, directory, serve)
 
@@ -103,8 +103,8 @@ def _export(implementation: str, directory: str) -> None:
 
 
 def _measure(directory: str, out: str, quick: bool) -> None:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import tensorflow as tf
 
   loaded = tf.saved_model.load(directory)
   serve = loaded.signatures["serving_default"]
@@ -183,10 +183,10 @@ def _table(results: dict) -> str:
 
 
 def _plot(results: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
 
   fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4))
   for name, marker in zip(IMPLEMENTATIONS, "os"):
@@ -228,7 +228,7 @@ def main() -> None:
       _run(["_measure", export_dir, out] + (["--quick"] if args.quick else []))
       with open(out) as f:
         results[name] = json.load(f)
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
 
   difference = float(
     np.max(np.abs(np.subtract(results["tpu_embedding"]["probe"], results["tfrs"]["probe"])))

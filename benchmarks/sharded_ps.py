@@ -1,10 +1,10 @@
 """Tables sharded over parameter servers: examples/s and bytes on the wire per step.
 
 Every configuration runs a fresh local cluster (`LocalCluster`: ps and 2 worker processes on
-127.0.0.1) with this process as coordinator (the whole benchmark reruns itself in a private
-network, which only loopback reaches, where one can be made), and times `--steps` steps of the DLRM-shaped
-model's embedding part (`--tables` tables of `--rows` x 16, batch `--batch`, one id per table
-and example, Adagrad, loss = sum of the activations) scheduled on the workers:
+127.0.0.1) with this process as coordinator (the whole benchmark reruns itself in a private network,
+which only loopback reaches, where one can be made), and times `--steps` steps of the DLRM-shaped
+model's embedding part (`--tables` tables of `--rows` x 16, batch `--batch`, one id per table and
+example, Adagrad, loss = sum of the activations) scheduled on the workers:
 
   sharded N ps   the engine, tables row-sharded over N ps tasks (FixedShardsPartitioner(N))
   unsharded      the engine, no partitioner: each table whole on one ps task
@@ -87,7 +87,7 @@ def _engine_step(strategy, args):
   }
   with strategy.scope():
     layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
-    layer.variables_by_table  # pylint: disable=pointless-statement
+    layer.variables_by_table
 
   def step(ids):
     with tf.GradientTape() as tape:

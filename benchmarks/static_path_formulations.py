@@ -31,8 +31,10 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import harness as h  # noqa: E402
 from tpu_embedding import config  # noqa: E402
-from tpu_embedding.engine import static_path  # noqa: E402
-from tpu_embedding.engine import updates  # noqa: E402
+from tpu_embedding.engine import (
+  static_path,  # noqa: E402
+  updates,  # noqa: E402
+)
 from tpu_embedding.engine.state import TableState  # noqa: E402
 
 E = tf.tpu.experimental.embedding

@@ -27,12 +27,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+import numpy as np
+import tensorflow as tf
 
-from tpu_embedding.engine import native  # pylint: disable=g-import-not-at-top
-from tpu_embedding.engine import updates  # pylint: disable=g-import-not-at-top
-from tpu_embedding.engine.state import TableState  # pylint: disable=g-import-not-at-top
+from tpu_embedding.engine import native, updates
+from tpu_embedding.engine.state import TableState
 
 E = tf.tpu.experimental.embedding
 DIM = 32
@@ -82,8 +81,8 @@ def _time_ms(fn: Callable[[int], None], iters: int, repeats: int = 5) -> float:
 def _variables(optimizer, vocab: int):
   table = tf.Variable(tf.random.uniform([vocab, DIM], -0.05, 0.05))
   slots = {}
-  names = optimizer._slot_names()  # pylint: disable=protected-access
-  inits = optimizer._slot_initializers()  # pylint: disable=protected-access
+  names = optimizer._slot_names()
+  inits = optimizer._slot_initializers()
   for name, init in zip(names, inits):
     slots[name] = tf.Variable(init(shape=[vocab, DIM], dtype=tf.float32))
   return table, slots

@@ -85,7 +85,7 @@ def run_limit(spec) -> dict:
 
 def _limit_of_shape(rows: int, dim: int, spec, rng) -> dict:
   """The bandwidths for one table shape; its table is freed on return, before the next one."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
 
   table = np.ones((rows, dim), np.float32)
   n = spec["n_rows"]
@@ -121,8 +121,8 @@ def _limit_of_shape(rows: int, dim: int, spec, rng) -> dict:
 
 def build(spec):
   """(layer, keras optimizer, feature dict -> activations list, list of table configs)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  import tf_keras
 
   e = tf.tpu.experimental.embedding
   impl, opt, dim = spec["impl"], spec["opt"], spec["dim"]
@@ -142,19 +142,19 @@ def build(spec):
   keras_opt = k.Adagrad(lr) if opt == "adagrad" else k.Adam(lr)
   mid_opt = e.Adagrad(lr) if opt == "adagrad" else e.Adam(lr)
   if impl == "ours":
-    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    import tpu_embedding
 
     layer = tpu_embedding.TPUEmbedding(fc, mid_opt)
   elif impl == "ours-keras":
-    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    import tpu_embedding
 
     layer = tpu_embedding.TPUEmbedding(fc, mid_opt, table_updates="keras")
   elif impl == "ours-partial":
-    import tpu_embedding  # pylint: disable=g-import-not-at-top
+    import tpu_embedding
 
     layer = tpu_embedding.PartialTPUEmbedding(fc, mid_opt, size_threshold=None)
   elif impl == "tfrs":
-    import tensorflow_recommenders as tfrs  # pylint: disable=g-import-not-at-top
+    import tensorflow_recommenders as tfrs
 
     layer = tfrs.layers.embedding.TPUEmbedding(fc, keras_opt)
   elif impl == "keras-embedding":
@@ -170,7 +170,7 @@ class KerasEmbeddings:
   """Plain `tf_keras.layers.Embedding` per table; ragged multi-hot features summed."""
 
   def __init__(self, tables, tf_keras):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
 
     self._tf = tf
     self.layers = {
@@ -201,7 +201,7 @@ class ConstantActivations:
     self._dim = dim
 
   def __call__(self, feats):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
 
     batch = lambda x: x.nrows() if isinstance(x, tf.RaggedTensor) else tf.shape(x, tf.int64)[0]
     return {name: tf.fill(tf.stack([batch(x), self._dim]), 0.01) for name, x in feats.items()}
@@ -217,9 +217,10 @@ def run_train(spec) -> dict:
   (the first group's figure is the clean peak of a fresh process, building included).
   """
   t_start = time.perf_counter()
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_keras  # pylint: disable=g-import-not-at-top
-  import gc  # pylint: disable=g-import-not-at-top
+  import gc
+
+  import tensorflow as tf
+  import tf_keras
 
   t_import = time.perf_counter() - t_start
   rss_after_import = vmhwm_bytes()

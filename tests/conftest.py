@@ -19,9 +19,7 @@ except RuntimeError:  # already initialised by an earlier import in this process
 
 import pytest  # noqa: E402
 
-from tpu_embedding.engine import native  # noqa: E402
-from tpu_embedding.engine import static_path  # noqa: E402
-from tpu_embedding.engine import updates  # noqa: E402
+from tpu_embedding.engine import native, static_path, updates  # noqa: E402
 
 
 @pytest.fixture(params=["native", "tf_ops"])

@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 
 from tpu_embedding.examples import private_network
-from tpu_embedding.examples.local_cluster import LocalCluster, open_network
-from tpu_embedding.examples.local_cluster import free_ports  # noqa: F401 (for the tests)
+from tpu_embedding.examples.local_cluster import (
+  LocalCluster,
+  free_ports,  # noqa: F401 (for the tests)
+  open_network,
+)
 
 
 def cluster(num_ps: int, num_workers: int) -> LocalCluster:

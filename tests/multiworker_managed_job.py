@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tpu_embedding  # noqa: E402
+
 from multiworker_job import strategy_of_this_process  # noqa: E402  (this script's folder)
 
 E = tf.tpu.experimental.embedding

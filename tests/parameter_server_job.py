@@ -17,8 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import loopback  # noqa: E402
 import tpu_embedding  # noqa: E402
+
+import loopback  # noqa: E402
 
 E = tf.tpu.experimental.embedding
 # Each step looks up one batch per feature; the loss weights feature "a" by 1 and "b" by 2.

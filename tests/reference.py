@@ -90,7 +90,7 @@ def params_from_optimizer(optimizer) -> Params:
     params[name] = getattr(optimizer, name, None)
   if kind == "custom":
     params["custom_computation"] = optimizer.custom_computation
-    params["slot_names"] = tuple(optimizer._slot_names())  # pylint: disable=protected-access
+    params["slot_names"] = tuple(optimizer._slot_names())
     params["hyperparameters"] = tuple(h() if callable(h) else h for h in optimizer.hyperparameters)
     return params
   for name in _HYPERPARAMETERS[kind]:

@@ -240,7 +240,7 @@ def ps_fault(cluster, out, pid):
   try:
     run_sharded(strategy, layer, STEPS - MORE, first=MORE)
     error = None
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     error = {"type": type(e).__name__, "message": str(e)[:2000]}
   with open(os.path.join(out, "ps_fault.json"), "w") as f:
     json.dump(error, f)

@@ -11,13 +11,14 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import tpu_harness
 from tpu_embedding import serving
+from tpu_embedding.config import prepare
 from tpu_embedding.engine import EmbeddingEngine
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
-from tpu_embedding.config import prepare
 from tpu_embedding.layer import TPUEmbedding
 from tpu_embedding.partial import PartialTPUEmbedding
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4
@@ -226,8 +227,9 @@ def test_a_tpu_layer_exports_for_serving(tpu, path, tmp_path):
 
 
 def _keras3_layer(config, **kwargs):
-  import keras  # pylint: disable=g-import-not-at-top
-  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding  # pylint: disable=g-import-not-at-top
+  import keras
+
+  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding
 
   return Keras3TPUEmbedding(config, optimizer=keras.optimizers.SGD(0.1), **kwargs)
 

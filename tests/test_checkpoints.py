@@ -327,7 +327,7 @@ def test_expected_shapes_are_what_the_engine_creates():
 # Checkpoints written by tf-recommenders 0.7.7 itself (tests/tfrs_checkpoint_writer.py)
 
 sys.path.insert(0, HERE)
-import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402  pylint: disable=g-import-not-at-top
+import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 
 # The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
 TFRS_SLOTS = {

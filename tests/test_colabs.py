@@ -19,7 +19,7 @@ KERNEL = "tpu-embedding-test"
 def test_notebooks_are_up_to_date_and_have_no_outputs():
   sys.path.insert(0, str(COLABS))
   try:
-    import build_notebooks  # pylint: disable=import-outside-toplevel
+    import build_notebooks
   finally:
     sys.path.pop(0)
   assert sorted(p.name for p in NOTEBOOKS) == sorted(build_notebooks.NOTEBOOKS)

@@ -3,7 +3,6 @@
 import pytest
 import tensorflow as tf
 import tf_keras
-
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
 from tpu_embedding.backends import conversion

@@ -13,8 +13,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import reference
 import tpu_embedding
+
+import reference
 
 E = tf.tpu.experimental.embedding
 

@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import reference
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
-from tpu_embedding.engine import exchange
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
-from tpu_embedding.engine import static_path
-from tpu_embedding.engine import updates
+from tpu_embedding.engine import exchange, inputs, lookup, static_path, updates
 from tpu_embedding.engine.engine import EmbeddingEngine
 from tpu_embedding.engine.state import TableState
+
+import reference
 
 E = tf.tpu.experimental.embedding
 

@@ -9,10 +9,10 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
-from unchanged import assert_unchanged, snapshot
-from tpu_embedding import backends
+from tpu_embedding import backends, hardware
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
+
+from unchanged import assert_unchanged, snapshot
 
 E = tf.tpu.experimental.embedding
 ROWS = np.arange(10, dtype=np.float32).reshape(5, 2)

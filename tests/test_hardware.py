@@ -10,9 +10,10 @@ import itertools
 import pytest
 import tensorflow as tf
 
-import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
+
+import tpu_harness
 
 FEATURES = [EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1, EmbeddingFeature.V2]
 OVERRIDES = [None] + FEATURES

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import child_process
-from unchanged import assert_unchanged, snapshot
 import tpu_embedding
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import inputs
+
+import child_process
+from unchanged import assert_unchanged, snapshot
 
 E = tf.tpu.experimental.embedding
 DIM = 2

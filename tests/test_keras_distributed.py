@@ -2,16 +2,17 @@
 optimizer. keras-rs's own tests run against it in tests/test_keras_rs_distributed_embedding.py;
 these check the values, what differs from keras-rs, and every refusal."""
 
+import keras
+import keras_rs
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
-import keras_rs
+
+from tpu_embedding import hardware
+from tpu_embedding.keras import DistributedEmbedding, TPUEmbedding, config_conversion
 
 import reference
 import tpu_harness
-from tpu_embedding import hardware
-from tpu_embedding.keras import DistributedEmbedding, TPUEmbedding, config_conversion
 
 BATCH, DIM, VOCABULARY, LR = 3, 4, 6, 0.5
 IDS = np.array([[1, 2], [3, 3], [0, 4]], np.int32)

@@ -6,10 +6,10 @@ and Mirrored strategies, checkpoints interchangeable with the tf-keras layer's (
 both ways), and export for serving. Expected values come from NumPy.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tpu_embedding import serving
 from tpu_embedding.keras import TPUEmbedding
@@ -227,8 +227,9 @@ def test_check_finite_refuses_a_nan_gradient_and_survives_the_config_round_trip(
 
 def _trained_layer(flavour):
   """A layer of `flavour` ("keras" or "tf_keras") after two Adagrad steps, and its table."""
-  import tf_keras  # pylint: disable=g-import-not-at-top
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
+  import tf_keras
+
+  import tpu_embedding
 
   t = make_table(E.Adagrad(0.2))
   cls = TPUEmbedding if flavour == "keras" else tpu_embedding.TPUEmbedding
@@ -244,7 +245,7 @@ def _trained_layer(flavour):
 
 
 def _fresh_layer(flavour):
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
+  import tpu_embedding
 
   cls = TPUEmbedding if flavour == "keras" else tpu_embedding.TPUEmbedding
   return cls({"f": E.FeatureConfig(table=make_table(E.Adagrad(0.2), values=np.zeros((4, 2))))})

@@ -1,10 +1,10 @@
 """Tests of the Keras 3 `PartialTPUEmbedding` on the CPU path: both sides train the same as the
 tf-keras layer, in `model.fit`, and checkpoints restore into a tf-keras `TPUEmbedding`."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tpu_embedding.keras import PartialTPUEmbedding
 
@@ -71,7 +71,7 @@ def test_fit_trains_both_sides_like_numpy(size_threshold):
 
 
 def test_checkpoint_restores_into_the_tf_keras_layer(tmp_path):
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
+  import tpu_embedding
 
   small, large = tables()
   config = {"small": E.FeatureConfig(small), "large": E.FeatureConfig(large)}
@@ -116,7 +116,7 @@ def test_keras_file_round_trip_of_both_sides(tmp_path):
 
 
 def test_custom_loop_under_mirrored_strategy_and_export_for_serving(tmp_path):
-  from tpu_embedding import serving  # pylint: disable=g-import-not-at-top
+  from tpu_embedding import serving
 
   strategy = tf.distribute.MirroredStrategy(  # no collectives: see test_keras_layer
     ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()

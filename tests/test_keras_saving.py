@@ -1,10 +1,10 @@
 """Legacy HDF5 files of the Keras 3 layers (`tpu_embedding.keras.saving`): they hold and restore
 every table and slot (`.keras` files are tested with each layer)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tpu_embedding.keras import DistributedEmbedding, PartialTPUEmbedding, TPUEmbedding
 

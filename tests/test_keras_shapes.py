@@ -1,10 +1,10 @@
 """Symbolic outputs of the Keras 3 layers (`tpu_embedding.keras.shapes`): functional models
 build with the activations' real shapes, for every input kind, with and without weights."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 from tpu_embedding.keras import DistributedEmbedding, PartialTPUEmbedding, TPUEmbedding
 

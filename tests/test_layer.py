@@ -1,4 +1,5 @@
-"""Tests of the TPUEmbedding layer on the CPU path: activations, training, Keras integration, errors.
+"""Tests of the TPUEmbedding layer on the CPU path: activations, training, Keras integration and
+errors.
 
 Expected values come from NumPy computations on tables with known constant initial values, or
 from the hand-worked examples of the semantics spec.
@@ -82,7 +83,8 @@ def test_multi_hot_activations_match_numpy(combiner, kind, weighted):
 
 
 def test_spec_worked_combiner_example():
-  """SPEC §3.2: W[1]=[2,3], W[3]=[6,7]; ids [1,3] weights [2,0.5] -> sqrtn [3.3954988, 4.6081772]."""
+  """SPEC §3.2: W[1]=[2,3], W[3]=[6,7]; ids [1,3] weights [2,0.5] -> sqrtn
+  [3.3954988, 4.6081772]."""
   values = np.array([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]], np.float32)
   expected = {"sum": [7.0, 9.5], "mean": [2.8, 3.8], "sqrtn": [3.3954988, 4.6081772]}
   for combiner, activation in expected.items():
@@ -731,7 +733,7 @@ def test_keras_adam_without_bias_correction_is_logged_once(layer, tables):
 
 def test_keras_fit_with_jit_compile_trains_dense_ragged_and_sparse_inputs_like_the_reference():
   """loss = mean over samples of <activations, y>, so each activation's gradient is y / B."""
-  import reference  # pylint: disable=import-outside-toplevel
+  import reference
 
   values = row_id_table(6, 2) / 10
   optimizer = E.Adam(0.1, lazy_adam=True)

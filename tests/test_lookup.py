@@ -6,8 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
+from tpu_embedding.engine import inputs, lookup
 
 E = tf.tpu.experimental.embedding
 DIM = 2

@@ -5,8 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tests.managed_ids_reference import ReferenceMap
-from tpu_embedding.managed_ids import IdMap
-from tpu_embedding.managed_ids import ManagedIds
+from tpu_embedding.managed_ids import IdMap, ManagedIds
 
 POLICIES = [
   dict(eviction="lfu", half_life=3),

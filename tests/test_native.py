@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import child_process
-from tpu_embedding.engine import native
-from tpu_embedding.engine import updates
+from tpu_embedding.engine import native, updates
 from tpu_embedding.engine.state import TableState
+
+import child_process
 
 E = tf.tpu.experimental.embedding
 
@@ -212,7 +212,8 @@ import numpy as np, tensorflow as tf
 import tpu_embedding
 from tpu_embedding.engine import native
 E = tf.tpu.experimental.embedding
-table = E.TableConfig(3, 2, initializer=tf.constant_initializer(np.arange(6.0).reshape(3, 2)), name="t")
+initial = tf.constant_initializer(np.arange(6.0).reshape(3, 2))
+table = E.TableConfig(3, 2, initializer=initial, name="t")
 layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table)}, optimizer=E.SGD(0.1))
 with tf.GradientTape():
   out = layer({"f": tf.constant([[1]])})["f"]
@@ -237,7 +238,7 @@ def _run(
   slots = {
     name: tf.Variable(rng.uniform(0.01, 0.2, (vocab, dim)).astype(np.float32))
     for name in optimizer._slot_names()
-  }  # pylint: disable=protected-access
+  }
 
   rule = updates.rule_for(optimizer)
   state = TableState.of({"parameters": table, **slots}, rule.slot_names)
@@ -369,7 +370,7 @@ def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
 
 def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
   """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops."""
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
+  import tpu_embedding
 
   table = E.TableConfig(8, 2, name="t", initializer=tf.constant_initializer(0.5))
   module = tf.Module()

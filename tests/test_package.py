@@ -52,19 +52,19 @@ def test_tf_keras_layers_do_not_import_more_keras3():
 
 
 def test_top_level_names_are_imported_on_first_use():
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
-  from tpu_embedding import layer, partial  # pylint: disable=g-import-not-at-top
+  import tpu_embedding
+  from tpu_embedding import layer, partial
 
   assert tpu_embedding.TPUEmbedding is layer.TPUEmbedding
   assert tpu_embedding.PartialTPUEmbedding is partial.PartialTPUEmbedding
   assert set(tpu_embedding.__all__) <= set(dir(tpu_embedding))
   with pytest.raises(AttributeError, match="no attribute 'Missing'"):
-    tpu_embedding.Missing  # pylint: disable=pointless-statement
+    tpu_embedding.Missing
 
 
 def test_the_old_name_path_warns_and_gives_execution_path():
-  import tpu_embedding  # pylint: disable=g-import-not-at-top
-  from tpu_embedding import hardware  # pylint: disable=g-import-not-at-top
+  import tpu_embedding
+  from tpu_embedding import hardware
 
   assert tpu_embedding.ExecutionPath is hardware.ExecutionPath
   with pytest.warns(DeprecationWarning, match=r"tpu_embedding.Path is deprecated; use .*Exec"):

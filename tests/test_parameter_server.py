@@ -1,8 +1,9 @@
 """ParameterServerStrategy for real: tables on a ps task, steps scheduled on two workers.
 
-The cluster runs in a subprocess (`parameter_server_job.py`), since connecting to a cluster
-changes TensorFlow's global context, in a network of its own where one can be made. Expected values are worked out by hand from the job's
-batches (see its docstring for why they do not depend on the order the workers run steps in).
+The cluster runs in a subprocess (`parameter_server_job.py`), since connecting to a cluster changes
+TensorFlow's global context, in a network of its own where one can be made. Expected values are
+worked out by hand from the job's batches (see its docstring for why they do not depend on the order
+the workers run steps in).
 """
 
 import os

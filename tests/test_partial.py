@@ -13,10 +13,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import tpu_harness
 import tpu_embedding
 from tpu_embedding import hardware
 from tpu_embedding.partial import PartialTPUEmbedding, ReplicatedTable
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 
@@ -817,7 +818,7 @@ def test_sharding_on_a_tpu_without_embedding_hardware_is_refused(monkeypatch):
 
 def _expected_tables(optimizer, bags_by_table, upstream_by_table, steps):
   """Reference tables and slots after `steps` identical steps, per table name."""
-  import reference  # pylint: disable=import-outside-toplevel
+  import reference
 
   params = reference.params_from_optimizer(optimizer)
   expected = {}

@@ -3,10 +3,10 @@
 import pytest
 import tensorflow as tf
 
-import tpu_harness
-from tpu_embedding import hardware
-from tpu_embedding import placement
+from tpu_embedding import hardware, placement
 from tpu_embedding.config import prepare
+
+import tpu_harness
 
 E = tf.tpu.experimental.embedding
 

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-import loopback
 from tpu_embedding.examples import private_network
+
+import loopback
 
 # Listens on every interface of its network (as TensorFlow's servers do) until stdin closes.
 SERVER = """

@@ -14,8 +14,9 @@ import tpu_embedding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 from test_checkpoints import tfrs_checkpoints  # noqa: E402, F401  (a fixture: files tfrs writes)
+
+import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 
 E = tf.tpu.experimental.embedding
 IDS = {"user": tf.constant([1, 2, 3]), "movie": tf.constant([0, 4, 4])}

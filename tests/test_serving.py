@@ -176,7 +176,8 @@ def test_serving_config_with_an_unknown_table_is_refused():
 
 LOAD_WITH_TENSORFLOW_ONLY = textwrap.dedent("""
     import sys, numpy as np, tensorflow as tf
-    directory, inputs, examples, out = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3]), sys.argv[4]
+    directory, out = sys.argv[1], sys.argv[4]
+    inputs, examples = eval(sys.argv[2]), eval(sys.argv[3])
     loaded = tf.saved_model.load(directory)
     ids = {k: tf.constant(v, tf.int64) for k, v in inputs.items()}
     results = {
@@ -222,8 +223,8 @@ def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_p
 
 
 def test_exported_graph_holds_only_cpu_ops(exported):
-  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.framework import kernels  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.protobuf import saved_model_pb2
+  from tensorflow.python.framework import kernels
 
   _, directory, _ = exported
   proto = saved_model_pb2.SavedModel()

@@ -1,9 +1,9 @@
 """Tables row-sharded over parameter servers, with real ps and worker processes on loopback.
 
-One `LocalCluster` (3 ps, 2 workers, each its own process) serves the module; the coordinator
-runs in a subprocess (`sharded_job.py`) in the cluster's network, since connecting to a cluster
-changes TensorFlow's global context. Its steps are built so that the result does not depend on the order in which
-the workers run them (see the job's docstring), so the sharded tables must equal a
+One `LocalCluster` (3 ps, 2 workers, each its own process) serves the module; the coordinator runs
+in a subprocess (`sharded_job.py`) in the cluster's network, since connecting to a cluster changes
+TensorFlow's global context. Its steps are built so that the result does not depend on the order in
+which the workers run them (see the job's docstring), so the sharded tables must equal a
 single-process run of the same steps: exactly for SGD and Adagrad, to float32 rounding for the
 others. Two workers update the same rows all along, so a lost update shows as a difference.
 """

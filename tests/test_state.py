@@ -3,8 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tpu_embedding.engine.state import PendingUpdate
-from tpu_embedding.engine.state import TableState
+from tpu_embedding.engine.state import PendingUpdate, TableState
 
 E = tf.tpu.experimental.embedding
 

@@ -10,10 +10,10 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.python.tpu import tpu_replication  # the context TPUStrategy's replica steps run in
 
-import reference
 import tpu_embedding
-from tpu_embedding.engine import static_path
-from tpu_embedding.engine import updates
+from tpu_embedding.engine import static_path, updates
+
+import reference
 
 E = tf.tpu.experimental.embedding
 

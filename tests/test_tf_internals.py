@@ -7,8 +7,7 @@ or changed meaning fails here by name.
 import numpy as np
 import tensorflow as tf
 
-from tpu_embedding import tf_internals
-from tpu_embedding import tf_versions
+from tpu_embedding import tf_internals, tf_versions
 
 emb = tf.tpu.experimental.embedding
 MINOR = tuple(int(part) for part in tf_versions.minor_version(tf.__version__).split("."))

@@ -6,10 +6,10 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
-import tpu_harness
-from tpu_embedding import tf_mid_level
-from tpu_embedding import tf_versions
+from tpu_embedding import tf_mid_level, tf_versions
 from tpu_embedding.hardware import EmbeddingFeature
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 BATCH = 2

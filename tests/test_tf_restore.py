@@ -14,8 +14,7 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import restore as tf_restore_internals
 
 import tpu_embedding
-from tpu_embedding import tf_restore
-from tpu_embedding import tf_versions
+from tpu_embedding import tf_restore, tf_versions
 
 E = tf.tpu.experimental.embedding
 SEEN = {}  # id(probe) -> what its restore hook saw (kept off the probe: TF would track it)

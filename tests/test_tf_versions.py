@@ -7,8 +7,9 @@ whose minor version the adapters do not list, before a moved internal could fail
 import pytest
 import tensorflow as tf
 
-from child_process import run_python
 from tpu_embedding import tf_versions
+
+from child_process import run_python
 
 ADAPTERS = ("tpu_embedding.tf_internals", "tpu_embedding.tf_mid_level", "tpu_embedding.tf_restore")
 

@@ -10,12 +10,11 @@ import re
 import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import tpu_strategy
-from tensorflow.python.tpu import tpu_embedding_v1
-from tensorflow.python.tpu import tpu_embedding_v2
-from tensorflow.python.tpu import tpu_embedding_v3
+from tensorflow.python.tpu import tpu_embedding_v1, tpu_embedding_v2, tpu_embedding_v3
+
+from tpu_embedding import hardware
 
 import tpu_harness
-from tpu_embedding import hardware
 
 emb = tf.tpu.experimental.embedding
 

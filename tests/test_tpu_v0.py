@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding.layer import TPUEmbedding
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 UPSTREAM = {"watched": 3.0, "friends": 5.0, "query": 2.0}

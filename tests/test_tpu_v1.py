@@ -11,9 +11,10 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 
-import tpu_harness
 from tpu_embedding import hardware
 from tpu_embedding.layer import TPUEmbedding
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 BATCH = 4

@@ -10,11 +10,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import tpu_harness
-from tpu_embedding import hardware
-from tpu_embedding import serving
-from tpu_embedding import sparse_core
+from tpu_embedding import hardware, serving, sparse_core
 from tpu_embedding.layer import TPUEmbedding
+
+import tpu_harness
 from tpu_harness import logical_by_hand, pattern, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding

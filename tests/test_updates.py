@@ -9,18 +9,19 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from typing import Dict, List, Sequence, Tuple  # pylint: disable=g-import-not-at-top
+from typing import Dict, List, Sequence, Tuple
 
-import hypothesis  # pylint: disable=g-import-not-at-top
-from hypothesis import strategies as st  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
-import pytest  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+import hypothesis
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import strategies as st
 
-import reference  # pylint: disable=g-import-not-at-top
-from tpu_embedding import tf_internals  # pylint: disable=g-import-not-at-top
-from tpu_embedding.engine import updates  # pylint: disable=g-import-not-at-top
-from tpu_embedding.engine.state import TableState  # pylint: disable=g-import-not-at-top
+from tpu_embedding import tf_internals
+from tpu_embedding.engine import updates
+from tpu_embedding.engine.state import TableState
+
+import reference
 
 E = tf.tpu.experimental.embedding
 MODES = ("eager", "function")

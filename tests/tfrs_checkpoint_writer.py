@@ -1,14 +1,14 @@
 """Writes checkpoints with tf-recommenders 0.7.7's own layers; used by the checkpoint tests.
 
-Run as `TF_USE_LEGACY_KERAS=1 python tests/tfrs_checkpoint_writer.py OUT_DIR`. tf-recommenders
-needs `tf.keras` to be Keras 2, decided when TensorFlow is first imported, hence a subprocess.
-For every (layer, optimizer) in `CASES` it trains a two-table model for two steps with
-`model.fit`, as a tf-recommenders user does (the layer and `compile` share one Keras optimizer),
-and saves `tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt
-(and, before the first step, to OUT_DIR/<layer>-<optimizer>-untrained/ckpt-1, with `save`).
-The tests import this module (without tf-recommenders) to build the same model with this
-package's layers and restore those files. `--read CKPT OUT.npz LAYER` goes the other way: it
-restores a checkpoint written by this package into tf-recommenders' LAYER and saves what it got.
+Run as `TF_USE_LEGACY_KERAS=1 python tests/tfrs_checkpoint_writer.py OUT_DIR`. tf-recommenders needs
+`tf.keras` to be Keras 2, decided when TensorFlow is first imported, hence a subprocess. For every
+(layer, optimizer) in `CASES` it trains a two-table model for two steps with `model.fit`, as a
+tf-recommenders user does (the layer and `compile` share one Keras optimizer), and saves
+`tf.train.Checkpoint(model=model, optimizer=optimizer)` to OUT_DIR/<layer>-<optimizer>/ckpt (and,
+before the first step, to OUT_DIR/<layer>-<optimizer>-untrained/ckpt-1, with `save`). The tests
+import this module (without tf-recommenders) to build the same model with this package's layers and
+restore those files. `--read CKPT OUT.npz LAYER` goes the other way: it restores a checkpoint
+written by this package into tf-recommenders' LAYER and saves what it got.
 """
 
 import os

@@ -26,9 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import one_device_strategy
-from tensorflow.python.distribute import tpu_strategy
+from tensorflow.python.distribute import distribute_lib, one_device_strategy, tpu_strategy
 from tensorflow.python.tpu import tpu as tpu_lib
 from tensorflow.python.tpu import tpu_embedding_v2
 from tensorflow.python.tpu.ops import tpu_ops
@@ -103,9 +101,7 @@ class StandInTPUStrategy(tf.distribute.TPUStrategy):
 
   def __init__(self, feature: EmbeddingFeature, replicas: int = 1, sparse_cores: int = 4):
     # Skips TPUStrategy.__init__ (it connects to a TPU cluster); the generic base is enough.
-    distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
-      self, _StandInExtended(self, feature, replicas, sparse_cores)
-    )
+    distribute_lib.Strategy.__init__(self, _StandInExtended(self, feature, replicas, sparse_cores))
 
 
 def _traced_instead_of_run(recorded: Recorded, counter: str, function: Callable) -> Callable:
@@ -129,7 +125,6 @@ def _initialise_by_tracing(recorded: Recorded, initialise: Callable) -> Callable
 
 def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
   """(module, TF-internal name, replacement) for every call needing a TPU."""
-  # pylint: disable=protected-access
   return [
     # V1 build: asks the TPU whether the embedding engine is initialised.
     (tpu_ops, "is_tpu_embedding_initialized", lambda *args, **kwargs: False),

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tpu_embedding import checkpoint_names
+from tpu_embedding import checkpoint_names, optimizer_specs, tf_restore
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizer_specs
-from tpu_embedding import tf_restore
 
 _KERAS_LAYERS = checkpoint_names.TFRS_KERAS_LAYERS_KEY
 

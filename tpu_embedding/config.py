@@ -13,9 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from tpu_embedding import optimizer_specs
-from tpu_embedding import optimizers
-from tpu_embedding import tf_internals
+from tpu_embedding import optimizer_specs, optimizers, tf_internals
 
 FeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -45,7 +43,8 @@ class EmbeddingConfig:
     feature_config: the same nest holding clones, safe to hand to the mid-level API.
     features: the leaves in `tf.nest.flatten` order.
     tables: cloned tables in order of first use (the mid-level API's table order).
-    user_tables: clone -> the user's own TableConfig, to key `embedding_tables` by the user's objects.
+    user_tables: clone -> the user's own TableConfig, to key `embedding_tables` by the user's
+      objects.
     optimizer: the layer-wide optimizer (mid-level), or None.
   """
 

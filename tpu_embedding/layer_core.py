@@ -12,13 +12,9 @@ from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
 
-from tpu_embedding import backends
-from tpu_embedding import checkpoint_names
+from tpu_embedding import backends, checkpoint_names, hardware, optimizers, sparse_core
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
 from tpu_embedding import managed_ids as managed_ids_lib
-from tpu_embedding import optimizers
-from tpu_embedding import sparse_core
 from tpu_embedding.engine import serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig

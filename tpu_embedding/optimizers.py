@@ -53,9 +53,7 @@ from absl import logging
 
 from tpu_embedding import optimizer_specs as specs
 from tpu_embedding import tf_internals
-from tpu_embedding.optimizer_specs import MidLevelOptimizer
-from tpu_embedding.optimizer_specs import keras_slot_name
-from tpu_embedding.optimizer_specs import learning_rate_tensor
+from tpu_embedding.optimizer_specs import MidLevelOptimizer, keras_slot_name, learning_rate_tensor
 
 __all__ = [
   "ADAGRAD_EPSILON_RTOL",

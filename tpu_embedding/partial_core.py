@@ -27,23 +27,20 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tpu_embedding import backends
-from tpu_embedding import checkpoint_names
-from tpu_embedding import checkpoints
+from tpu_embedding import (
+  backends,
+  checkpoint_names,
+  checkpoints,
+  hardware,
+  optimizers,
+  sparse_core,
+  tf_internals,
+)
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
 from tpu_embedding import managed_ids as managed_ids_lib
-from tpu_embedding import optimizers
 from tpu_embedding import placement as placement_lib
-from tpu_embedding import sparse_core
-from tpu_embedding import tf_internals
-from tpu_embedding.layer_core import RefusesCopies
-from tpu_embedding.layer_core import TPUEmbeddingCore
-from tpu_embedding.layer_core import add_gradient_trap
-from tpu_embedding.placement import REPLICATED
-from tpu_embedding.placement import SHARDED
-from tpu_embedding.placement import Placement
-from tpu_embedding.placement import TablePlacement
+from tpu_embedding.layer_core import RefusesCopies, TPUEmbeddingCore, add_gradient_trap
+from tpu_embedding.placement import REPLICATED, SHARDED, Placement, TablePlacement
 
 __all__ = [
   "REPLICATED",

@@ -17,8 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import tensorflow as tf
 
-from tpu_embedding import hardware
-from tpu_embedding import tf_internals
+from tpu_embedding import hardware, tf_internals
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -55,9 +54,9 @@ def export_for_serving(
       reading a table not listed is refused, which guards against shipping a table by mistake.
       Every exported table is reachable as `loaded.embedding_tables[<table name>]`.
     overwrite: replace an existing export at `export_dir`: a directory holding a SavedModel and
-      nothing else; any other file or directory there is refused and left as it is. The replacement is atomic where the
-      OS can exchange two directories (Linux); elsewhere the old export is moved aside, the new
-      one moved in, then the old one deleted.
+      nothing else; any other file or directory there is refused and left as it is. The replacement
+      is atomic where the OS can exchange two directories (Linux); elsewhere the old export is moved
+      aside, the new one moved in, then the old one deleted.
 
   Returns:
     The absolute path of the export.
@@ -201,7 +200,8 @@ def _refuse_sparse_core(layers: list[TPUEmbeddingCore]) -> None:
     if layer.execution_path is hardware.ExecutionPath.TPU_V2:
       raise ValueError(
         f"The TPUEmbedding layer {layer.name!r} is on SparseCore (path "
-        f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, which export_for_serving "
+        f"{layer.execution_path.name}): its variables are TensorFlow's stacked, padded tables, "
+        "which export_for_serving "
         "cannot export by table name. Write a checkpoint of the model, restore it into the "
         "same model built off TPU with tpu_embedding.sparse_core.restore_from_checkpoint("
         "path, '<path to the layer>/_tpu_embedding', cpu_layer.variables_by_table), and "

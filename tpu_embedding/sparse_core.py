@@ -14,9 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tpu_embedding import tf_internals
-
-from tpu_embedding import checkpoint_names
+from tpu_embedding import checkpoint_names, tf_internals
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 

@@ -18,16 +18,12 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
 from tensorflow.python.framework import kernels
-from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.saved_model import save_context
-from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter
-from tensorflow.python.tpu import tpu_embedding_v3_utils
-from tensorflow.python.trackable import autotrackable
-from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter, tpu_embedding_v3_utils
+from tensorflow.python.trackable import autotrackable, trackable_utils
 from tensorflow.python.util import nest
 
 from tpu_embedding import tf_versions
@@ -108,12 +104,12 @@ def uninitialized_variable(**kwargs: Any) -> tf.Variable:
 
 def slot_names(optimizer: Any) -> list[str]:
   """The slot names of a mid-level optimizer, in its order."""
-  return list(optimizer._slot_names())  # pylint: disable=protected-access
+  return list(optimizer._slot_names())
 
 
 def slot_initializers(optimizer: Any) -> list[Callable]:
   """The initializer of each slot of a mid-level optimizer, in `slot_names` order."""
-  return list(optimizer._slot_initializers())  # pylint: disable=protected-access
+  return list(optimizer._slot_initializers())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,14 +28,14 @@ tf_versions.require_checked(__name__)
 def variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]]:
   """The built mid-level object's own {table name: {"parameters"/slot: variable}}: editing it
   edits what the object looks up and trains."""
-  return mid_level._variables  # pylint: disable=protected-access
+  return mid_level._variables
 
 
 def retrieve_from_tpu(mid_level: tf.Module) -> None:
   """Copies V1's tables and slots from TPU memory into their host variables, as a save does."""
-  mid_level._retrieve_variables()  # pylint: disable=protected-access
+  mid_level._retrieve_variables()
 
 
 def slot_initializers(optimizer) -> list:
   """The initializers of a mid-level optimizer's slots, in the order of its slot names."""
-  return optimizer._slot_initializers()  # pylint: disable=protected-access
+  return optimizer._slot_initializers()

@@ -95,7 +95,7 @@ def restore_of(trackable: Any) -> Restore:
   restore code no longer has the position there: a restore that cannot be validated must not
   proceed.
   """
-  frame = sys._getframe(1)  # pylint: disable=protected-access
+  frame = sys._getframe(1)
   for _ in range(_FRAMES_SEARCHED):
     if frame is None:
       break

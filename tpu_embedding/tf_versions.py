@@ -4,7 +4,8 @@ The package reads TF internals only through `tf_mid_level`, `tf_restore` and `tf
 Each was checked (its tests run, with the version matrix `.ci/matrix`) against the TF releases in
 `CHECKED_AGAINST`; TF changes internals between minor versions, not in patch releases, so a
 minor version is checked as a whole. TF 2.15 and 2.16 lack the per-object restore hook
-(`Trackable._checkpoint_adapter`) that checkpoint validation needs: docs/compatibility.md. Importing an adapter under any other TF raises
+(`Trackable._checkpoint_adapter`) that checkpoint validation needs: docs/compatibility.md.
+Importing an adapter under any other TF raises
 `UncheckedTensorFlow`: a moved internal would otherwise fail later, inside a user's training
 step or restore, or silently train wrongly. `TPU_EMBEDDING_ALLOW_UNCHECKED_TF=1` turns the
 refusal into one warning, for someone trying a newer TF at their own risk.

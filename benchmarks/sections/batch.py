@@ -8,8 +8,7 @@ import numpy as np
 
 from benchmarks import harness as h
 from benchmarks.cases import DLRM_BATCH
-from benchmarks.results import pyplot
-from benchmarks.results import ex_per_s
+from benchmarks.results import ex_per_s, pyplot
 
 if TYPE_CHECKING:
   from benchmarks.report import Report

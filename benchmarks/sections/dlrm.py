@@ -7,13 +7,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from benchmarks import harness as h
-from benchmarks.cases import DLRM_BATCH
-from benchmarks.cases import OPTS
-from benchmarks.results import pyplot
-from benchmarks.results import ex_per_s
-from benchmarks.results import ratio
-from benchmarks.results import timing_row
-from benchmarks.results import timing_table
+from benchmarks.cases import DLRM_BATCH, OPTS
+from benchmarks.results import ex_per_s, pyplot, ratio, timing_row, timing_table
 
 if TYPE_CHECKING:
   from benchmarks.report import Report

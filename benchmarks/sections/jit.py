@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from benchmarks import harness as h
-from benchmarks.cases import DLRM_BATCH
-from benchmarks.cases import JIT_VARIANTS
-from benchmarks.cases import OPTS
-from benchmarks.cases import PARTIAL_VARIANTS
-from benchmarks.cases import REPLICATED_ROWS
-from benchmarks.cases import impl_label
-from benchmarks.results import ex_per_s
-from benchmarks.results import ratio
-from benchmarks.results import timing_row
-from benchmarks.results import timing_table
+from benchmarks.cases import (
+  DLRM_BATCH,
+  JIT_VARIANTS,
+  OPTS,
+  PARTIAL_VARIANTS,
+  REPLICATED_ROWS,
+  impl_label,
+)
+from benchmarks.results import ex_per_s, ratio, timing_row, timing_table
 
 if TYPE_CHECKING:
   from benchmarks.report import Report
@@ -28,7 +27,8 @@ def write(report: Report) -> None:
     "except `ours` (no XLA: the compiled-kernel path) and `tfrs`, which cannot compile "
     "with XLA (it requires a legacy Keras optimizer, whose sparse update calls "
     "`tf.unique`); `keras-embedding/xla` uses the current tf-keras optimizers, which do. "
-    "`x/tfrs` = x's examples/s over tfrs's. Partial: `PartialTPUEmbedding(size_threshold=None)` on case 1's tables "
+    "`x/tfrs` = x's examples/s over tfrs's. Partial: `PartialTPUEmbedding(size_threshold=None)` "
+    "on case 1's tables "
     f"of <= {REPLICATED_ROWS:,} rows (its replicated side), embedding only.",
     "",
   ]

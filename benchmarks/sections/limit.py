@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from benchmarks import harness as h
-from benchmarks.cases import DLRM_BATCH
-from benchmarks.cases import OPTS
-from benchmarks.cases import SLOTS
+from benchmarks.cases import DLRM_BATCH, OPTS, SLOTS
 
 if TYPE_CHECKING:
   from benchmarks.report import Report

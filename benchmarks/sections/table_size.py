@@ -8,8 +8,7 @@ import numpy as np
 
 from benchmarks import harness as h
 from benchmarks.cases import OPTS
-from benchmarks.results import pyplot
-from benchmarks.results import ms
+from benchmarks.results import ms, pyplot
 
 if TYPE_CHECKING:
   from benchmarks.report import Report

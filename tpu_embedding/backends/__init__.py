@@ -18,8 +18,7 @@ from typing import Any, Optional
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.backends.conversion import TABLE_UPDATES
-from tpu_embedding.backends.conversion import check_layer_options
+from tpu_embedding.backends.conversion import TABLE_UPDATES, check_layer_options
 from tpu_embedding.backends.cpu import CpuBackend
 from tpu_embedding.backends.tpu_v0 import TpuV0Backend
 from tpu_embedding.backends.tpu_v1 import TpuV1Backend

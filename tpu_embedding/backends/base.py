@@ -8,8 +8,7 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
-from tpu_embedding import tf_mid_level
+from tpu_embedding import hardware, tf_mid_level
 
 
 class Backend(abc.ABC):

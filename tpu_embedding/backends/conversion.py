@@ -18,9 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
-from tpu_embedding import optimizers
-from tpu_embedding import tf_internals
+from tpu_embedding import hardware, optimizers, tf_internals
 
 _PACKING = tf_internals.PackingStatus
 
@@ -163,8 +161,8 @@ def _require_output_shapes(config: config_lib.EmbeddingConfig) -> None:
   if missing:
     raise ValueError(
       f"Features {missing} have no fully defined FeatureConfig.output_shape, but on path "
-      f"{hardware.ExecutionPath.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes from "
-      "the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length])."
+      f"{hardware.ExecutionPath.TPU_V2.name} (SparseCore) TensorFlow cannot derive output shapes "
+      "from the inputs: set output_shape=[per-replica batch size] (or [batch, sequence length])."
     )
 
 
@@ -186,7 +184,7 @@ def _refuse_what_sparse_core_ignores(config: config_lib.EmbeddingConfig) -> None
       if any(value is not None for value in values):
         raise ValueError(
           f"Table {table.name!r}: its optimizer sets {setting}, which SparseCore (path "
-          f"{hardware.ExecutionPath.TPU_V2.name}) does not apply: TensorFlow's SparseCore update has no "
-          "gradient clipping, weight clipping or weight decay. Remove the setting for this "
+          f"{hardware.ExecutionPath.TPU_V2.name}) does not apply: TensorFlow's SparseCore update "
+          "has no gradient clipping, weight clipping or weight decay. Remove the setting for this "
           "path (the CPU, V1 and Keras paths apply it)."
         )

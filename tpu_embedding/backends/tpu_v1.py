@@ -8,8 +8,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
-from tpu_embedding import tf_mid_level
+from tpu_embedding import hardware, tf_mid_level
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import trap as trap_lib

@@ -5,8 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
-from tpu_embedding import sparse_core
+from tpu_embedding import hardware, sparse_core
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import trap as trap_lib

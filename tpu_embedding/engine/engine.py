@@ -21,23 +21,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names
-from tpu_embedding import checkpoints
+from tpu_embedding import checkpoint_names, checkpoints, optimizer_specs, optimizers, tf_internals
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizer_specs
-from tpu_embedding import optimizers
-from tpu_embedding import tf_internals
-from tpu_embedding.engine import exchange
-from tpu_embedding.engine.distribution import Distribution
-from tpu_embedding.engine import finite
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
-from tpu_embedding.engine import sharded
-from tpu_embedding.engine import static_path
+from tpu_embedding.engine import exchange, finite, inputs, lookup, sharded, static_path, updates
 from tpu_embedding.engine import trap as trap_lib
-from tpu_embedding.engine import updates
-from tpu_embedding.engine.state import PendingUpdate
-from tpu_embedding.engine.state import TableState
+from tpu_embedding.engine.distribution import Distribution
+from tpu_embedding.engine.state import PendingUpdate, TableState
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 

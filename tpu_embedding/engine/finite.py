@@ -16,9 +16,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import sharded
-from tpu_embedding.engine import updates
+from tpu_embedding.engine import inputs, sharded, updates
 from tpu_embedding.engine.state import TableState
 
 _REMEDY = "(check_finite=True stops it here; this step wrote nothing to any table)"

@@ -19,10 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 
 from tpu_embedding import tf_internals
-from tpu_embedding.engine import native
-from tpu_embedding.engine import sharded
-from tpu_embedding.engine.inputs import Bags
-from tpu_embedding.engine.inputs import Step
+from tpu_embedding.engine import native, sharded
+from tpu_embedding.engine.inputs import Bags, Step
 
 Tensor = tf.Tensor
 

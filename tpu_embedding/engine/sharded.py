@@ -31,9 +31,8 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names
+from tpu_embedding import checkpoint_names, tf_internals
 from tpu_embedding import config as config_lib
-from tpu_embedding import tf_internals
 from tpu_embedding.engine import updates
 from tpu_embedding.engine.state import TableState
 

@@ -39,12 +39,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from tpu_embedding import optimizer_specs
-from tpu_embedding import tf_internals
-from tpu_embedding.engine import exchange
-from tpu_embedding.engine import inputs
-from tpu_embedding.engine import lookup
-from tpu_embedding.engine import updates
+from tpu_embedding import optimizer_specs, tf_internals
+from tpu_embedding.engine import exchange, inputs, lookup, updates
 from tpu_embedding.engine.state import TableState
 
 Tensor = tf.Tensor
@@ -115,8 +111,9 @@ def update_for(
 ) -> updates.XlaForm:
   """The formulation a table's update takes (module docstring): the one its rule needs
   (`UpdateRule.xla_form`: whole table when replicas sum their contributions or the rule rewrites
-  every row), else whole table too while the table is small next to the step's id capacity (unknown when the step was traced with a relaxed shape: then unique rows,
-  whose cost does not grow with the table)."""
+  every row), else whole table too while the table is small next to the step's id capacity (unknown
+  when the step was traced with a relaxed shape: then unique rows, whose cost does not grow with the
+  table)."""
   small = id_capacity is not None and vocabulary_size <= WHOLE_TABLE_ROWS_PER_ID * id_capacity
   return updates.XlaForm.WHOLE_TABLE if small else rule.xla_form(summed)
 

@@ -38,11 +38,13 @@ import tensorflow as tf
 
 from tpu_embedding import tf_internals
 from tpu_embedding.engine import native
-from tpu_embedding.optimizer_specs import gradient_limits
-from tpu_embedding.optimizer_specs import has_weight_decay
-from tpu_embedding.optimizer_specs import slot_names
-from tpu_embedding.optimizer_specs import weight_limits
 from tpu_embedding.engine.state import TableState
+from tpu_embedding.optimizer_specs import (
+  gradient_limits,
+  has_weight_decay,
+  slot_names,
+  weight_limits,
+)
 
 Rows = Tuple[tf.Tensor, Tuple[tf.Tensor, ...]]
 """A table block and the matching blocks of its slots, in `slot_names` order."""

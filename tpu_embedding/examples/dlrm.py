@@ -44,7 +44,7 @@ class DLRM(tf.Module):
       [tf_keras.layers.Dense(32, activation="relu"), tf_keras.layers.Dense(1)]
     )
     # Create every variable now, under the caller's strategy.
-    self.embedding.variables_by_table  # pylint: disable=pointless-statement
+    self.embedding.variables_by_table
     self(*synthetic_batch(tf.constant(0, tf.int64), 1, num_tables, vocabulary_size)[:2])
 
   def __call__(self, dense: tf.Tensor, ids: dict) -> tf.Tensor:

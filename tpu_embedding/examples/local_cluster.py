@@ -24,8 +24,7 @@ import sys
 import time
 from typing import Protocol, Sequence
 
-from tpu_embedding.examples import private_network
-from tpu_embedding.examples import quiet
+from tpu_embedding.examples import private_network, quiet
 
 SIOCGIFADDR = 0x8915
 # A task's steps hold inter-op threads while they wait on other tasks (receives from the ps

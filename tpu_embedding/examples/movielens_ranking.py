@@ -322,10 +322,10 @@ def recommend(
 
 
 def save_curves(history: dict[str, list[float]], baseline: float, path: str) -> str:
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
 
   matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib import pyplot as plt
 
   fig, (loss_ax, rmse_ax) = plt.subplots(1, 2, figsize=(11, 4))
   steps = np.arange(1, len(history["step_loss"]) + 1)

@@ -15,8 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tpu_embedding import optimizers
-from tpu_embedding import tf_internals
+from tpu_embedding import optimizers, tf_internals
 
 MidLevelFeatureConfig = tf.tpu.experimental.embedding.FeatureConfig
 MidLevelTableConfig = tf.tpu.experimental.embedding.TableConfig

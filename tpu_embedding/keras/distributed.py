@@ -30,9 +30,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
-from tpu_embedding.keras import config_conversion
-from tpu_embedding.keras import saving
-from tpu_embedding.keras import shapes
+from tpu_embedding.keras import config_conversion, saving, shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
 from tpu_embedding.partial_core import PartialTPUEmbeddingCore
 from tpu_embedding.placement import REPLICATED, SHARDED

@@ -13,11 +13,8 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tpu_embedding import hardware
-from tpu_embedding import tf_internals
-from tpu_embedding.keras import config_conversion
-from tpu_embedding.keras import saving
-from tpu_embedding.keras import shapes
+from tpu_embedding import hardware, tf_internals
+from tpu_embedding.keras import config_conversion, saving, shapes
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 

@@ -11,8 +11,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tpu_embedding.keras import saving
-from tpu_embedding.keras import shapes
+from tpu_embedding.keras import saving, shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
 from tpu_embedding.partial_core import PartialTPUEmbeddingCore
 

@@ -20,9 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names
+from tpu_embedding import checkpoint_names, optimizer_specs
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizer_specs
 
 E = tf.tpu.experimental.embedding
 _FEATURE_KEY = "tpu_embedding_feature"
