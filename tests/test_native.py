@@ -179,7 +179,7 @@ def test_kernels_built_for_another_tensorflow_are_not_loaded(tmp_path, caplog, b
   assert native.load_kernels(tmp_path) is None
   (warning,) = [r.getMessage() for r in caplog.records if "tpu_embedding" in r.getMessage()]
   assert "\n" not in warning
-  assert f"built for TensorFlow {built_for or 'an unrecorded version'}, this is " in warning
+  assert f"built for TensorFlow {built_for or 'a version it did not record'}, this is " in warning
   assert tf.__version__ in warning and "runs on TF ops" in warning
 
 
@@ -369,7 +369,8 @@ def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
 
 
 def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
-  """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops."""
+  """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops (the saved
+  function loads where the package and its kernels are not)."""
   import tpu_embedding
 
   table = E.TableConfig(8, 2, name="t", initializer=tf.constant_initializer(0.5))
@@ -400,8 +401,7 @@ def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_
   )
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
-  # Adagrad from A0 = 0.1: row 1 has g = 2 (two occurrences), A = 4.1; row 3 has g = 1, A = 1.1.
-  want = np.full((8, 2), 0.5, np.float32)
-  want[1] -= 0.1 * 2 / np.sqrt(np.float32(4.1))
-  want[3] -= 0.1 * 1 / np.sqrt(np.float32(1.1))
-  np.testing.assert_allclose(np.load(tmp_path / "table.npy"), want, rtol=1e-6)
+  # Reloaded, the function's gradient is a plain lookup's (no trap, no kernel op): tables change
+  # only through an optimizer the user applies, as with tf-recommenders
+  # (docs/differences-from-tfrs.md), so the table is still the one saved.
+  np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), np.full((8, 2), 0.5, np.float32))

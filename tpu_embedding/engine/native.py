@@ -41,7 +41,7 @@ def load_kernels(directory: pathlib.Path) -> Optional[Any]:
     )
     return None
   record = directory / BUILT_FOR
-  built_for = record.read_text().strip() if record.exists() else "an unrecorded version"
+  built_for = record.read_text().strip() if record.exists() else "a version it did not record"
   if built_for != tf.__version__:
     logging.warning(
       "tpu_embedding: its compiled kernels were built for TensorFlow %s, this is %s; the CPU "

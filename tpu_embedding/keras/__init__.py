@@ -7,6 +7,7 @@ never imports tf-keras.
 """
 
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
+from tpu_embedding.keras import config_conversion  # keras-rs's conversion functions, by their names
 from tpu_embedding.keras.distributed import DistributedEmbedding
 from tpu_embedding.keras.layer import TPUEmbedding
 from tpu_embedding.keras.partial import PartialTPUEmbedding
@@ -18,6 +19,7 @@ from tpu_embedding.sparse_core import restore_from_checkpoint as restore_sparse_
 
 __all__ = [
   "DistributedEmbedding",
+  "config_conversion",
   "EmbeddingFeature",
   "ExecutionPath",
   "NotAnOptimizerError",
