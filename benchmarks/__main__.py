@@ -27,8 +27,9 @@ def main(argv=None) -> None:
     from benchmarks import managed_ids
 
     quick = "--quick" in argv
-    out = os.path.join(HERE, "results", "managed-quick" if quick else "managed")
-    managed_ids.main(quick, out, speed_only="--speed-only" in argv)
+    speed_only = "--speed-only" in argv
+    name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
+    managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",
