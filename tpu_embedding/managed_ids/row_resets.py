@@ -89,15 +89,13 @@ class DeferredResets(ImmediateResets):
     self._lag = 1 if pipelining else 0
     self._path_name = path_name
     self._remaps = 0
+    self._last_given = {name: 0 for name in self._tables}  # remap that last gave a row
+    self._flushed_until = 0  # every row given up to this remap has been reset
     with tf.init_scope():
-      # Per row: the remap that gave it to a new key and waits for its reset (-1: none).
-      self._waiting_since = {
-        name: tf.Variable(
-          tf.fill([table.vocabulary_size], tf.constant(-1, tf.int64)),
-          trainable=False,
-          name=f"{name}_waiting_since",
-        )
-        for name, table in self._tables.items()
+      # Waiting row -> the remap that gave it: only waiting rows, in a host hash table.
+      self._waiting = {
+        name: tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+        for name in self._tables
       }
 
   def check_training_remap(self) -> None:
@@ -113,13 +111,13 @@ class DeferredResets(ImmediateResets):
   def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
     if not self._built():
       return
+    self._last_given[table.name] = self._remaps + 1
     since = tf.fill(tf.shape(rows), tf.constant(self._remaps + 1, tf.int64))
-    self._waiting_since[table.name].scatter_update(tf.IndexedSlices(since, rows))
+    self._waiting[table.name].insert(rows, since)
 
   def end_step(self) -> None:
     self._remaps += 1
-    due = [n for n in self._tables if self._remaps % self._every[n] == 0 and self._waits(n)]
-    if due:
+    if any(self._remaps % self._every[n] == 0 and self._waits(n) for n in self._tables):
       self._flush(self._remaps - self._lag)
 
   def apply(self) -> None:
@@ -133,37 +131,36 @@ class DeferredResets(ImmediateResets):
     pairs = config_lib.match_structure(config, features, subset=True)
     leaves = []
     for feature, rows in pairs:
-      waiting = self._waiting_since.get(feature.table.name)
+      waiting = self._waiting.get(feature.table.name)
       leaves.append(rows if waiting is None else _map_values(rows, _hide(waiting)))
     return tf.nest.pack_sequence_as(features, leaves)
 
   def _waits(self, name: str) -> bool:
-    return bool(tf.reduce_any(self._waiting_since[name] >= 0))
+    return self._last_given[name] > self._flushed_until
 
   def _flush(self, given_until: int) -> None:
     """Resets the rows given in remaps up to `given_until`, through the host copies."""
     due = {}
-    for name, waiting in self._waiting_since.items():
-      since = waiting.read_value()
-      rows = tf.where((since >= 0) & (since <= given_until))[:, 0]
+    for name, waiting in self._waiting.items():
+      rows, since = waiting.export()
+      rows = tf.sort(tf.boolean_mask(rows, since <= given_until))  # export order is arbitrary
       if int(tf.size(rows)):
         due[name] = rows
+    self._flushed_until = max(self._flushed_until, given_until)
     if not due:
       return
     self._copy_out()  # the host copies were stale: TPU memory holds every update since
     for name, rows in due.items():
       table = self._tables[name]
       self._write(table, rows, resets.fresh_rows(table, rows))
-      self._waiting_since[name].scatter_update(
-        tf.IndexedSlices(tf.fill(tf.shape(rows), tf.constant(-1, tf.int64)), rows)
-      )
+      self._waiting[name].remove(rows)
     self._copy_in()
 
 
-def _hide(waiting: tf.Variable) -> Callable[[tf.Tensor], tf.Tensor]:
+def _hide(waiting: Any) -> Callable[[tf.Tensor], tf.Tensor]:
   def hide(rows: tf.Tensor) -> tf.Tensor:
     rows64 = tf.cast(rows, tf.int64)
-    return tf.where(tf.gather(waiting, rows64) >= 0, tf.zeros_like(rows64), rows64)
+    return tf.where(waiting.lookup(rows64) >= 0, tf.zeros_like(rows64), rows64)
 
   return hide
 
