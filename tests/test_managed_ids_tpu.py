@@ -314,3 +314,30 @@ def test_partial_layer_on_v1_resets_each_side_where_it_lives(monkeypatch, layer_
   np.testing.assert_array_equal(
     variables["movies"]["accumulators"].numpy()[[1, 2]], np.float32(ACC)
   )
+
+
+def test_v1_ragged_and_sparse_rows_read_row_0_while_they_wait(monkeypatch):
+  strategy, recorded, layer = _v1_layer(monkeypatch, every=2)
+  ragged = tf.RaggedTensor.from_row_lengths(tf.constant([5, 6, 5, 7], tf.int64), [1, 3])
+  sparse = tf.sparse.from_dense(tf.constant([[8, 0], [5, 9]], tf.int64))
+  with strategy.scope():
+    first = layer.remap({"movie": ragged})["movie"]
+    second = layer.remap({"movie": sparse})["movie"]
+  assert first.to_list() == [[0], [0, 0, 0]]  # rows 1, 2, 3 wait (remap 1 of every 2)
+  assert isinstance(second, tf.SparseTensor)
+  assert second.values.numpy().tolist() == [4, 1, 5]  # remap 2 flushed rows 1..5
+
+
+def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
+  strategy, recorded = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      _features(),
+      optimizer=E.Adagrad(0.3, initial_accumulator_value=ACC),
+      managed_ids={"movies": tpu_embedding.ManagedIds(reset_every_steps=5)},
+    )
+    rows = layer.remap({"movie": tf.constant([5, 6], tf.int64)})["movie"]
+    assert rows.numpy().tolist() == [1, 2] and recorded.loads == 0
+    layer.build({"movie": tf.TensorShape([BATCH])})  # fresh tables, loaded once
+  np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), INIT)
+  assert recorded.loads == 1
