@@ -18,7 +18,9 @@ import tf_keras
 import weight_files_scenario as scenario
 
 import tpu_embedding
+from tpu_embedding import hardware
 
+import tpu_harness
 from child_process import run_python
 
 E = tf.tpu.experimental.embedding
@@ -72,13 +74,15 @@ def test_the_keras_optimizer_never_sees_the_tables():
   assert not tables & {w.ref() for w in model.trainable_weights}
 
 
+@pytest.mark.parametrize("kind", ["TPUEmbedding", "PartialTPUEmbedding"])
 @pytest.mark.parametrize("name", ["m.h5", "m.keras"])
-def test_load_model_refuses_and_names_load_weights(name, tmp_path):
-  model, _ = scenario.build("TPUEmbedding")
+def test_load_model_refuses_and_names_load_weights(kind, name, tmp_path):
+  model, _ = scenario.build(kind)
   path = str(tmp_path / name)
   model.save(path)
   before = digest(path)
-  with pytest.raises(ValueError, match=r"cannot be rebuilt by tf_keras.models.load_model") as e:
+  refusal = rf"holding a {kind} layer cannot be rebuilt by tf_keras.models.load_model"
+  with pytest.raises(ValueError, match=refusal) as e:
     tf_keras.models.load_model(path)
   assert "model.load_weights(path)" in str(e.value)
   assert digest(path) == before
@@ -127,3 +131,21 @@ def test_managed_ids_are_refused_by_name_in_keras_files(layer_class):
     layer.load_own_variables({"table:t": np.zeros((5, 2))})
   for key, value in scenario.state(layer).items():
     np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+def test_tables_in_a_tpu_engine_are_refused_by_name(monkeypatch):
+  """On V1 (TF's own class, TPU runtime stubbed) the tables are in the engine's memory."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  video, _ = tpu_harness.video_and_user_tables()
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      {"watched": E.FeatureConfig(video, name="watched")}, E.Adagrad(0.1)
+    )
+    layer.build({"watched": tf.TensorShape([4])})
+  message = r"memory \(path TPU_V1\).*tf.train.Checkpoint"
+  store = {}
+  with pytest.raises(ValueError, match=message):
+    layer.save_own_variables(store)
+  assert store == {}
+  with pytest.raises(ValueError, match=message):
+    layer.load_own_variables({"table:video": np.zeros((2, 4))})

@@ -83,7 +83,9 @@ class TPUEmbedding(
 
     Read outside a traced function, it first applies updates held back by pipelining, as a
     checkpoint save does: tf-keras's HDF5 writer (`save_weights("w.h5")`, `model.save("m.h5")`)
-    takes the values of this list, and would otherwise miss the last step's update.
+    takes the values of this list, and would otherwise miss the last step's update. tf-keras
+    also reads it between epochs of `fit` and around `evaluate` (when it tracks a model's
+    attributes), so a held update is applied there too, as at a checkpoint save.
     """
     if tf.executing_eagerly() and self.built:
       self.flush()
