@@ -446,3 +446,105 @@ def test_translated_optimizer_slots_round_trip_through_a_checkpoint(
     np.testing.assert_array_equal(after[name].numpy(), before[name].numpy())
   slot = before[slot_names[0]].numpy()
   assert not np.array_equal(slot[0], slot[1])  # row 0 was trained, row 1 was not
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward pass where no tape can record (serving signatures, inference): per occurrence
+
+SERVING_BAGS = {  # feature "a"'s samples (ids, weights) per input kind; a dense id is a sample
+  "dense": [([5, 2], None), ([0, 0], None), ([7, 1], None)],
+  "ragged": [([5, 2, 5], [2.0, 0.5, 1.5]), ([], []), ([7, 1], [0.25, 4.0])],
+  "sparse": [([5, 2, 5], [2.0, 0.5, 1.5]), ([], []), ([7, 1], [0.25, 4.0])],
+}
+
+
+def _serving_case(combiner: str, kind: str, weighted: bool):
+  """(layer, features, weights, NumPy activations): feature "a" of `kind` with `combiner`, "b"
+  one id per sample on the same table, "s" a sequence (max_sequence_length 2) on another."""
+  rng = np.random.default_rng(7)
+  t_values = rng.uniform(-1, 1, (8, 3)).astype(np.float32)
+  u_values = rng.uniform(-1, 1, (5, 3)).astype(np.float32)
+  t, u = _table(t_values, combiner), _table(u_values, combiner, name="u")
+  layer = tpu_embedding.TPUEmbedding(
+    {
+      "a": E.FeatureConfig(table=t, name="a"),
+      "b": E.FeatureConfig(table=t, name="b"),
+      "s": E.FeatureConfig(table=u, max_sequence_length=2, name="s"),
+    },
+    E.SGD(0.1),
+  )
+  bags = SERVING_BAGS[kind]
+  ids = tf.ragged.constant([b[0] for b in bags], tf.int64)
+  if kind == "dense":  # no combiner and no weights (SPEC §3.4): each id's row
+    ids, a_weights, a_want = ids.to_tensor(), None, t_values[[b[0] for b in bags]]
+  else:
+    a_weights = tf.ragged.constant([b[1] for b in bags], tf.float32)
+    if kind == "sparse":
+      ids, a_weights = ids.to_sparse(), a_weights.to_sparse()
+    a_want = [
+      reference.combine_bag(t_values, i, w if weighted else None, combiner) for i, w in bags
+    ]
+  features = {
+    "a": ids,
+    "b": tf.constant([3, 5, 3], tf.int64),
+    "s": tf.ragged.constant([[1, 3, 2], [4], []], tf.int64),
+  }
+  weights = {"a": a_weights, "b": None, "s": None} if weighted else None
+  want = {
+    "a": a_want,
+    "b": t_values[[3, 5, 3]],
+    "s": [u_values[[1, 3]], [u_values[4], np.zeros(3)], np.zeros([2, 3])],
+  }
+  return layer, features, weights, want
+
+
+def _op_types(function: tf.types.experimental.ConcreteFunction) -> list[str]:
+  graph = function.graph.as_graph_def()
+  return [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]
+
+
+@pytest.mark.parametrize(
+  "kind,weighted",
+  [("dense", False), ("ragged", False), ("ragged", True), ("sparse", False), ("sparse", True)],
+)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_without_a_tape_the_lookup_gathers_per_occurrence_the_training_activations(
+  engine_path, combiner, kind, weighted
+):
+  layer, features, weights, want = _serving_case(combiner, kind, weighted)
+  serve = tf.function(lambda f, w: layer(f, w))
+
+  @tf.function
+  def train(f, w):
+    with tf.GradientTape():
+      return layer(f, w)
+
+  served, trained = serve(features, weights), train(features, weights)
+  for name in features:
+    np.testing.assert_array_equal(served[name].numpy(), trained[name].numpy())
+    np.testing.assert_allclose(served[name].numpy(), np.asarray(want[name]), rtol=1e-6, atol=1e-7)
+  serving_ops = _op_types(serve.get_concrete_function(features, weights))
+  training_ops = _op_types(train.get_concrete_function(features, weights))
+  deduplicating = {"Unique", "TpuEmbeddingDedupLookup"}
+  assert not deduplicating & set(serving_ops) and deduplicating & set(training_ops)
+  assert serving_ops.count("ResourceGather") == 3  # one per feature, of each of its occurrences
+  # The id-range check stays: an id past the table is refused, naming the feature.
+  bad = dict(features, b=tf.constant([3, 8, 3], tf.int64))
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match=r"Feature \\'b\\' \(table.*Offending ids:\] \[8\]"
+  ):
+    serve(bad, weights)
+
+
+def test_a_function_traced_without_a_tape_can_still_be_differentiated():
+  """Its per-occurrence forward gives the backward pass no deduplication: the backward builds
+  its own (`TableLookup.for_update`) instead of failing."""
+  layer, features, weights, _ = _serving_case("mean", "ragged", True)
+  layer(features, weights)  # builds the tables, so that the function is traced once
+  traced = tf.function(lambda: sum(tf.reduce_sum(a) for a in layer(features, weights).values()))
+  traced()  # traced here, where no tape records: the per-occurrence forward
+  with tf.GradientTape() as tape:
+    loss = traced()
+  assert traced.experimental_get_tracing_count() == 1
+  (trap_gradient,) = tape.gradient(loss, layer.trainable_variables)
+  assert float(tf.reduce_sum(tf.abs(trap_gradient))) == 0.0

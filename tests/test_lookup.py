@@ -92,4 +92,4 @@ def test_inference_gives_the_training_activations_without_deduplicating(dim):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
   np.testing.assert_array_equal(inference.activations[0].numpy(), values[[5, 2, 5]])
   for found in inference.tables.values():
-    assert found.kernel is lookup.Kernel.TF_OPS and found.unique_ids is None
+    assert found.kernel is lookup.Kernel.PER_OCCURRENCE and found.unique_ids is None

@@ -70,10 +70,7 @@ def export_for_serving(
   target = _target_path(export_dir)
   if os.path.lexists(target):
     if not overwrite:
-      raise FileExistsError(
-        f"{target} already exists; pass overwrite=True to replace that "
-        "export or choose another directory."
-      )
+      raise _exists(target)
     _check_replaceable(target)
   layers = _embedding_layers(model)
   _refuse_sparse_core(layers)
@@ -154,6 +151,15 @@ def _target_path(export_dir: Any) -> str:
   if not path.strip():
     raise ValueError("export_dir is empty; name the directory to write the SavedModel to.")
   return os.path.abspath(path)
+
+
+def _exists(target: str) -> FileExistsError:
+  """The refusal of an existing `target` without overwrite (checked first, and again where the
+  rename finds that another process created it meanwhile)."""
+  return FileExistsError(
+    f"{target} already exists; pass overwrite=True to replace that export or choose another "
+    "directory."
+  )
 
 
 def _check_replaceable(target: str) -> None:
@@ -394,10 +400,7 @@ def _renameat2(source: str, target: str, flags: int) -> bool:
   if error in (errno.ENOSYS, errno.EINVAL):
     return False
   if error == errno.EEXIST:
-    raise FileExistsError(
-      f"{target} already exists; pass overwrite=True to replace that export "
-      "or choose another directory."
-    )
+    raise _exists(target)
   raise OSError(error, os.strerror(error), target)
 
 
@@ -421,9 +424,6 @@ def _commit(staging: str, target: str, overwrite: bool) -> None:
     _remove(staging)  # now the previous export
   elif not _renameat2(staging, target, _RENAME_NOREPLACE):
     if os.path.lexists(target):
-      raise FileExistsError(
-        f"{target} already exists; pass overwrite=True to replace that "
-        "export or choose another directory."
-      )
+      raise _exists(target)
     os.rename(staging, target)
   _fsync_dir(os.path.dirname(target))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
+from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.managed_ids import row_resets
 
 
@@ -46,6 +47,23 @@ class Backend(abc.ABC):
     `trap` is the layer's gradient-trap variable (see `engine.trap`) where `table_updates` is
     "engine": the gradient reaching the activations then updates the tables. None otherwise.
     """
+
+  def trapped(
+    self,
+    trap: tf.Variable,
+    forward: Callable[[], Any],
+    apply_gradients: Callable[[Any], Any],
+  ) -> Any:
+    """`forward()`'s activations (structured as the feature config) through the gradient trap,
+    which hands their gradients, in the same structure, to `apply_gradients` (TF's engines)."""
+    activations = trap_lib.trapped(
+      trap,
+      lambda: tf.nest.flatten(forward()),
+      lambda upstream: apply_gradients(
+        tf.nest.pack_sequence_as(self.config.feature_config, upstream)
+      ),
+    )
+    return tf.nest.pack_sequence_as(self.config.feature_config, activations)
 
   @property
   def embedding_tables(self) -> dict:

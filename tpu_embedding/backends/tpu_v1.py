@@ -11,7 +11,6 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.managed_ids import row_resets
 
 
@@ -80,11 +79,8 @@ class TpuV1Backend(Backend):
     # A name pairs this call's enqueue, dequeue and apply_gradients within one traced step.
     name = str(next(self._call_ids))
     self._engine.enqueue(features, weights, training=True, name=name)
-    activations = trap_lib.trapped(
+    return self.trapped(
       trap,
-      lambda: tf.nest.flatten(self._engine.dequeue(name=name)),
-      lambda upstream: self._engine.apply_gradients(
-        tf.nest.pack_sequence_as(self.config.feature_config, upstream), name=name
-      ),
+      lambda: self._engine.dequeue(name=name),
+      lambda gradients: self._engine.apply_gradients(gradients, name=name),
     )
-    return tf.nest.pack_sequence_as(self.config.feature_config, activations)

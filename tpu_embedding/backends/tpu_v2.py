@@ -10,7 +10,6 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, sparse_core
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.managed_ids import row_resets
 
 
@@ -75,14 +74,10 @@ class TpuV2Backend(Backend):
     def forward():
       activations, state = self._engine(features, weights)
       preserved.append(state)
-      return tf.nest.flatten(activations)
+      return activations
 
-    activations = trap_lib.trapped(
+    return self.trapped(
       trap,
       forward,
-      lambda upstream: self._engine.apply_gradients(
-        tf.nest.pack_sequence_as(self.config.feature_config, upstream),
-        preserved_outputs=preserved[-1],
-      ),
+      lambda gradients: self._engine.apply_gradients(gradients, preserved_outputs=preserved[-1]),
     )
-    return tf.nest.pack_sequence_as(self.config.feature_config, activations)

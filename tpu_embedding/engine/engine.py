@@ -213,7 +213,7 @@ class EmbeddingEngine(tf.Module):
       forward = []
 
       def look_up():
-        how = static_path.look_up_table if static else lookup.deduplicated
+        how = static_path.look_up_table if static else lookup.for_training()
         forward.append(lookup.look_up(step, self.parameters, how))
         return forward[-1].activations
 

@@ -30,6 +30,7 @@ class Kernel(enum.Enum):
 
   COMPILED = "the engine's compiled kernels (native)"
   TF_OPS = "TensorFlow's ops"
+  PER_OCCURRENCE = "TensorFlow's ops, one gather per occurrence: no deduplication to reuse"
   XLA = "ops XLA compiles (static_path): no deduplication"
 
 
@@ -125,6 +126,15 @@ class TableLookup:
   def occurrence_ids(self) -> Tensor:
     return tf.gather(self.unique_ids, self.index)
 
+  def for_update(self) -> "TableLookup":
+    """This lookup with the deduplication an update needs: a per-occurrence forward pass (a
+    function traced where no tape recorded, differentiated later) is deduplicated here, in the
+    backward pass; the rows are read again by the update."""
+    if self.kernel is not Kernel.PER_OCCURRENCE:
+      return self
+    unique_ids, index = tf.unique(concat([b.ids for b in self.bags]), out_idx=tf.int64)
+    return TableLookup(self.bags, Kernel.TF_OPS, unique_ids, index, Occurrences.of(self.bags))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepLookup:
@@ -140,7 +150,8 @@ class StepLookup:
     """(table, its lookup, its bags' activation gradients) from per-bag gradients in input order."""
     by_bag = {id(bag): g for bag, g in zip(self.bags, upstream)}
     return [
-      (table, found, [by_bag[id(b)] for b in found.bags]) for table, found in self.tables.items()
+      (table, found.for_update(), [by_bag[id(b)] for b in found.bags])
+      for table, found in self.tables.items()
     ]
 
 
@@ -154,6 +165,7 @@ def look_up(step: Step, read_table: Callable[[Any], Tensor], how: TableLookupFn)
 
   `how` is `deduplicated` for training, `per_occurrence` for inference (nothing to update, so
   every occurrence is gathered directly), or the static path's, for steps XLA compiles.
+  `for_training` chooses between the first two.
   """
   tables, by_bag = {}, {}
   for table, bags in step.tables.items():
@@ -174,9 +186,20 @@ def serving_lookup(config: Any, tables: Any, features: Any, weights: Any = None)
 def per_occurrence(
   table: Any, variable: Tensor, bags: tuple[Bags, ...]
 ) -> tuple[TableLookup, list[Tensor]]:
-  """The inference lookup: no deduplication, each occurrence's row gathered and combined."""
+  """The inference lookup: no deduplication, each occurrence's row gathered and combined.
+
+  The activations are bit-identical to `deduplicated`'s: the same rows, summed with the same
+  gains in the same occurrence order by the same sparse product.
+  """
   activations = [_combine(bag, quantize(sharded.gather(variable, bag.ids), table)) for bag in bags]
-  return TableLookup(bags, Kernel.TF_OPS), activations
+  return TableLookup(bags, Kernel.PER_OCCURRENCE), activations
+
+
+def for_training() -> TableLookupFn:
+  """The lookup of a step that may train: `deduplicated` where a gradient tape may record it,
+  else `per_occurrence` (a serving signature or an inference function: the fewest ops; should
+  such a function be differentiated after all, `TableLookup.for_update` deduplicates then)."""
+  return deduplicated if tf_internals.could_possibly_record() else per_occurrence
 
 
 def deduplicated(
