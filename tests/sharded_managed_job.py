@@ -9,8 +9,8 @@ Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running 
 * `sequential`: `SEQUENCE` steps run one at a time (each joined before the next), with eviction
   and min_count 2; writes the map, every shard's export and the table (`sequential.npz`), then a
   checkpoint (`ckpt`); a new layer under a new strategy restores it (`restored.npz`); a layer
-  without managed ids' checkpoint is refused (`refused.txt`); the restored layer is exported for
-  serving (`export/`).
+  without managed ids' checkpoint is refused, and so is `ckpt` by a layer without strategy (one
+  whole map) (`refused.json`); the restored layer is exported for serving (`export/`).
 """
 
 import json
@@ -147,8 +147,23 @@ def sequential(cluster, out):
     message = str(e)
   after = state(restored)
   unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+  whole = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)  # no strategy: one whole map
+  try:
+    tf.train.Checkpoint(layer=whole).read(os.path.join(out, "ckpt"))
+    whole_message = "restored"
+  except ValueError as e:
+    whole_message = str(e)
+  whole_unchanged = int(whole.managed_ids["t"].size()) == 0
   with open(os.path.join(out, "refused.json"), "w") as f:
-    json.dump({"message": message, "unchanged": unchanged}, f)
+    json.dump(
+      {
+        "message": message,
+        "unchanged": unchanged,
+        "whole_message": whole_message,
+        "whole_unchanged": whole_unchanged,
+      },
+      f,
+    )
 
   model = tf.Module()
   model.layer = restored

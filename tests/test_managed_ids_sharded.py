@@ -124,7 +124,7 @@ def test_sequential_steps_give_each_shard_the_reference_map_and_reset_rows(resul
   np.testing.assert_array_equal(out["table"], table)
 
 
-def test_checkpoint_restores_the_sharded_map_and_refuses_a_map_less_one(results):
+def test_checkpoint_restores_the_sharded_map_and_refuses_other_layouts(results):
   trained, restored = _load(results, "sequential.npz"), _load(results, "restored.npz")
   assert sorted(trained) == sorted(restored)
   for name in trained:
@@ -137,6 +137,11 @@ def test_checkpoint_restores_the_sharded_map_and_refuses_a_map_less_one(results)
     "table 't' manages its ids, but the checkpoint holds no managed-id map" in (refused["message"])
   )
   assert refused["unchanged"]
+  assert (
+    "table 't': its managed-id map is whole (no parameter servers) in this layer but split over "
+    "2 parameter servers in the checkpoint"
+  ) in refused["whole_message"]
+  assert refused["whole_unchanged"]
 
 
 _SERVE = """
