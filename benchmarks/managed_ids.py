@@ -28,6 +28,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+from tpu_embedding.data import drifting_ratings
 from tpu_embedding.managed_ids import IdMap
 
 E = tf.tpu.experimental.embedding
@@ -231,23 +232,6 @@ def quality_settings(quick: bool) -> dict:
   return dict(days=30, batches_per_day=40, batch=1024, new_items_per_day=1000)
 
 
-def rating_stream(s: dict, seed: int = 7):
-  """Per day, batches of (item key, label): items appear daily, popularity decays with age."""
-  rng = np.random.default_rng(seed)
-  total = s["days"] * s["new_items_per_day"]
-  quality = rng.normal(0, 3.0, size=total)
-  keys = rng.integers(-(2**62), 2**62, size=total)
-  for day in range(s["days"]):
-    live = (day + 1) * s["new_items_per_day"]
-    age = day - np.arange(live) // s["new_items_per_day"]
-    weight = np.exp(-age / 1.5) / (1 + np.arange(live) % s["new_items_per_day"]) ** 0.5
-    p = weight / weight.sum()
-    for _ in range(s["batches_per_day"]):
-      items = rng.choice(live, size=s["batch"], p=p)
-      labels = rng.random(s["batch"]) < 1 / (1 + np.exp(-quality[items]))
-      yield day, keys[items], items, labels.astype("f4")
-
-
 def _quality_model(capacity: int, managed: bool):
   table = E.TableConfig(capacity, 1, initializer=tf.zeros_initializer(), name="items")
   kwargs = {}
@@ -280,7 +264,7 @@ def run_quality(s: dict) -> dict:
     "full vocabulary": (_quality_model(total, False), lambda keys, items: items),
   }
   curves = {name: [[] for _ in range(s["days"])] for name in variants}
-  for day, keys, items, labels in rating_stream(s):
+  for day, keys, items, labels in drifting_ratings.rating_stream(**s):
     for name, (step, ids_of) in variants.items():
       curves[name][day].append(float(step(tf.constant(ids_of(keys, items)), labels)))
   return dict(

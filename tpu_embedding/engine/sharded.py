@@ -178,7 +178,9 @@ class ShardLocks:
     for lock, shard, local_ids, shard_grads in per_shard:
       with tf.device(shard.parameters.device):
         lock.execute(
-          functools.partial(_update_shard, rule, shard, local_ids, shard_grads, learning_rate)
+          functools.partial(_update_shard, rule, shard, local_ids, shard_grads, learning_rate),
+          # Not exclusively: a managed table's map resets rows of the shard under its own lock.
+          exclusive_resource_access=False,
         )
 
 

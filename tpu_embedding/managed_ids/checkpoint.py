@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tpu_embedding import tf_restore
 from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY
+from tpu_embedding.managed_ids.sharded_map import ShardedIdMap
 from tpu_embedding.managed_ids.tables import ManagedTables
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
@@ -24,20 +25,26 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
   dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
   problems = []
   for name, id_map in managed.maps.items():
-    keys = _child(restore, _child(restore, maps, name), "keys")
-    if keys is None:
+    node = _child(restore, maps, name)
+    if _child(restore, node, "keys") is None and _child(restore, node, "shards") is None:
       problems.append(
         f"table {name!r} manages its ids, but the checkpoint holds no managed-id map for it "
         "(written by a layer without managed_ids for this table)"
       )
       continue
-    shape, dtype = restore.stored_shape(keys), dtypes.get(_checkpoint_key(keys))
-    if shape != [id_map.capacity] or dtype != id_map.key_dtype:
-      problems.append(
-        f"table {name!r}: its managed-id map has capacity {id_map.capacity} and key dtype "
-        f"{id_map.key_dtype.name} in this layer, but {shape[0] if shape else None} and "
-        f"{getattr(dtype, 'name', None)} in the checkpoint"
-      )
+    layout = _layout_problem(restore, node, id_map)
+    if layout:
+      problems.append(f"table {name!r}: {layout}")
+      continue
+    for where, part, label in _parts(restore, node, id_map):
+      keys = _child(restore, where, "keys")
+      shape, dtype = restore.stored_shape(keys), dtypes.get(_checkpoint_key(keys))
+      if shape != [part.capacity] or dtype != part.key_dtype:
+        problems.append(
+          f"table {name!r}: its managed-id map{label} has capacity "
+          f"{part.capacity} and key dtype {part.key_dtype.name} in this layer, but "
+          f"{shape[0] if shape else None} and {getattr(dtype, 'name', None)} in the checkpoint"
+        )
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
@@ -45,6 +52,34 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
       + "\n  - ".join(problems)
       + "\nNothing was changed (no table, slot or map)."
     )
+
+
+def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Optional[str]:
+  """Why the checkpoint's map is split differently from this layer's, if it is."""
+  shards = _child(restore, node, "shards")
+  stored = 0 if shards is None else len(shards.children)
+  wanted = id_map.num_shards if isinstance(id_map, ShardedIdMap) else 0
+  if stored == wanted:
+    return None
+
+  def split(count: int) -> str:
+    return f"split over {count} parameter servers" if count else "whole (no parameter servers)"
+
+  return (
+    f"its managed-id map is {split(wanted)} in this layer but {split(stored)} in the "
+    "checkpoint; restore it under the same number of ps tasks"
+  )
+
+
+def _parts(restore: tf_restore.Restore, node: Any, id_map: Any) -> list[tuple[Any, Any, str]]:
+  """(checkpoint node, IdMap, how to name it) of the map or of each of its shards."""
+  if not isinstance(id_map, ShardedIdMap):
+    return [(node, id_map, "")]
+  shards, count = _child(restore, node, "shards"), id_map.num_shards
+  return [
+    (_child(restore, shards, str(k)), part, f" (shard {k} of {count})")
+    for k, part in enumerate(id_map.shards)
+  ]
 
 
 def _child(restore: tf_restore.Restore, node: Any, name: str) -> Optional[Any]:

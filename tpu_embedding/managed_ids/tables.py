@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import tf_internals
+from tpu_embedding.managed_ids import sharded_map
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import ManagedIds
 
@@ -37,7 +39,7 @@ class ManagedTables(tf.Module):
         raise TypeError(
           f"managed_ids[{name!r}] is a {type(spec).__name__}; expected tpu_embedding.ManagedIds."
         )
-      maps[table.name] = IdMap(spec, table.name, table.vocabulary_size)
+      maps[table.name] = sharded_map.new_map(spec, table.name, table.vocabulary_size)
     self.maps = maps
     self._tables = {t.name: t for t in config.tables}
 
@@ -67,9 +69,11 @@ class ManagedTables(tf.Module):
     leaves = [ids for _, ids in pairs]
     for name, parts in streams.items():
       sizes = [tf.size(keys) for _, keys in parts]
-      rows, fresh = self.maps[name].remap(tf.concat([k for _, k in parts], 0), training)
+      reset = None
       if training and reset_rows is not None:
-        reset_rows(self._tables[name], fresh)
+        reset = functools.partial(reset_rows, self._tables[name])
+      keys = tf.concat([k for _, k in parts], 0)
+      rows = sharded_map.remap_and_reset(self.maps[name], keys, training, reset)
       for (index, _), part in zip(parts, tf.split(rows, tf.stack(sizes))):
         leaves[index] = _with_rows(leaves[index], part)
     return tf.nest.pack_sequence_as(features, leaves)

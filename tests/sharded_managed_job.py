@@ -1,0 +1,180 @@
+"""Managed ids under ParameterServerStrategy: the coordinator side of `test_managed_ids_sharded.py`.
+
+Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running `LocalCluster`
+(2 ps, 2 workers); the table is row-sharded in 2 and its map split over the 2 ps tasks.
+
+* `concurrent`: `STEPS` steps scheduled at once on both workers; consecutive batches share half
+  their keys, so the two workers keep meeting the same new keys at the same time. Writes the map's
+  export and every shard's, the rows of all keys and the table (`concurrent.npz`).
+* `sequential`: `SEQUENCE` steps run one at a time (each joined before the next), with eviction
+  and min_count 2; writes the map, every shard's export and the table (`sequential.npz`), then a
+  checkpoint (`ckpt`); a new layer under a new strategy restores it (`restored.npz`); a layer
+  without managed ids' checkpoint is refused, and so is `ckpt` by a layer without strategy (one
+  whole map) (`refused.json`); the restored layer is exported for serving (`export/`).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tpu_embedding  # noqa: E402
+from tpu_embedding import serving  # noqa: E402
+
+E = tf.tpu.experimental.embedding
+# concurrent: batch i holds UNIVERSE[HALF * i : HALF * (i + 2)]
+STEPS, HALF = 40, 100
+CONCURRENT_CAPACITY = 2 * HALF * (STEPS + 1) + 1  # room for every key in either shard
+# sequential
+SEQUENCE, SEQUENCE_BATCH, SEQUENCE_KEYS = 12, 16, 40
+SEQUENCE_CAPACITY = 13  # 12 rows for keys: 6 per shard
+SEQUENCE_SPEC = dict(eviction="lfu", min_count=2, lfu_half_life_steps=4)
+INITIAL = 0.25
+
+
+def universe() -> np.ndarray:
+  """Distinct int64 keys, negative and beyond 2**31 included."""
+  keys = np.random.default_rng(28).integers(-(2**62), 2**62, size=HALF * (STEPS + 1))
+  assert len(set(keys.tolist())) == keys.size
+  return keys
+
+
+def concurrent_batch(i: int) -> np.ndarray:
+  return universe()[HALF * i : HALF * (i + 2)]
+
+
+def sequence_batches() -> list[np.ndarray]:
+  rng = np.random.default_rng(7)
+  keys = rng.integers(-(2**40), 2**40, size=SEQUENCE_KEYS)
+  return [keys[rng.zipf(1.5, size=SEQUENCE_BATCH) % SEQUENCE_KEYS] for _ in range(SEQUENCE)]
+
+
+def strategy_of(cluster: dict) -> tf.distribute.ParameterServerStrategy:
+  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+    tf.train.ClusterSpec(cluster), rpc_layer="grpc"
+  )
+  return tf.distribute.ParameterServerStrategy(
+    resolver,
+    variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+  )
+
+
+def make_layer(capacity: int, **spec) -> tpu_embedding.TPUEmbedding:
+  table = E.TableConfig(
+    capacity, 2, initializer=tf.constant_initializer(INITIAL), combiner="sum", name="t"
+  )
+  layer = tpu_embedding.TPUEmbedding(
+    {"f": E.FeatureConfig(table, name="f")},
+    E.SGD(0.5),
+    managed_ids={"t": tpu_embedding.ManagedIds(**spec)},
+  )
+  layer.variables_by_table  # creates the table (under the caller's strategy)
+  return layer
+
+
+def worker_step(strategy, layer):
+  def step(keys):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer({"f": keys})["f"])  # each occurrence subtracts 0.5
+    tape.gradient(loss, layer.trainable_variables)
+
+  @tf.function
+  def run(keys):
+    strategy.run(step, args=(keys,))
+
+  return run
+
+
+def state(layer) -> dict:
+  id_map = layer.managed_ids["t"]
+  keys, rows, counts = id_map.export()
+  out = {"keys": keys.numpy(), "rows": rows.numpy(), "counts": counts.numpy()}
+  for k, shard in enumerate(id_map.shards):
+    for name, value in zip(("keys", "rows", "counts"), shard.export()):
+      out[f"shard{k}/{name}"] = value.numpy()
+  out["table"] = layer.variables_by_table["t"]["parameters"].numpy()
+  out["devices"] = np.array([v.device for v in id_map.first_rows])
+  out["size"] = id_map.size().numpy()
+  return out
+
+
+def concurrent(cluster, out):
+  strategy = strategy_of(cluster)
+  with strategy.scope():
+    layer = make_layer(CONCURRENT_CAPACITY, eviction="lru", lfu_half_life_steps=10_000)
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  run = worker_step(strategy, layer)
+  for i in range(STEPS):
+    coordinator.schedule(run, args=(tf.constant(concurrent_batch(i)),))
+  coordinator.join()
+  result = state(layer)
+  result["lookup"] = layer.managed_ids["t"].lookup(tf.constant(universe())).numpy()
+  np.savez(os.path.join(out, "concurrent.npz"), **result)
+
+
+def sequential(cluster, out):
+  strategy = strategy_of(cluster)
+  with strategy.scope():
+    layer = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  run = worker_step(strategy, layer)
+  for keys in sequence_batches():
+    coordinator.schedule(run, args=(tf.constant(keys),))
+    coordinator.join()
+  np.savez(os.path.join(out, "sequential.npz"), **state(layer))
+  tf.train.Checkpoint(layer=layer).write(os.path.join(out, "ckpt"))
+
+  with strategy.scope():
+    restored = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
+  tf.train.Checkpoint(layer=restored).read(os.path.join(out, "ckpt")).assert_consumed()
+  np.savez(os.path.join(out, "restored.npz"), **state(restored))
+
+  with strategy.scope():
+    plain = tpu_embedding.TPUEmbedding(
+      {"f": E.FeatureConfig(E.TableConfig(SEQUENCE_CAPACITY, 2, name="t"), name="f")}, E.SGD(0.5)
+    )
+    plain.variables_by_table
+  tf.train.Checkpoint(layer=plain).write(os.path.join(out, "plain"))
+  before = state(restored)
+  try:
+    tf.train.Checkpoint(layer=restored).read(os.path.join(out, "plain"))
+    message = "restored"
+  except ValueError as e:
+    message = str(e)
+  after = state(restored)
+  unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+  whole = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)  # no strategy: one whole map
+  try:
+    tf.train.Checkpoint(layer=whole).read(os.path.join(out, "ckpt"))
+    whole_message = "restored"
+  except ValueError as e:
+    whole_message = str(e)
+  whole_unchanged = int(whole.managed_ids["t"].size()) == 0
+  with open(os.path.join(out, "refused.json"), "w") as f:
+    json.dump(
+      {
+        "message": message,
+        "unchanged": unchanged,
+        "whole_message": whole_message,
+        "whole_unchanged": whole_unchanged,
+      },
+      f,
+    )
+
+  model = tf.Module()
+  model.layer = restored
+  serve = tf.function(
+    lambda keys: restored({"f": keys}, training=False),
+    input_signature=[tf.TensorSpec([None], tf.int64)],
+  )
+  serving.export_for_serving(model, os.path.join(out, "export"), serve)
+
+
+if __name__ == "__main__":
+  {"concurrent": concurrent, "sequential": sequential}[sys.argv[1]](
+    json.loads(sys.argv[2]), *sys.argv[3:]
+  )

@@ -1,0 +1,164 @@
+"""Managed ids under ParameterServerStrategy, with real ps and worker processes on loopback.
+
+One `LocalCluster` (2 ps, 2 workers, each its own process) serves the module; the coordinator
+runs in a subprocess (`sharded_managed_job.py`). The map is split over the 2 ps tasks by key
+hash, each shard giving rows of its own range: every expectation is worked out here from the
+batches, each shard against the plain-Python reference map fed that shard's part of the stream.
+"""
+
+import collections
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sharded_managed_job as job_lib
+import tensorflow as tf
+
+import loopback
+from child_process import run_python
+from managed_ids_reference import ReferenceMap
+
+JOB = pathlib.Path(__file__).with_name("sharded_managed_job.py")
+PS_TASKS = {f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("sharded_managed")
+  with loopback.cluster(num_ps=2, num_workers=2) as cluster:
+    for phase in ("concurrent", "sequential"):
+      argv = [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)]
+      result = subprocess.run(cluster.command(argv), capture_output=True, text=True, timeout=400)
+      assert result.returncode == 0, result.stderr[-3000:]
+  return out
+
+
+def _load(directory: pathlib.Path, name: str) -> dict:
+  with np.load(directory / name) as arrays:
+    return dict(arrays)
+
+
+def shard_of(keys) -> list[int]:
+  """The documented rule: FarmHash64 of the key's decimal string, modulo the shards."""
+  return tf.strings.to_hash_bucket_fast([str(k) for k in keys], 2).numpy().tolist()
+
+
+def row_ranges(capacity: int) -> list[range]:
+  """Rows 1..capacity-1 cut in two, the first range one row longer when odd."""
+  middle = 1 + (capacity - 1 + 1) // 2
+  return [range(1, middle), range(middle, capacity)]
+
+
+def test_concurrent_workers_never_give_a_key_two_rows_or_a_row_two_keys(results):
+  out = _load(results, "concurrent.npz")
+  occurrences = collections.Counter()
+  for i in range(job_lib.STEPS):
+    occurrences.update(job_lib.concurrent_batch(i).tolist())
+  keys, rows = out["keys"].tolist(), out["rows"].tolist()
+  assert len(set(keys)) == len(keys) == len(occurrences)  # each key once: one row per key
+  assert len(set(rows)) == len(rows) and 0 not in rows  # each row once: one key per row
+  row_of = dict(zip(keys, rows))
+  assert set(row_of) == set(occurrences)
+  universe = job_lib.universe().tolist()
+  assert out["lookup"].tolist() == [row_of[k] for k in universe]
+  assert out["size"] == len(keys)
+  # Counts: every occurrence counted once (a lost or doubled step of a shard shows here).
+  assert dict(zip(keys, out["counts"].tolist())) == dict(occurrences)
+  # The table: each occurrence subtracted 0.5 from its key's row; no other row was touched.
+  expected = np.full_like(out["table"], job_lib.INITIAL)
+  for key, count in occurrences.items():
+    expected[row_of[key]] -= 0.5 * count
+  np.testing.assert_array_equal(out["table"], expected)
+  # Shard k holds exactly its keys, on the first rows of its own range, on its own ps task.
+  assert set(out["devices"].tolist()) == PS_TASKS
+  owner = dict(zip(universe, shard_of(universe)))
+  for k, span in enumerate(row_ranges(job_lib.CONCURRENT_CAPACITY)):
+    mine = [key for key in universe if owner[key] == k]
+    assert sorted(out[f"shard{k}/keys"].tolist()) == sorted(mine)
+    assert sorted(row_of[key] for key in mine) == list(span[: len(mine)])
+    assert out[f"shard{k}/rows"].tolist() == list(range(1, len(mine) + 1))  # local rows
+
+
+def _reference_run():
+  """Each shard's reference map fed its part of every step, and the table those rows give."""
+  spans = row_ranges(job_lib.SEQUENCE_CAPACITY)
+  spec = job_lib.SEQUENCE_SPEC
+  maps = [
+    ReferenceMap(
+      len(span) + 1, spec["eviction"], spec["min_count"], half_life=spec["lfu_half_life_steps"]
+    )
+    for span in spans
+  ]
+  table = np.full([job_lib.SEQUENCE_CAPACITY, 2], job_lib.INITIAL, np.float32)
+  for batch in job_lib.sequence_batches():
+    batch = batch.tolist()
+    owner = shard_of(batch)
+    rows = [0] * len(batch)
+    for k, (reference, span) in enumerate(zip(maps, spans)):
+      positions = [i for i, o in enumerate(owner) if o == k]
+      local, fresh = reference.train([batch[i] for i in positions])
+      for i, row in zip(positions, local):
+        rows[i] = row + span.start - 1 if row else 0
+      for row in fresh:
+        table[row + span.start - 1] = job_lib.INITIAL  # reset before the step reads it
+    for row in rows:
+      table[row] -= 0.5
+  return maps, spans, table
+
+
+def test_sequential_steps_give_each_shard_the_reference_map_and_reset_rows(results):
+  out = _load(results, "sequential.npz")
+  maps, spans, table = _reference_run()
+  for k, (reference, span) in enumerate(zip(maps, spans)):
+    keys, rows, counts = reference.export()
+    assert out[f"shard{k}/keys"].tolist() == keys, k
+    assert out[f"shard{k}/rows"].tolist() == rows, k
+    assert out[f"shard{k}/counts"].tolist() == counts, k
+  assert out["rows"].tolist() == [
+    r + s.start - 1 for m, s in zip(maps, spans) for r in m.export()[1]
+  ]
+  assert len(maps[0].export()[0]) == len(spans[0])  # a shard full: eviction happened
+  np.testing.assert_array_equal(out["table"], table)
+
+
+def test_checkpoint_restores_the_sharded_map_and_refuses_other_layouts(results):
+  trained, restored = _load(results, "sequential.npz"), _load(results, "restored.npz")
+  assert sorted(trained) == sorted(restored)
+  for name in trained:
+    if name != "devices":  # each shard on a ps task of its own, whichever
+      np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
+  assert set(restored["devices"].tolist()) == PS_TASKS
+  with open(results / "refused.json") as f:
+    refused = json.load(f)
+  assert (
+    "table 't' manages its ids, but the checkpoint holds no managed-id map" in (refused["message"])
+  )
+  assert refused["unchanged"]
+  assert (
+    "table 't': its managed-id map is whole (no parameter servers) in this layer but split over "
+    "2 parameter servers in the checkpoint"
+  ) in refused["whole_message"]
+  assert refused["whole_unchanged"]
+
+
+_SERVE = """
+import json
+import tensorflow as tf
+loaded = tf.saved_model.load({path!r})
+out = loaded.signatures["serving_default"](keys=tf.constant({probe!r}, tf.int64))
+print(json.dumps(list(out.values())[0].numpy().tolist()))
+"""
+
+
+def test_the_export_serves_raw_keys_through_the_sharded_map(results):
+  maps, spans, table = _reference_run()
+  known = [
+    (key, row + s.start - 1) for m, s in zip(maps, spans) for key, row in zip(*m.export()[:2])
+  ]
+  probe = [key for key, _ in known] + [123456789, -5]  # two keys never seen: row 0
+  expected = table[[row for _, row in known] + [0, 0]]
+  out = run_python(_SERVE.format(path=str(results / "export"), probe=probe), timeout=300)
+  np.testing.assert_allclose(json.loads(out.splitlines()[-1]), expected, rtol=1e-6)
