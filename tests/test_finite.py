@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+import tpu_embedding.keras as keras3_layers
 from tpu_embedding import backends, hardware
 from tpu_embedding import config as config_lib
 
@@ -316,3 +317,60 @@ def test_partial_layer_checks_either_side(size_threshold):
   expected = ROWS.copy()
   expected[[1, 3]] -= 0.5
   np.testing.assert_array_equal(table_of(model), expected)
+
+
+def partial_two_sides(refused, layer_class=tpu_embedding.PartialTPUEmbedding):
+  """'ta' (5 rows) replicated, 'tb' (50 rows) sharded, each side its own engine; the table
+  `refused` has a NaN learning rate, the other SGD 0.5; every row starts at 0.25."""
+  table = lambda name, rows: E.TableConfig(
+    rows,
+    2,
+    name=name,
+    combiner="sum",
+    initializer=tf.constant_initializer(0.25),
+    optimizer=E.SGD(learning_rate=(lambda: float("nan")) if name == refused else 0.5),
+  )
+  model = layer_class(
+    {"a": E.FeatureConfig(table("ta", 5)), "b": E.FeatureConfig(table("tb", 50))},
+    size_threshold=20,
+    check_finite=True,
+  )
+  assert [model.side(t) for t in ("ta", "tb")] == ["replicated", "sharded"]
+  model.build(None)
+  return model
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("refused", ["ta", "tb"])
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_partial_a_step_refused_on_one_side_writes_no_table_of_the_other(traced, refused, flavour):
+  layer_class = {
+    "tf_keras": tpu_embedding.PartialTPUEmbedding,
+    "keras3": keras3_layers.PartialTPUEmbedding,
+  }[flavour]
+  model = partial_two_sides(refused, layer_class)
+  before = snapshot(model)
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match=f"Table '{refused}': its learning rate is not finite .*this step wrote nothing",
+  ):
+    train_both(model, traced=traced)
+  assert_unchanged(before, model)
+
+
+def test_partial_under_mirrored_strategy_a_step_refused_on_one_side_writes_no_table():
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  for refused in ("ta", "tb", None):
+    with strategy.scope():
+      model = partial_two_sides(refused)
+    before = snapshot(model)
+    step = tf.function(lambda: strategy.run(step_of(model)))
+    if refused is None:  # both sides train: each row 1 and 3 gets 2 replicas x gradient 1
+      step()
+      for name in ("ta", "tb"):
+        rows = model.variables_by_table[name]["parameters"].numpy()
+        np.testing.assert_array_equal(rows[[1, 3]], np.full((2, 2), 0.25 - 0.5 * 2))
+      continue
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"Table '{refused}': its learning"):
+      step()
+    assert_unchanged(before, model)

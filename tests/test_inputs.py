@@ -282,21 +282,26 @@ def train_step(model, features, signature=None):
 @pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
 @pytest.mark.parametrize("traced", [False, True])
 def test_an_out_of_range_id_past_max_sequence_length_is_refused_not_truncated_away(kind, traced):
-  model = layer(max_sequence_length=3)
-  model.build(None)
-  before = snapshot(model)
   rows = [[1, 2, 3, 4, 99], [5]]  # 99 at position 4: past the 3 positions looked up
   ids = {
     "dense": tf.constant([[1, 2, 3, 4, 99], [5, 0, 0, 0, 0]], tf.int64),
     "sparse": tf.ragged.constant(rows, tf.int64).to_sparse(),
     "ragged": tf.ragged.constant(rows, tf.int64),
   }[kind]
+  assert_refused_by_the_range_check(layer(max_sequence_length=3), ids, traced, r"\[99\]")
+
+
+def assert_refused_by_the_range_check(model, ids, traced, offending):
+  """A training step on `ids` (feature 'f') is refused by the id-range check, which lists the
+  `offending` ids (a regex), eagerly or traced (Assert's message escapes quotes and brackets
+  each item), and changes no variable."""
+  model.build(None)
+  before = snapshot(model)
   signature = {"f": tf.type_spec_from_value(ids)} if traced else None
   with pytest.raises(
     tf.errors.InvalidArgumentError if traced else ValueError,
-    # (Assert's message escapes quotes)
     match=r"(?s)Feature \\?'f\\?' \(table \\?'t\\?', vocabulary_size=10\): every id must be "
-    r"in \[0, 10\).*Offending ids.*99",
+    r"in \[0, 10\)\.\]? \[?Offending ids:\]? " + offending,
   ):
     train_step(model, {"f": ids}, signature)
   assert_unchanged(before, model)
@@ -356,3 +361,58 @@ def test_under_xla_a_sparse_entry_outside_dense_shape_is_dropped_as_if_absent(ou
   )
   with pytest.raises(ValueError, match="Feature 'f': every index of its SparseTensor must lie"):
     layer("mean")({"f": hostile})  # the other paths refuse it
+
+
+# ---------------------------------------------------------------------------------------------
+# Ids of every integer dtype: looked up by their value; uint64 ids past int64 named as given
+
+INTEGER_DTYPES = [tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32, tf.uint32, tf.int64, tf.uint64]
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=lambda d: d.name)
+def test_ids_of_every_integer_dtype_read_the_rows_of_their_values(dtype):
+  out = train_step(layer(), {"f": tf.constant([1, 9], dtype)})
+  np.testing.assert_array_equal(out["f"], [[2, 3], [18, 19]])
+
+
+def uint64_ids(kind):
+  """Ids 1, 2**63 + 5 and 2**64 - 1 as uint64: the last two past int64's range."""
+  values = tf.constant([1, 2**63 + 5, 2**64 - 1], tf.uint64)
+  rows = tf.RaggedTensor.from_row_lengths(values, [2, 1])
+  return {"dense": values, "ragged": rows, "sparse": rows.to_sparse()}[kind]
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "ragged"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_uint64_ids_past_int64_are_refused_with_their_true_values(kind, traced):
+  offending = r"\[9223372036854775813,? 18446744073709551615\]"
+  assert_refused_by_the_range_check(layer(), uint64_ids(kind), traced, offending)
+
+
+def test_under_xla_uint64_ids_past_int64_are_clamped_to_the_last_row_like_any_too_large_id():
+  model = layer()
+  lookup = tf.function(lambda ids: model({"f": ids})["f"], jit_compile=True)
+  out = lookup(tf.constant([2**63 + 5, 2**64 - 1, 11, 3], tf.uint64))
+  np.testing.assert_array_equal(out, [[18, 19], [18, 19], [18, 19], [6, 7]])
+
+
+@pytest.mark.parametrize("kind", ["partial", "keras3"])
+def test_partial_and_keras3_layers_name_uint64_ids_past_int64_by_their_true_values(kind):
+  from tpu_embedding.keras import TPUEmbedding as Keras3TPUEmbedding
+  from tpu_embedding.partial import PartialTPUEmbedding
+
+  small = E.TableConfig(10, DIM, name="t")  # replicated by Partial, looked up by the engine
+  large = E.TableConfig(40, DIM, name="u")  # sharded by Partial
+  config = {"f": E.FeatureConfig(small), "g": E.FeatureConfig(large)}
+  if kind == "partial":
+    model = PartialTPUEmbedding(config, "sgd", size_threshold=20)
+  else:
+    model = Keras3TPUEmbedding(config, "sgd")
+  for name, size in [("f", 10), ("g", 40)]:
+    features = {"f": tf.constant([1], tf.uint64), "g": tf.constant([1], tf.uint64)}
+    features[name] = tf.constant([2, 2**63 + 5], tf.uint64)
+    with pytest.raises(
+      ValueError,
+      match=rf"Feature '{name}' .*\[0, {size}\)\. Offending ids: \[9223372036854775813\]",
+    ):
+      model(features)

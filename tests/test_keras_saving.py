@@ -60,3 +60,25 @@ def test_h5_file_of_another_table_shape_is_refused_and_changes_nothing(tmp_path)
     other.load_weights(tmp_path / "m.h5")
   for slot, value in table_and_slot(layer).items():
     np.testing.assert_array_equal(value, before[slot], err_msg=slot)
+
+
+def test_a_truncated_keras_file_fails_in_keras_before_any_variable_changes(tmp_path):
+  """What docs/keras3.md says: Keras decides before any layer code runs, with its own message
+  (no hook lets the layers word it better); the model loading into is left as it was."""
+  import zipfile
+
+  model, layer = model_with(TPUEmbedding)
+  model.fit(IDS, np.ones((8, 1)), verbose=0)
+  path = tmp_path / "m.keras"
+  model.save(path)
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) // 2])
+  target, target_layer = model_with(TPUEmbedding)
+  before = [v.numpy() for v in target.variables]
+  assert not zipfile.is_zipfile(path)
+  with pytest.raises(ValueError, match=f"File not found: filepath={path}"):
+    keras.models.load_model(path)
+  with pytest.raises(zipfile.BadZipFile, match="File is not a zip file"):
+    target.load_weights(path)
+  for value, variable in zip(before, target.variables):
+    np.testing.assert_array_equal(variable.numpy(), value)

@@ -14,16 +14,18 @@ import tpu_embedding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_checkpoints import tfrs_checkpoints  # noqa: E402, F401  (a fixture: files tfrs writes)
+from test_checkpoints import our_model, tfrs_checkpoints, tfrs_key  # noqa: E402, F401  (fixture)
 
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
+from unchanged import assert_unchanged as assert_same  # noqa: E402
+from unchanged import snapshot  # noqa: E402
 
 E = tf.tpu.experimental.embedding
 IDS = {"user": tf.constant([1, 2, 3]), "movie": tf.constant([0, 4, 4])}
 
 
 class Ranker(tf_keras.Model):
-  def __init__(self, hidden=4, seed=0):
+  def __init__(self, hidden=4, seed=0, optimizer=None):
     super().__init__()
     tf.keras.utils.set_random_seed(seed)
     self.embedding = tpu_embedding.TPUEmbedding(
@@ -31,7 +33,7 @@ class Ranker(tf_keras.Model):
         "user": E.FeatureConfig(E.TableConfig(10, 2, name="user")),
         "movie": E.FeatureConfig(E.TableConfig(6, 3, name="movie")),
       },
-      E.Adagrad(0.1),
+      optimizer or E.Adagrad(0.1),
     )
     self.hidden = tf_keras.layers.Dense(hidden)
     self.out = tf_keras.layers.Dense(1)
@@ -176,4 +178,112 @@ def test_a_truncated_tfrs_checkpoint_is_named_and_restores_nothing(
     tf.train.load_variable(
       str(tfrs_checkpoint / "ckpt"), "model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE"
     ),
+  )
+
+
+NOTHING = "Nothing was restored: every variable of the model is unchanged."
+
+
+def test_a_model_variable_the_checkpoint_lacks_is_named_and_nothing_is_restored(tmp_path):
+  """TF would restore the rest and leave it (`assert_existing_objects_matched` says so only
+  afterwards)."""
+  path = tf.train.Checkpoint(model=built(seed=1)).save(str(tmp_path / "ckpt"))
+  target = built(seed=2)
+  target.extra = tf_keras.layers.Dense(2)  # a layer the saved model did not have
+  target.extra.build((None, 3))
+  before, on_disk = snapshot(target), files(tmp_path)
+  with pytest.raises(ValueError) as raised:
+    tpu_embedding.restore_checkpoint(target, path)
+  assert str(raised.value) == (
+    f"Cannot restore the checkpoint {path!r}:\n"
+    "  - model/extra/kernel (shape [3, 2], float32) is in the model but not in the checkpoint "
+    "(allow_missing= lets it keep its value)\n"
+    "  - model/extra/bias (shape [2], float32) is in the model but not in the checkpoint "
+    f"(allow_missing= lets it keep its value)\n{NOTHING} Restore a checkpoint written by the "
+    "same model."
+  )
+  assert_same(before, target)
+  assert files(tmp_path) == on_disk
+  # The opt-out, by path or a prefix of it: everything else restored, `extra` kept.
+  for allowed in (["model/extra"], ["model/extra/kernel", "model/extra/bias"], True):
+    target = built(seed=2)
+    target.extra = tf_keras.layers.Dense(2)
+    target.extra.build((None, 3))
+    kernel = target.extra.kernel.numpy()
+    tpu_embedding.restore_checkpoint(target, path, allow_missing=allowed)
+    np.testing.assert_array_equal(target.hidden.kernel.numpy(), built(seed=1).hidden.kernel)
+    np.testing.assert_array_equal(target.extra.kernel.numpy(), kernel)
+  with pytest.raises(ValueError, match=r"model/extra/bias \(shape \[2\], float32\) is in the"):
+    tpu_embedding.restore_checkpoint(target, path, allow_missing=["model/extra/kernel"])
+
+
+def test_an_optimizer_the_checkpoint_lacks_is_named_unless_allowed(tmp_path):
+  """A checkpoint of the model alone, restored into (model, optimizer) after training."""
+  path = tf.train.Checkpoint(model=built(seed=1)).save(str(tmp_path / "ckpt"))
+  target = built(seed=2)
+  optimizer = tf_keras.optimizers.legacy.SGD(0.1)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(target(IDS))
+  optimizer.apply_gradients(
+    zip(tape.gradient(loss, target.trainable_variables[-4:]), target.trainable_variables[-4:])
+  )
+  checkpoint = tf.train.Checkpoint(model=target, optimizer=optimizer)
+  before = snapshot(target)
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)  - optimizer/iter \(shape \[\], int64\) is in the "
+    r"model but not in the checkpoint.*  - optimizer/learning_rate .*" + NOTHING,
+  ):
+    tpu_embedding.restore_checkpoint(checkpoint, path)
+  assert_same(before, target)
+  assert optimizer.iterations.numpy() == 1
+  tpu_embedding.restore_checkpoint(checkpoint, path, allow_missing=["optimizer"])
+  assert_unchanged(target, values(built(seed=1)))  # restored: the saved model's values
+  assert optimizer.iterations.numpy() == 1
+
+
+def test_a_slot_the_checkpoint_lacks_is_named_by_the_layer_and_nothing_is_restored(tmp_path):
+  path = tf.train.Checkpoint(model=built(seed=1, optimizer=E.SGD(0.1))).save(str(tmp_path / "c"))
+  target = built(seed=2)  # Adagrad: an accumulator per table
+  before = snapshot(target)
+  with pytest.raises(
+    ValueError,
+    match=r"slot 'movie/accumulators' of table 'movie' \(shape \[6, 3\] in this layer\) "
+    r"is missing from the checkpoint",
+  ):
+    tpu_embedding.restore_checkpoint(target, path)
+  assert_same(before, target)
+
+
+@pytest.mark.parametrize("layer_name", ["TPUEmbedding", "PartialTPUEmbedding"])
+def test_tfrs_checkpoints_restore_whole_and_one_written_before_training_needs_no_opt_out(
+  tfrs_checkpoints,  # noqa: F811  (the fixture imported above)
+  layer_name,
+):
+  """tfrs's Keras optimizer creates its variables at the first step, as ours does: a model that
+  has not trained lacks nothing of either checkpoint; one that has trained lacks the optimizer's
+  variables in the checkpoint written before training."""
+  for trained in (False, True):
+    path = tfrs_checkpoints[(layer_name, "adagrad") + (() if trained else ("untrained",))]
+    model, optimizer = our_model(layer_name, "adagrad")
+    tpu_embedding.restore_checkpoint(tf.train.Checkpoint(model=model, optimizer=optimizer), path)
+    np.testing.assert_array_equal(
+      model.embedding.variables_by_table["large"]["parameters"].numpy(),
+      tf.train.load_variable(path, tfrs_key(layer_name, "large")),
+    )
+  path = tfrs_checkpoints[(layer_name, "adagrad", "untrained")]
+  model, optimizer = our_model(layer_name, "adagrad")
+  data = tf.data.Dataset.from_tensors((tfrs_writer.inputs(), tf.constant(tfrs_writer.LABELS)))
+  model.fit(data, verbose=0)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+  before = snapshot(model)
+  with pytest.raises(
+    ValueError, match=r"  - optimizer/iter \(shape \[\], int64\) is in the model but not in the"
+  ):
+    tpu_embedding.restore_checkpoint(checkpoint, path)
+  assert_same(before, model)
+  tpu_embedding.restore_checkpoint(checkpoint, path, allow_missing=["optimizer"])
+  np.testing.assert_array_equal(
+    model.dense.kernel.numpy(),
+    tf.train.load_variable(path, "model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE"),
   )

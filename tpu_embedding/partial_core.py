@@ -39,6 +39,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
+from tpu_embedding.engine import joint_step
 from tpu_embedding.layer_core import RefusesCopies, TPUEmbeddingCore, add_gradient_trap
 from tpu_embedding.placement import REPLICATED, SHARDED, Placement, TablePlacement
 
@@ -328,14 +329,17 @@ class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
       return given if any(w is not None for w in given.values()) else None
 
     outputs = {}
-    if inputs[SHARDED]:
-      outputs.update(self._sharded(inputs[SHARDED], weights=side_weights(SHARDED)))
-    if inputs[REPLICATED]:
-      outputs.update(
-        self._replicated.lookup(
-          inputs[REPLICATED], side_weights(REPLICATED), getattr(self, _TRAP_NAME, None)
+    # With check_finite, every check of both sides runs before either side writes.
+    with joint_step() as step:
+      if inputs[SHARDED]:
+        outputs.update(self._sharded(inputs[SHARDED], weights=side_weights(SHARDED)))
+      if inputs[REPLICATED]:
+        outputs.update(
+          self._replicated.lookup(
+            inputs[REPLICATED], side_weights(REPLICATED), getattr(self, _TRAP_NAME, None)
+          )
         )
-      )
+    outputs = step.guard(outputs)
     packed = tf.nest.pack_sequence_as(features, [outputs[f.path] for f, _ in pairs])
     return _replicated_first(packed, side_of_path)
 

@@ -60,6 +60,17 @@ def check_id_dtype(name: str, dtype: tf.DType) -> None:
     )
 
 
+def ids_as_int64(ids: Tensor, compiled: bool) -> Tensor:
+  """`ids` (of any integer dtype) as int64, the engine's id type, each id's value kept where
+  int64 holds it. uint64 ids of 2**63 and more cannot be: they keep their bits (negative as
+  int64), which the range check refuses, printing them unsigned (`Bags.unsigned`); under XLA,
+  which cannot refuse, they become int64's largest, so that they are clamped to the table's
+  last row like any other id too large, not to its first like a negative one."""
+  if compiled and ids.dtype == tf.uint64:
+    ids = tf.minimum(ids, tf.constant(np.iinfo(np.int64).max, tf.uint64))
+  return tf.cast(ids, tf.int64)
+
+
 def check_weights_kind(name: str, weights: Any, kind: type) -> None:
   if weights is not None and not isinstance(weights, kind):
     raise ValueError(
@@ -81,7 +92,10 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
       ids = _all_ids(bag)
       in_range = tf.logical_and(ids >= 0, ids < bag.feature.table.vocabulary_size)
       if not bool(tf.reduce_all(in_range)):
-        offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5].numpy().tolist()
+        offending = tf.boolean_mask(ids, tf.logical_not(in_range))[:5]
+        if bag.unsigned:
+          offending = tf.bitcast(offending, tf.uint64)
+        offending = offending.numpy().tolist()
         raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
     return list(bags)
   if not bags:
@@ -92,6 +106,7 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     tuple(i for i, bag in enumerate(bags) if bag.truncated_ids is not None),
     tf.constant([bag.feature.table.vocabulary_size for bag in bags], tf.uint64),
     tf.constant([_range_message(bag) for bag in bags]),
+    tf.constant([bag.unsigned for bag in bags]),
   )
   return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, checked)]
 
@@ -106,9 +121,11 @@ def _ids_in_range(
   truncated_of: tuple[int, ...],
   sizes: Tensor,
   messages: Tensor,
+  unsigned: Tensor,
 ) -> list[Tensor]:
   """`ids` once every feature's ids, with the ids cut off by max_sequence_length
-  (`truncated[j]` belongs to feature `truncated_of[j]`), are known to be in range."""
+  (`truncated[j]` belongs to feature `truncated_of[j]`), are known to be in range.
+  `unsigned[i]`: feature i's ids came as uint64 (printed so)."""
   every = [tf.reshape(i, [-1]) for i in ids]
   for position, cut in zip(truncated_of, truncated):
     every[position] = tf.concat([every[position], cut], 0)
@@ -123,8 +140,13 @@ def _ids_in_range(
     at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
     offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
     message = tf.gather(messages, at_fault)
+    shown = tf.where(
+      tf.gather(unsigned, at_fault),
+      tf.strings.as_string(tf.bitcast(offending, tf.uint64)),
+      tf.strings.as_string(offending),
+    )
     with tf.control_dependencies(
-      [tf.debugging.Assert(False, [message, "Offending ids:", offending], summarize=5)]
+      [tf.debugging.Assert(False, [message, "Offending ids:", shown], summarize=5)]
     ):
       return tf.constant(False)
 

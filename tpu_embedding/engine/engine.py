@@ -229,6 +229,8 @@ class EmbeddingEngine(tf.Module):
       flat = trap_lib.trapped(trap, look_up, update, plain_when_saved=True)
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags)
+      if not plain:
+        finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream))
     return tf.nest.pack_sequence_as(features, flat)
 
   def _register_training_lookup(self, step: inputs.Step) -> Callable[[], frozenset]:
@@ -334,6 +336,21 @@ class EmbeddingEngine(tf.Module):
     with tf.control_dependencies(checks):
       for (table, ids, grads), rate in zip(per_table, rates):
         self._update(table, ids, grads, rate, read_rows.get(table.name))
+
+  def _checks_of(self, found: lookup.StepLookup, upstream: list) -> list[tf.Tensor]:
+    """The checks that this step's update (`_update_tables`) would run from these gradients of
+    its activations, without the update: for a layer whose other engines must not write
+    either when one of these fails (`finite.JointStep`). Each feature's gradient is checked
+    first, so that the error names the feature, as the update's own checks do."""
+    upstream = [finite.checked_activation_gradient(g, bag) for g, bag in zip(upstream, found.bags)]
+    return [
+      check
+      for table, batch, grads in found.upstream_by_table(upstream)
+      if table.optimizer is not None
+      for check in self._check_update(
+        table, batch.unique_ids, batch.row_gradients(grads, table.dim), self._learning_rate(table)
+      )
+    ]
 
   def _check_update(
     self,

@@ -11,8 +11,10 @@ would freeze its row forever), by computing the new rows once without writing th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Sequence
+import threading
+from typing import Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
@@ -47,16 +49,22 @@ def guard_gradients(
 
 
 def _checked_gradient(activation: tf.Tensor, bag: inputs.Bags) -> tf.Tensor:
-  message = (
-    f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): the gradient of "
-    f"its activations holds a non-finite value {_REMEDY}"
-  )
-
   @tf.custom_gradient
   def identity(x):
-    return tf.identity(x), lambda upstream: tf.debugging.check_numerics(upstream, message)
+    return tf.identity(x), lambda upstream: checked_activation_gradient(upstream, bag)
 
   return identity(activation)
+
+
+def checked_activation_gradient(upstream: tf.Tensor | None, bag: inputs.Bags) -> tf.Tensor | None:
+  """The gradient of a bag's activations, checked (None stays None: no gradient reached it)."""
+  if upstream is None:
+    return None
+  return tf.debugging.check_numerics(
+    upstream,
+    f"Feature {bag.feature.name!r} (table {bag.feature.table.name!r}): the gradient of "
+    f"its activations holds a non-finite value {_REMEDY}",
+  )
 
 
 def check_learning_rate(learning_rate: tf.Tensor, table_name: str) -> tf.Tensor:
@@ -118,3 +126,70 @@ def _checked_rows(values: tf.Tensor, table_name: str, what: str) -> tf.Tensor:
     f"Table {table_name!r}: this step's update would write a non-finite value to its {what} "
     f"{_REMEDY}",
   )
+
+
+# ---------------------------------------------------------------------------------------------
+# One step over several engines (PartialTPUEmbedding's two sides)
+
+CheckOf = Callable[[list], list]  # an engine's activations' upstream gradients -> its checks
+
+
+class JointStep:
+  """The trained lookups of several engines in one layer call, whose checks must all run
+  before any of them writes: each engine checks and writes in its own gradient function, which
+  TF calls one engine after the other, so one engine could write before another refuses.
+  `guard` puts all their checks on the gradients' way back, before either gradient function."""
+
+  def __init__(self) -> None:
+    self._lookups: list[tuple[list[tf.Tensor], CheckOf]] = []
+
+  def add(self, activations: list[tf.Tensor], check: CheckOf) -> None:
+    self._lookups.append((list(activations), check))
+
+  def guard(self, outputs: dict) -> dict:
+    """`outputs` ({key: activation}), the activations of the lookups added replaced by ones
+    whose gradient, before it reaches any engine, passes every engine's checks."""
+    if not self._lookups:
+      return outputs
+    registered = [a for activations, _ in self._lookups for a in activations]
+    keys = {id(a): key for key, a in outputs.items()}
+    missing = [a for a in registered if id(a) not in keys]
+    if missing:  # a layer between the engine and these outputs replaced its activations
+      raise RuntimeError("check_finite: an engine's activations are not among the outputs.")
+
+    @tf.custom_gradient
+    def checked(*activations):
+      def grad(*upstream):
+        checks, position = [], 0
+        for lookup_activations, check in self._lookups:
+          count = len(lookup_activations)
+          checks.extend(check(list(upstream[position : position + count])))
+          position += count
+        with tf.control_dependencies(checks):
+          return [g if g is None else tf.identity(g) for g in upstream]
+
+      return [tf.identity(a) for a in activations], grad
+
+    guarded = dict(zip([keys[id(a)] for a in registered], checked(*registered)))
+    return {key: guarded.get(key, value) for key, value in outputs.items()}
+
+
+_open = threading.local()
+
+
+@contextlib.contextmanager
+def joint_step() -> Iterator[JointStep]:
+  """While open, engines that train with `check_finite` add their lookups to the step."""
+  outer = getattr(_open, "step", None)
+  _open.step = JointStep()
+  try:
+    yield _open.step
+  finally:
+    _open.step = outer
+
+
+def join(activations: list[tf.Tensor], check: CheckOf) -> None:
+  """Adds an engine's trained lookup to the joint step open on this thread, if any."""
+  step: Optional[JointStep] = getattr(_open, "step", None)
+  if step is not None:
+    step.add(activations, check)

@@ -46,6 +46,10 @@ class Bags:
   # int64 [M]: ids past max_sequence_length, which no lookup reads but whose range is checked
   # like the others' (a corrupt input is refused, not truncated away).
   truncated_ids: Optional[Tensor] = None
+  # The input's ids were uint64: those of 2**63 and more keep their bits here (negative as
+  # int64, so every range check refuses them), and the range check's message prints them
+  # unsigned, as the user gave them.
+  unsigned: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +68,7 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = Fa
     bags = _sparse_bags(feature, ids, weights, compiled)
   elif isinstance(ids, tf.RaggedTensor):
     checks.check_weights_kind(name, weights, tf.RaggedTensor)
-    bags = _ragged_bags(feature, ids, weights)
+    bags = _ragged_bags(feature, ids, weights, compiled)
   else:
     if weights is not None:
       raise ValueError(
@@ -72,7 +76,10 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = Fa
         "own sample, so no combiner uses weights; pass the ids as a SparseTensor or "
         "RaggedTensor to weight them, or pass None for this feature's weights."
       )
-    bags = _dense_bags(feature, checks.as_id_tensor(name, ids))
+    ids = checks.as_id_tensor(name, ids)
+    bags = _dense_bags(feature, ids, compiled)
+  if ids.dtype == tf.uint64:
+    bags = dataclasses.replace(bags, unsigned=True)
   return checks.checked_output_shape(bags)
 
 
@@ -95,10 +102,10 @@ def _with_output_shape(
   return tf.constant(configured.as_list(), tf.int64), configured
 
 
-def _dense_bags(feature: Feature, ids: Tensor) -> Bags:
+def _dense_bags(feature: Feature, ids: Tensor, compiled: bool) -> Bags:
   if ids.shape.rank is None:
     raise ValueError(f"Feature {feature.name!r}: dense ids need a known rank.")
-  ids = tf.cast(ids, tf.int64)
+  ids = checks.ids_as_int64(ids, compiled)
   shape = tf.shape(ids, out_type=tf.int64)
   seq_len = _sequence_length(feature)
   last = ids.shape[-1] if ids.shape.rank else 1
@@ -166,7 +173,7 @@ def _sparse_bags(
     feature, sp, bag_rank, seq_len if sequence else 1
   )
   weight_values = checks.sparse_weight_values(feature, sp, weights, indices, dense_shape)
-  ids = tf.cast(ids, tf.int64)
+  ids = checks.ids_as_int64(ids, compiled)
   if compiled:
     indices, ids = checks.without_entries_outside(feature, indices, ids, dense_shape)
   if sequence:
@@ -187,7 +194,9 @@ def _sparse_bags(
   )
 
 
-def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor]) -> Bags:
+def _ragged_bags(
+  feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.RaggedTensor], compiled: bool
+) -> Bags:
   checks.check_id_dtype(feature.name, rt.values.dtype)
   if rt.ragged_rank != 1 or rt.shape.rank != 2:
     raise ValueError(
@@ -195,7 +204,7 @@ def _ragged_bags(feature: Feature, rt: tf.RaggedTensor, weights: Optional[tf.Rag
       f"(batch, ids), got shape {rt.shape}."
     )
   weight_values = checks.ragged_weight_values(feature, rt, weights)
-  ids = tf.cast(rt.values, tf.int64)
+  ids = checks.ids_as_int64(rt.values, compiled)
   rows = rt.value_rowids()
   batch = rt.nrows()
   seq_len = _sequence_length(feature)
