@@ -116,6 +116,7 @@ def test_lfu_counts_halve_every_half_life():
     (dict(key_dtype=tf.float32), "key_dtype"),
     (dict(eviction="ttl"), "ttl_steps=None"),
     (dict(ttl_steps=3), "only used with eviction='ttl'"),
+    (dict(reset_every_steps=0), r"reset_every_steps=0\): expected an int >= 1"),
   ],
 )
 def test_bad_specs_are_refused(kwargs, message):

@@ -71,3 +71,11 @@ def test_retrieve_from_tpu_runs_tfs_retrieval_of_every_table(monkeypatch):
   before = recorded.retrieves
   tf_mid_level.retrieve_from_tpu(mid_level)
   assert recorded.retrieves == before + 1
+
+
+def test_load_into_tpu_runs_tfs_load_of_every_table(monkeypatch):
+  """Managed ids reset rows in V1's host copies and load them: TF's own load, traced here."""
+  mid_level, recorded = built(monkeypatch, EmbeddingFeature.V1)
+  before = recorded.loads
+  tf_mid_level.load_into_tpu(mid_level)
+  assert recorded.loads == before + 1

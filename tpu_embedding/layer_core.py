@@ -103,8 +103,10 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
         pipelining=bool(pipeline_execution_with_tensor_core),
       )
     )
+    self._row_resets = None
     if self._managed is not None:
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
+      self._row_resets = self.row_resets_for(managed_ids_lib.specs(self._managed))
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
 
@@ -176,8 +178,16 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
         "strategy.scope(), and call it in strategy.run."
       )
 
+  def row_resets_for(self, managed: Mapping[str, Any]) -> managed_ids_lib.ImmediateResets:
+    """How rows given to new keys of these tables ({table name: ManagedIds}) are reset on this
+    layer's path (a `PartialTPUEmbedding` asks for its sharded tables)."""
+    return self._backend.row_resets(managed)
+
   def flush(self) -> None:
-    """Applies updates held back by pipelining (also done before every checkpoint save)."""
+    """Applies updates held back by pipelining and resets of managed rows still waiting (also
+    done before every checkpoint save)."""
+    if self._row_resets is not None:
+      self._row_resets.apply()
     self._backend.flush()
 
   def update_embedding_table(
@@ -261,6 +271,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
+      self._row_resets.apply()  # no reset may wait for a row the restored map gives away
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

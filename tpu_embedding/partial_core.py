@@ -182,14 +182,31 @@ class PartialTPUEmbeddingCore(
         pipelining=bool(pipeline_execution_with_tensor_core),
       )
     )
+    self._row_resets = None
     if self._managed is not None:
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
+      self._row_resets = self._managed_row_resets(managed_ids_lib.specs(self._managed))
 
     self._tables_view = self._no_dependency(CheckpointNode())
     # tf-recommenders' names for the same variables (see `_track_tables`).
     self._tfrs_sharded_view = self._no_dependency(CheckpointNode())
     self._tfrs_keras_layers_view = self._no_dependency(CheckpointNode())
     self._track_tables()
+
+  def _managed_row_resets(self, specs: dict[str, Any]) -> managed_ids_lib.RoutedResets:
+    """Each managed table's resets go where its side keeps it: the sharded layer's path, or
+    the replicated engine's variables (written at once)."""
+    sharded = {name: spec for name, spec in specs.items() if self._sides[name] == SHARDED}
+    by_table = {}
+    if sharded:
+      on_sharded_side = self._sharded.row_resets_for(sharded)
+      by_table.update({name: on_sharded_side for name in sharded})
+    if len(by_table) < len(specs):
+      replicated = managed_ids_lib.ImmediateResets(
+        managed_ids_lib.write_variables(lambda: self._replicated.variables_by_table)
+      )
+      by_table.update({name: replicated for name in specs if name not in by_table})
+    return managed_ids_lib.RoutedResets(by_table)
 
   def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
     """{table name: side}: by `size_threshold` here; a subclass may decide otherwise."""
@@ -267,7 +284,10 @@ class PartialTPUEmbeddingCore(
     }
 
   def flush(self) -> None:
-    """Applies sharded-side updates held back by pipelining (replicated ones never are)."""
+    """Applies sharded-side updates held back by pipelining (replicated ones never are) and
+    resets of managed rows still waiting."""
+    if self._row_resets is not None:
+      self._row_resets.apply()
     if self._sharded is not None:
       self._sharded.flush()
 
@@ -404,6 +424,7 @@ class PartialTPUEmbeddingCore(
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
+      self._row_resets.apply()  # no reset may wait for a row the restored map gives away
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -38,6 +38,30 @@ def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
   return tf_internals.remove_sparse_core_padding(padded, tuple(layout.unsharded_shape))
 
 
+def write_logical_rows(variable: Any, layout: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
+  """Writes `values` ([len(rows), dim]) into logical `rows` of the table `layout` places in the
+  stacked `variable`, shard by shard, leaving the padding columns as they are.
+
+  Logical row r lives on SparseCore (r mod n + rotation) mod n, at row offset + r // n of that
+  core's block (the placement `logical_table` undoes); the blocks are the stacked rows split in
+  n, and the stacked rows are the per-device shards one after another.
+  """
+  shards = list(getattr(variable, "values", None) or [variable])
+  sizes = [int(shard.shape[0]) for shard in shards]
+  n = layout.num_sparse_cores
+  rows = tf.cast(rows, tf.int64)
+  core = (rows % n + layout.sparse_core_shard_rotation) % n
+  stacked_row = core * (sum(sizes) // n) + layout.sparse_core_shard_row_offset + rows // n
+  starts = tf.constant([sum(sizes[:i]) for i in range(len(sizes))], tf.int64)
+  shard_of = tf.cast(tf.searchsorted(starts, stacked_row, side="right") - 1, tf.int32)
+  dim = int(layout.unsharded_shape[1])
+  for index, shard in enumerate(shards):
+    mine = tf.where(tf.equal(shard_of, index))[:, 0]
+    local = tf.gather(stacked_row, mine) - starts[index]
+    padding = tf.gather(shard, local)[:, dim:]
+    shard.scatter_update(tf.IndexedSlices(tf.concat([tf.gather(values, mine), padding], 1), local))
+
+
 def logical_tables(
   stacked_variables: dict[str, Any], layouts: dict[str, Any], tables: tuple[TableConfig, ...]
 ) -> dict[TableConfig, tf.Tensor]:

@@ -10,7 +10,9 @@ module under another raises `tf_versions.UncheckedTensorFlow`). TF has no public
   (`update_embedding_table`, as tf-recommenders does). `TPUEmbeddingV2` gives the same dict
   publicly (its `variables`), so it is not read here;
 - copy V1's tables and slots from TPU memory into their host variables, which TF does only in
-  its checkpoint-save callback, through `_retrieve_variables`.
+  its checkpoint-save callback, through `_retrieve_variables`, or back into TPU memory, which
+  TF does when built and after a restore, through `_load_variables` (managed ids reset rows
+  given to new keys in the host copies and load them).
 `tests/test_tf_mid_level.py` runs both on the real classes (TPU runtime stubbed), so a TF
 upgrade that moves either fails there rather than in a user's model.
 """
@@ -34,6 +36,11 @@ def variables_by_table(mid_level: tf.Module) -> dict[str, dict[str, tf.Variable]
 def retrieve_from_tpu(mid_level: tf.Module) -> None:
   """Copies V1's tables and slots from TPU memory into their host variables, as a save does."""
   mid_level._retrieve_variables()
+
+
+def load_into_tpu(mid_level: tf.Module) -> None:
+  """Copies V1's host tables and slots into TPU memory, as a build or a restore does."""
+  mid_level._load_variables()
 
 
 def slot_initializers(optimizer) -> list:

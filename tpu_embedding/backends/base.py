@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
+from tpu_embedding.managed_ids import row_resets
 
 
 class Backend(abc.ABC):
@@ -65,6 +66,11 @@ class Backend(abc.ABC):
   def trainable_tables(self) -> list[tf.Variable]:
     """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
     return []
+
+  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
+    """How rows given to new keys of the `managed` tables ({table name: ManagedIds}) reach this
+    path's memory: by default written at once into `variables_by_table`, between steps."""
+    return row_resets.ImmediateResets(row_resets.write_variables(lambda: self.variables_by_table))
 
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
@@ -12,6 +12,7 @@ from tpu_embedding import hardware, tf_mid_level
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import trap as trap_lib
+from tpu_embedding.managed_ids import row_resets
 
 
 class TpuV1Backend(Backend):
@@ -28,6 +29,8 @@ class TpuV1Backend(Backend):
   ):
     super().__init__(config)
     self._batch_size = batch_size
+    self._pipelining = bool(pipelining)
+    self._built = False
     converted = conversion.for_tpu_v1(config)
     self._engine = tf.tpu.experimental.embedding.TPUEmbedding(
       converted.feature_config, converted.optimizer, pipelining
@@ -51,11 +54,26 @@ class TpuV1Backend(Backend):
     export reads is current (TF's own checkpoint saver does the same before a save)."""
     tf_mid_level.retrieve_from_tpu(self._engine)
 
+  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.DeferredResets:
+    """TPU memory takes whole tables only: resets wait for a flush (copy out, reset in the host
+    copies, load back) every `reset_every_steps`; their keys read row 0 until then."""
+    tables = {t.name: t for t in self.config.tables}
+    return row_resets.DeferredResets(
+      row_resets.write_variables(lambda: self.variables_by_table),
+      copy_out=lambda: tf_mid_level.retrieve_from_tpu(self._engine),
+      copy_in=lambda: tf_mid_level.load_into_tpu(self._engine),
+      tables={name: (tables[name], spec.reset_every_steps) for name, spec in managed.items()},
+      pipelining=self._pipelining,
+      path_name=self.path.name,
+      built=lambda: self._built,
+    )
+
   def build(self, per_replica_input_shapes):
     if self._batch_size is None:
       self._engine.build(per_replica_input_shapes=per_replica_input_shapes)
     else:
       self._engine.build(per_replica_batch_size=self._batch_size)
+    self._built = True
 
   def lookup(self, features, weights, trap):
     conversion.refuse_wide_dense_ids(self.config, features)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
@@ -9,6 +11,7 @@ from tpu_embedding import hardware, sparse_core, tf_internals
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import trap as trap_lib
+from tpu_embedding.managed_ids import row_resets
 
 
 class TpuV2Backend(Backend):
@@ -31,6 +34,7 @@ class TpuV2Backend(Backend):
         "2.21 on a SparseCore TPU (docs/compatibility.md)."
       )
     super().__init__(config)
+    self._built = False
     converted = conversion.for_tpu_v2(config)
     self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV2(
       converted.feature_config, converted.optimizer, pipelining, sparse_core_embedding_config
@@ -38,6 +42,7 @@ class TpuV2Backend(Backend):
 
   def build(self, per_replica_input_shapes):
     self._engine.build()
+    self._built = True
 
   @property
   def embedding_tables(self) -> dict:
@@ -55,6 +60,18 @@ class TpuV2Backend(Backend):
   def variables_by_table(self) -> dict[str, dict[str, tf.Variable]]:
     """{stacked table name: {"parameters"/slot: variable}}: SparseCore keeps them by stack."""
     return self._engine.variables
+
+  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
+    """SparseCore tables are variables in TPU memory the host writes between steps: each reset
+    is written at once, into the table's rows of its stacked, dealt and rotated variables."""
+
+    def write(table, rows, values):
+      layout = self._engine.embedding_layouts[table.name]
+      variables = self._engine.variables[layout.stacked_table_name]
+      for name, value in values.items():
+        sparse_core.write_logical_rows(variables[name], layout, rows, value)
+
+    return row_resets.ImmediateResets(write, built=lambda: self._built)
 
   def needs_relayout(self, path: str) -> bool:
     return sparse_core.needs_relayout(path, self._engine)

@@ -2,23 +2,35 @@
 
 `ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables);
 `ManagedTables` applies a layer's maps to its feature nest and resets the rows given to new
-keys; `attach` and `checkpoint` are how a layer holds them.
+keys; `row_resets` is how each path's memory receives those resets; `attach` and
+`checkpoint` are how a layer holds them.
 """
 
-from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create
+from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create, specs
 from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
+from tpu_embedding.managed_ids.row_resets import (
+  DeferredResets,
+  ImmediateResets,
+  RoutedResets,
+  write_variables,
+)
 from tpu_embedding.managed_ids.spec import ManagedIds
 from tpu_embedding.managed_ids.tables import ManagedTables, refuse_per_replica_remap
 
 __all__ = [
   "CHECKPOINT_KEY",
+  "DeferredResets",
   "IdMap",
+  "ImmediateResets",
   "ManagedIds",
   "ManagedIdsMixin",
   "ManagedTables",
+  "RoutedResets",
   "create",
   "refuse_per_replica_remap",
+  "specs",
+  "write_variables",
   "validate_checkpoint",
 ]

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding.managed_ids.spec import ManagedIds
 from tpu_embedding.managed_ids.tables import ManagedTables
 
 # The layer tracks its maps under this name: `<layer>/managed_ids/maps/<table>/...`.
@@ -18,17 +19,30 @@ def create(
   path: hardware.ExecutionPath,
   pipelining: bool,
 ) -> Optional[ManagedTables]:
-  """The layer's maps, or None without `managed_ids`; refuses the paths not supported yet."""
+  """The layer's maps, or None without `managed_ids`; refuses the paths and options that cannot
+  reset rows given to new keys exactly."""
   if managed_ids is None or (isinstance(managed_ids, Mapping) and not managed_ids):
     return None
-  if path is not hardware.ExecutionPath.CPU:
+  if path is hardware.ExecutionPath.TPU_V0:
     raise ValueError(
-      f"managed_ids is not supported on path {path.name} yet (only off TPU: CPU/GPU engine, "
-      "MirroredStrategy). Map keys to rows before the TPU step, or use the CPU/GPU path."
+      "managed_ids is not supported on path TPU_V0 yet (only off TPU, on TPU_V1 and on "
+      "TPU_V2). Map keys to rows before the TPU step, or use another path."
     )
-  if pipelining:
+  if pipelining and path is hardware.ExecutionPath.CPU:
     raise ValueError(
       "managed_ids cannot be combined with pipeline_execution_with_tensor_core=True off TPU: "
       "an update held back one step could land on a row given to another key meanwhile."
     )
+  if pipelining and path is hardware.ExecutionPath.TPU_V2:
+    raise ValueError(
+      "managed_ids cannot be combined with pipeline_execution_with_tensor_core=True on path "
+      "TPU_V2: SparseCore rows are reset as soon as they are given to a new key, and a gradient "
+      "of the previous key held back one step could land on the fresh row. Pipelining with "
+      "managed ids is supported on TPU_V1, whose resets wait a step (docs/managed-ids.md)."
+    )
   return ManagedTables(managed_ids, config)
+
+
+def specs(managed: ManagedTables) -> dict[str, ManagedIds]:
+  """{table name: its ManagedIds}, what a backend needs to choose how it resets rows."""
+  return {name: id_map.spec for name, id_map in managed.maps.items()}

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import tensorflow as tf
+
 from tpu_embedding import config as config_lib
+from tpu_embedding import hardware, tf_internals
 from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables
 
 
 class ManagedIdsMixin:
-  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_config` and
-  `variables_by_table`."""
+  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_row_resets` (how
+  its path resets rows given to new keys) and `_config`."""
 
   _managed: Optional[ManagedTables]
+  _row_resets: Optional[ImmediateResets]
   _config: config_lib.EmbeddingConfig
 
   @property
@@ -28,9 +33,7 @@ class ManagedIdsMixin:
     `strategy.run`, then call the layer with `remapped=True`."""
     if self._managed is None:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
-    return self._managed.remap(
-      self._config, features, bool(training), lambda: self.variables_by_table
-    )
+    return self._remap(self._config, features, bool(training))
 
   def _remap_call(
     self, features: Any, training: Any, remapped: bool, serving_config: Any = None
@@ -42,5 +45,26 @@ class ManagedIdsMixin:
     config = self._config
     if serving_config is not None:
       config = config_lib.for_serving(serving_config, self._config)
-    admits = training is not False and serving_config is None
-    return self._managed.remap(config, features, admits, lambda: self.variables_by_table)
+    return self._remap(config, features, training is not False and serving_config is None)
+
+  def _remap(self, config: config_lib.EmbeddingConfig, features: Any, admits: bool) -> Any:
+    self._refuse_keys_in_tpu_step()
+    admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
+    if admits:
+      self._row_resets.check_training_remap()
+    rows = self._managed.remap(config, features, admits, self._row_resets.reset)
+    if admits:
+      self._row_resets.end_step()
+    return self._row_resets.visible(config, rows)
+
+  def _refuse_keys_in_tpu_step(self) -> None:
+    """Hash tables do not compile for the TPU: keys are remapped on the host, before the step."""
+    if tf.distribute.in_cross_replica_context():
+      return
+    if hardware.is_tpu_strategy(tf.distribute.get_strategy()):
+      raise ValueError(
+        f"Layer {self.name!r} has managed_ids and was given raw keys inside a TPU step, where "
+        "its key -> row maps (hash tables) cannot run. Remap on the host before the step: "
+        "rows = layer.remap(features) outside strategy.run, then layer(rows, remapped=True) "
+        "inside it."
+      )

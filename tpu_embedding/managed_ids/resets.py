@@ -19,14 +19,20 @@ _ROW_INDEPENDENT = frozenset({"RandomNormal", "RandomUniform", "TruncatedNormal"
 
 def reset_rows(table: TableConfig, variables: Mapping[str, tf.Variable], rows: tf.Tensor) -> None:
   """Writes fresh values into `rows` of the table and of each of its optimizer slots."""
-  parameters = variables["parameters"]
-  _write(parameters, rows, _fresh(table.initializer, rows, [table.vocabulary_size, table.dim]))
-  if table.optimizer is None:
-    return
-  initializers = tf_mid_level.slot_initializers(table.optimizer)
-  for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
+  for name, values in fresh_rows(table, rows).items():
     if name in variables:
-      _write(variables[name], rows, _fresh(initializer, rows, shape))
+      _write(variables[name], rows, values)
+
+
+def fresh_rows(table: TableConfig, rows: tf.Tensor) -> dict[str, tf.Tensor]:
+  """{"parameters": [len(rows), dim], slot name: its [len(rows), ...]}: what a fresh table and
+  its optimizer slots hold at `rows` (where each path writes them is its own business)."""
+  values = {"parameters": _fresh(table.initializer, rows, [table.vocabulary_size, table.dim])}
+  if table.optimizer is not None:
+    initializers = tf_mid_level.slot_initializers(table.optimizer)
+    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
+      values[name] = _fresh(initializer, rows, shape)
+  return values
 
 
 def _write(variable: Any, rows: tf.Tensor, values: tf.Tensor) -> None:

@@ -24,6 +24,9 @@ class ManagedIds:
     lfu_half_life_steps: LFU counts are halved every this many steps (yesterday's hits fade).
     candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1);
       None: the table's vocabulary size.
+    reset_every_steps: TPU V1 only: rows given to new keys are reset in TPU memory at training
+      steps that are multiples of this (a copy of the tables out of TPU memory and back); until
+      then their keys read row 0. 1 gives every path the same rows at every step.
   """
 
   key_dtype: Any = tf.int64
@@ -32,6 +35,7 @@ class ManagedIds:
   ttl_steps: Optional[int] = None
   lfu_half_life_steps: int = 1000
   candidate_capacity: Optional[int] = None
+  reset_every_steps: int = 1
 
   def __post_init__(self):
     dtype = _as_dtype(self.key_dtype)
@@ -48,6 +52,7 @@ class ManagedIds:
       )
     _check_positive_int("min_count", self.min_count)
     _check_positive_int("lfu_half_life_steps", self.lfu_half_life_steps)
+    _check_positive_int("reset_every_steps", self.reset_every_steps)
     if self.candidate_capacity is not None:
       _check_positive_int("candidate_capacity", self.candidate_capacity)
     if self.eviction == "ttl":

@@ -8,11 +8,10 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import tf_internals
-from tpu_embedding.managed_ids import resets
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import ManagedIds
 
-VariablesByTable = Callable[[], Mapping[str, Mapping[str, tf.Variable]]]
+ResetRows = Callable[[config_lib.TableConfig, tf.Tensor], None]
 
 
 class ManagedTables(tf.Module):
@@ -47,13 +46,13 @@ class ManagedTables(tf.Module):
     config: config_lib.EmbeddingConfig,
     features: Any,
     training: bool,
-    variables_by_table: Optional[VariablesByTable] = None,
+    reset_rows: Optional[ResetRows] = None,
   ) -> Any:
     """`features` with each managed table's raw keys replaced by rows (int64).
 
     All keys of one table (its features in feature order, each flattened row-major) form one
-    stream, so one call is one step of that table's map. With `training`, rows given to new keys
-    are reset in the variables `variables_by_table()` returns before this returns. Functions
+    stream, so one call is one step of that table's map. With `training`, `reset_rows(table,
+    rows)` is told the rows given to new keys (the path resets them in its memory). Functions
     traced for a SavedModel only look keys up.
     """
     training = training and not tf_internals.in_save_context()  # serving traces never admit keys
@@ -69,8 +68,8 @@ class ManagedTables(tf.Module):
     for name, parts in streams.items():
       sizes = [tf.size(keys) for _, keys in parts]
       rows, fresh = self.maps[name].remap(tf.concat([k for _, k in parts], 0), training)
-      if training and variables_by_table is not None:
-        resets.reset_rows(self._tables[name], variables_by_table()[name], fresh)
+      if training and reset_rows is not None:
+        reset_rows(self._tables[name], fresh)
       for (index, _), part in zip(parts, tf.split(rows, tf.stack(sizes))):
         leaves[index] = _with_rows(leaves[index], part)
     return tf.nest.pack_sequence_as(features, leaves)

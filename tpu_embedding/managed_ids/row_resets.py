@@ -1,0 +1,201 @@
+"""How the rows a map gives to new keys are reset in the memory that holds the tables.
+
+Off TPU, on SparseCore (V2) and for tables in TensorCore memory the tables are variables the host
+can write between steps, so a reset is written at once (`ImmediateResets`). TPU V1 keeps its
+tables in the embedding engine's memory, which TF's class fills only whole, from its host copies
+(`DeferredResets`): rows given to new keys wait, their keys reading the out-of-vocabulary row 0,
+until a flush copies the tables out, resets every waiting row and slot in the host copies and
+loads them back (docs/managed-ids.md, "TPU").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import tf_internals
+from tpu_embedding.managed_ids import resets
+
+TableConfig = tf.tpu.experimental.embedding.TableConfig
+# Writes {"parameters"/slot name: [len(rows), ...] values} into `rows` of one table's memory.
+Write = Callable[[TableConfig, tf.Tensor, Mapping[str, tf.Tensor]], None]
+
+
+def write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, Any]]]) -> Write:
+  """A `Write` into variables kept per table ({table name: {"parameters"/slot: variable}})."""
+
+  def write(table: TableConfig, rows: tf.Tensor, values: Mapping[str, tf.Tensor]) -> None:
+    variables = variables_by_table()[table.name]
+    for name, value in values.items():
+      if name in variables:
+        variables[name].scatter_update(tf.IndexedSlices(value, rows))
+
+  return write
+
+
+class ImmediateResets:
+  """Resets written as the map gives the rows, before the step that reads them."""
+
+  def __init__(self, write: Write, built: Callable[[], bool] = lambda: True):
+    self._write = write
+    self._built = built  # before the tables exist, rows need no reset: they will be fresh
+
+  def check_training_remap(self) -> None:
+    """Refuses a training remap this path cannot reset rows for (none here)."""
+
+  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
+    """`rows` of `table` were just given to new keys."""
+    if self._built():
+      self._write(table, rows, resets.fresh_rows(table, rows))
+
+  def end_step(self) -> None:
+    """One training remap of every map is done."""
+
+  def apply(self) -> None:
+    """Writes every reset still waiting (before a save, an export or a restore)."""
+
+  def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
+    """`features` (rows) as the tables can serve them now."""
+    return features
+
+
+class DeferredResets(ImmediateResets):
+  """TPU V1: resets wait for a flush; until then their keys read row 0.
+
+  A flush happens at the end of a training remap (the `n`-th since the layer was created) when
+  `n` is a multiple of `reset_every_steps` of a table with waiting rows, and by `apply`. It
+  copies every table out of TPU memory (`copy_out`), writes the fresh values of the waiting rows
+  into the host copies, and loads them back (`copy_in`). With pipelining, a row given in remap
+  `n` waits at least until remap `n + 1`: the gradient of its previous key, held back one step by
+  the TPU, has then landed and is overwritten rather than added to the fresh row.
+  """
+
+  def __init__(
+    self,
+    write: Write,
+    copy_out: Callable[[], None],
+    copy_in: Callable[[], None],
+    tables: Mapping[str, tuple[TableConfig, int]],
+    pipelining: bool,
+    path_name: str,
+    built: Callable[[], bool],
+  ):
+    super().__init__(write, built)
+    self._copy_out, self._copy_in = copy_out, copy_in
+    self._tables = {name: table for name, (table, _) in tables.items()}
+    self._every = {name: every for name, (_, every) in tables.items()}
+    self._lag = 1 if pipelining else 0
+    self._path_name = path_name
+    self._remaps = 0
+    self._last_given = {name: 0 for name in self._tables}  # remap that last gave a row
+    self._flushed_until = 0  # every row given up to this remap has been reset
+    with tf.init_scope():
+      # Waiting row -> the remap that gave it: only waiting rows, in a host hash table.
+      self._waiting = {
+        name: tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+        for name in self._tables
+      }
+
+  def check_training_remap(self) -> None:
+    if not tf.executing_eagerly():
+      raise ValueError(
+        f"On path {self._path_name}, a training remap of managed ids (layer.remap(features), or "
+        "a call with raw keys) must run eagerly, between steps: the rows it gives new keys are "
+        "reset by copying the tables out of TPU memory and back, which cannot happen inside a "
+        "tf.function or a tf.data pipeline. Call rows = layer.remap(features) in the Python "
+        "training loop right before the step, then layer(rows, remapped=True) inside it."
+      )
+
+  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
+    if not self._built():
+      return
+    self._last_given[table.name] = self._remaps + 1
+    since = tf.fill(tf.shape(rows), tf.constant(self._remaps + 1, tf.int64))
+    self._waiting[table.name].insert(rows, since)
+
+  def end_step(self) -> None:
+    self._remaps += 1
+    if any(self._remaps % self._every[n] == 0 and self._waits(n) for n in self._tables):
+      self._flush(self._remaps - self._lag)
+
+  def apply(self) -> None:
+    if any(self._waits(name) for name in self._tables):
+      self._flush(self._remaps)
+
+  def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
+    """Rows still waiting for their reset read row 0 (SavedModel traces: exports flush first)."""
+    if tf_internals.in_save_context():
+      return features
+    pairs = config_lib.match_structure(config, features, subset=True)
+    leaves = []
+    for feature, rows in pairs:
+      waiting = self._waiting.get(feature.table.name)
+      leaves.append(rows if waiting is None else _map_values(rows, _hide(waiting)))
+    return tf.nest.pack_sequence_as(features, leaves)
+
+  def _waits(self, name: str) -> bool:
+    return self._last_given[name] > self._flushed_until
+
+  def _flush(self, given_until: int) -> None:
+    """Resets the rows given in remaps up to `given_until`, through the host copies."""
+    due = {}
+    for name, waiting in self._waiting.items():
+      rows, since = waiting.export()
+      rows = tf.sort(tf.boolean_mask(rows, since <= given_until))  # export order is arbitrary
+      if int(tf.size(rows)):
+        due[name] = rows
+    self._flushed_until = max(self._flushed_until, given_until)
+    if not due:
+      return
+    self._copy_out()  # the host copies were stale: TPU memory holds every update since
+    for name, rows in due.items():
+      table = self._tables[name]
+      self._write(table, rows, resets.fresh_rows(table, rows))
+      self._waiting[name].remove(rows)
+    self._copy_in()
+
+
+def _hide(waiting: Any) -> Callable[[tf.Tensor], tf.Tensor]:
+  def hide(rows: tf.Tensor) -> tf.Tensor:
+    rows64 = tf.cast(rows, tf.int64)
+    return tf.where(waiting.lookup(rows64) >= 0, tf.zeros_like(rows64), rows64)
+
+  return hide
+
+
+def _map_values(ids: Any, function: Callable[[tf.Tensor], tf.Tensor]) -> Any:
+  if isinstance(ids, tf.SparseTensor):
+    return ids.with_values(function(ids.values))
+  if isinstance(ids, tf.RaggedTensor):
+    return ids.with_flat_values(function(ids.flat_values))
+  return function(tf.convert_to_tensor(ids))
+
+
+class RoutedResets(ImmediateResets):
+  """PartialTPUEmbedding: each table's resets go to the side holding it."""
+
+  def __init__(self, by_table: Mapping[str, ImmediateResets]):
+    self._by_table = dict(by_table)
+    self._distinct = list({id(r): r for r in by_table.values()}.values())
+
+  def check_training_remap(self) -> None:
+    for side in self._distinct:
+      side.check_training_remap()
+
+  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
+    self._by_table[table.name].reset(table, rows)
+
+  def end_step(self) -> None:
+    for side in self._distinct:
+      side.end_step()
+
+  def apply(self) -> None:
+    for side in self._distinct:
+      side.apply()
+
+  def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
+    for side in self._distinct:
+      features = side.visible(config, features)
+    return features
