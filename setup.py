@@ -58,7 +58,11 @@ setuptools.setup(
   ext_modules=[
     setuptools.Extension(
       "tpu_embedding.engine._kernels",
-      sources=["tpu_embedding/engine/cc/apply_rows.cc", "tpu_embedding/engine/cc/lookup.cc"],
+      sources=[
+        "tpu_embedding/engine/cc/apply_rows.cc",
+        "tpu_embedding/engine/cc/lookup.cc",
+        "tpu_embedding/engine/cc/managed_ids.cc",
+      ],
       depends=["tpu_embedding/engine/cc/kernels.h"],
       language="c++",
     ),

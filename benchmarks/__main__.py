@@ -1,7 +1,7 @@
 """`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
 
-`python -m benchmarks managed [--quick]` runs the managed-ids benchmark (benchmarks/managed_ids.py)
-on its own.
+`python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
+(benchmarks/managed_ids.py) on its own.
 
 Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
 benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
@@ -27,7 +27,9 @@ def main(argv=None) -> None:
     from benchmarks import managed_ids
 
     quick = "--quick" in argv
-    managed_ids.main(quick, os.path.join(HERE, "results", "managed-quick" if quick else "managed"))
+    speed_only = "--speed-only" in argv
+    name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
+    managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",

@@ -1,13 +1,16 @@
-"""`python -m benchmarks managed [--quick]`: managed ids' speed, memory and quality.
+"""`python -m benchmarks managed [--quick] [--speed-only]`: managed ids' speed, memory, quality.
 
 Speed: a DLRM-like model (T managed tables, one raw key per sample each, keys Zipf-distributed
-over 10^8 distinct 64-bit values) against the same model fed pre-mapped row ids; beside them the
-remap alone (`layer.remap`). Memory: the map's bytes per row (variables, counted exactly; the
-hash table's entries, measured as the process's resident-memory growth).
+over 10^8 distinct 64-bit values, maps full before timing) against the same model fed
+pre-mapped row ids; beside them the remap alone (`layer.remap`), tf_keras's DynamicEmbedding
+and TFRA's dynamic embedding (in its own TF 2.16 environment, `TFRA_PYTHON`).
+Memory: the map's bytes per row (variables, counted exactly; the hash table's entries, measured
+as the process's resident-memory growth).
 Quality: a stream of ratings whose item popularity drifts and whose items appear day by day,
 scored before each batch is trained (progressive validation), at a capacity of half the distinct
 items: managed ids vs the hashing trick (`key % capacity`) vs a full static vocabulary.
-Writes RESULTS.md, results.json and quality.png under benchmarks/results/managed[-quick]/.
+Writes RESULTS.md, results.json and quality.png under
+benchmarks/results/managed[-quick][-speed]/.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -91,17 +95,26 @@ def _timed(fn, batches, warmup: int) -> list[float]:
   return times
 
 
+def _fill(layer, s: dict) -> None:
+  """Gives every row of every map a key first, so that timed steps evict as a full map does
+  (at 10^6 rows a Zipf stream of a few thousand keys a step would take hundreds of steps)."""
+  rng = np.random.default_rng(2)
+  layer.remap({f"f{i}": rng.integers(-(2**62), 2**62, s["rows"] - 1) for i in range(s["tables"])})
+
+
 def run_speed(s: dict) -> dict:
   count = s["warmup"] + s["steps"]
   data = list(_batches(s, count, seed=0))
   _, premapped_step = _dlrm(s, managed=False)
   premapped = _timed(lambda raw, ranks, y: premapped_step(ranks, y), data, s["warmup"])
   layer, managed_step = _dlrm(s, managed=True)
+  _fill(layer, s)
   managed = _timed(lambda raw, ranks, y: managed_step(raw, y), data, s["warmup"])
   # The pre-mapped model once more: on a shared machine the spread between its two runs is
   # the noise floor of the comparison.
   premapped += _timed(lambda raw, ranks, y: premapped_step(ranks, y), data, s["warmup"])
   remap_layer, _ = _dlrm(s, managed=True)
+  _fill(remap_layer, s)
   remap = tf.function(remap_layer.remap)
   remap_only = _timed(lambda raw, ranks, y: remap(raw), data, s["warmup"])
   id_map = layer.managed_ids["t0"]
@@ -115,12 +128,80 @@ def run_speed(s: dict) -> dict:
   )
 
 
+# DynamicLookup compares every key with every vocabulary entry ([batch, rows] booleans per
+# table and step): above this many it would not fit in memory here.
+_DYNAMIC_EMBEDDING_MAX_CELLS = 5 * 10**7
+_DYNAMIC_EMBEDDING_STEPS = 5  # timed, after one warm-up step
+
+
+def run_dynamic_embedding(s: dict) -> dict:
+  """tf_keras's DynamicEmbedding in the same DLRM: keys as decimal strings (its vocabulary
+  rebuild concatenates a string "UNK" token, so int64 keys fail there); the step learns the
+  vocabulary's counts, `update_embeddings` (its callback's periodic rebuild) is timed apart."""
+  from tf_keras.layers.experimental import DynamicEmbedding
+
+  cells = s["batch"] * s["rows"]
+  if cells > _DYNAMIC_EMBEDDING_MAX_CELLS:
+    return dict(
+      skipped=f"its lookup compares each key with each vocabulary entry: {cells:.1e} booleans "
+      f"per table and step (batch {s['batch']} x {s['rows']} rows) do not fit here"
+    )
+  layers = [DynamicEmbedding(s["rows"], s["dim"], tf.string) for _ in range(s["tables"])]
+  top = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
+  optimizer = tf_keras.optimizers.Adagrad(0.05)
+
+  @tf.function
+  def step(inputs, labels):
+    with tf.GradientTape() as tape:
+      out = [layer(inputs[f"f{i}"]) for i, layer in enumerate(layers)]
+      logits = top(tf.concat(out, 1))[:, 0]
+      loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
+    variables = [v for x in layers + [top] for v in x.trainable_variables]
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    return loss
+
+  data = [
+    ({k: tf.strings.as_string(v) for k, v in raw.items()}, y)
+    for raw, _, y in _batches(s, _DYNAMIC_EMBEDDING_STEPS + 1, seed=0)
+  ]
+  times = _timed(step, data, 1)  # seconds a step: a few suffice
+  start = time.perf_counter()
+  for layer in layers:
+    layer.update_embeddings(tf.distribute.get_strategy())
+  return dict(step_ms=1e3 * statistics.median(times), rebuild_s=time.perf_counter() - start)
+
+
+# TFRA 0.8.1 (its newest cp311 wheel) requires tensorflow >= 2.11, <= 2.16.2: it cannot install
+# beside this package's TensorFlow, so it runs in an environment of its own.
+TFRA_ENV = "TFRA_PYTHON"
+
+
+def run_tfra(s: dict) -> dict:
+  """benchmarks/managed_tfra.py under the interpreter `$TFRA_PYTHON` names, if any."""
+  python = os.environ.get(TFRA_ENV)
+  if not python:
+    return dict(
+      skipped=f"set {TFRA_ENV} to a Python with tensorflow-cpu==2.16.2 and "
+      "tensorflow-recommenders-addons==0.8.1 (TFRA needs TF <= 2.16.2)"
+    )
+  settings = {k: s[k] for k in ("tables", "dim", "batch", "warmup", "steps")}
+  settings["distinct"] = DISTINCT_KEYS
+  done = subprocess.run(
+    [python, os.path.join(HERE, "managed_tfra.py"), json.dumps(settings)],
+    capture_output=True,
+    text=True,
+    timeout=1800,
+  )
+  if done.returncode != 0:
+    return dict(skipped=f"failed: {done.stderr.strip().splitlines()[-1:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_memory(rows: int) -> dict:
   """Bytes per row of a full map: variables exactly, the hash table by resident-memory growth."""
   id_map = IdMap(tpu_embedding.ManagedIds(), "m", rows)
   variable_bytes = sum(
-    v.dtype.size * int(np.prod(v.shape))
-    for v in (id_map.keys, id_map.counts, id_map.counted_at, id_map.last_seen)
+    v.dtype.size * int(np.prod(v.shape)) for v in (id_map.keys, id_map.counts, id_map.last_seen)
   )
   rng = np.random.default_rng(1)
   keys = tf.constant(rng.integers(-(2**62), 2**62, size=rows - 1))
@@ -245,38 +326,58 @@ def report(result: dict) -> str:
     f"{sp['managed_ms'] / sp['premapped_ms']:.2f}x |",
     f"| remap alone (layer.remap) | {sp['remap_ms']:.1f} | "
     f"{sp['remap_ms'] / sp['premapped_ms']:.2f}x |",
+    _other_row("tf_keras DynamicEmbedding (string keys; rebuild apart)", result["dynamic"], sp),
+    _other_row("TFRA dynamic embedding (unbounded, TF 2.16)", result["tfra"], sp),
     "",
     f"Table t0's map held {sp['keys_held_t0']} keys in {sp['rows_t0']} rows at the end.",
     "",
     f"Map memory at {mem['rows']} rows: {mem['variables_bytes_per_row']:.0f} B/row of variables "
     f"+ {mem['hash_table_bytes_per_row']:.0f} B/row of hash table (resident growth), keys "
     f"{mem['key_bytes']} B.",
-    "",
-    f"Quality: {q['distinct_items']} items appearing over {q['settings']['days']} days, "
-    f"capacity {q['capacity']}; mean progressive log loss over the last half of the days:",
-    "",
-    "| variant | log loss |",
-    "|---|---|",
   ]
-  half = q["settings"]["days"] // 2
-  for name, curve in q["log_loss_by_day"].items():
-    lines.append(f"| {name} | {np.mean(curve[half:]):.4f} |")
-  lines += [
-    "",
-    "Not run: tf_keras DynamicEmbedding and TFRA (TensorFlow 2.16 only): not installed.",
-  ]
+  if q is not None:
+    lines += [
+      "",
+      f"Quality: {q['distinct_items']} items appearing over {q['settings']['days']} days, "
+      f"capacity {q['capacity']}; mean progressive log loss over the last half of the days:",
+      "",
+      "| variant | log loss |",
+      "|---|---|",
+    ]
+    half = q["settings"]["days"] // 2
+    for name, curve in q["log_loss_by_day"].items():
+      lines.append(f"| {name} | {np.mean(curve[half:]):.4f} |")
+  for name, other in (("DynamicEmbedding", result["dynamic"]), ("TFRA", result["tfra"])):
+    if "skipped" in other:
+      lines += ["", f"{name} not run: {other['skipped']}."]
+  if "rebuild_s" in result["dynamic"]:
+    lines += [
+      "",
+      f"DynamicEmbedding's vocabulary rebuild (its callback's, every N seconds): "
+      f"{result['dynamic']['rebuild_s']:.2f} s for all tables.",
+    ]
   return "\n".join(lines) + "\n"
 
 
-def main(quick: bool, out_dir: str) -> None:
+def _other_row(name: str, other: dict, speed: dict) -> str:
+  if "skipped" in other:
+    return f"| {name} | not run | |"
+  return f"| {name} | {other['step_ms']:.1f} | {other['step_ms'] / speed['premapped_ms']:.2f}x |"
+
+
+def main(quick: bool, out_dir: str, speed_only: bool = False) -> None:
+  """`speed_only` (`--speed-only`) leaves out the quality stream, the longest part."""
   os.makedirs(out_dir, exist_ok=True)
   result = dict(quick=quick)
   result["memory"] = run_memory(200_000 if quick else 1_000_000)  # first: a small heap
-  result["quality"] = run_quality(quality_settings(quick))
+  result["quality"] = None if speed_only else run_quality(quality_settings(quick))
   result["speed"] = run_speed(speed_settings(quick))
+  result["dynamic"] = run_dynamic_embedding(speed_settings(quick))
+  result["tfra"] = run_tfra(speed_settings(quick))
   with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
-  plot(result["quality"], os.path.join(out_dir, "quality.png"))
+  if result["quality"] is not None:
+    plot(result["quality"], os.path.join(out_dir, "quality.png"))
   text = report(result)
   with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
     f.write(text)

@@ -41,12 +41,16 @@ def _id_map(capacity, eviction, min_count, ttl_steps=None, half_life=1000, strin
 @pytest.mark.parametrize("min_count", [1, 3])
 @pytest.mark.parametrize("string", [False, True])
 @pytest.mark.parametrize("traced", [False, True])
-def test_map_follows_reference(policy, min_count, string, traced):
+def test_map_follows_reference(policy, min_count, string, traced, engine_path):
+  """On both paths (the engine's compiled kernel choosing rows, and TF ops alone)."""
   id_map = _id_map(6, min_count=min_count, string=string, **policy)
   reference = ReferenceMap(6, min_count=min_count, **policy)
   step = id_map.remap
   if traced:
     step = tf.function(id_map.remap, reduce_retracing=True)
+    graph = step.get_concrete_function(tf.TensorSpec([None], id_map.key_dtype), True).graph
+    ops = {op.type for op in graph.get_operations()}
+    assert ("TpuEmbeddingManagedRowsToGive" in ops) == (engine_path == "native")
   admitted = 0
   for keys in _stream(seed=min_count + 10 * string, steps=30, string=string):
     rows, fresh = step(tf.constant(keys), True)

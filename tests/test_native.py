@@ -91,6 +91,29 @@ def test_dedup_lookup_and_row_gradients_match_numpy(with_samples, with_gains):
   np.testing.assert_allclose(grads.numpy(), want_grads, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+@pytest.mark.parametrize("wanted", [0, 3, 40, 500])
+def test_managed_rows_to_give_match_numpy(eviction, wanted):
+  """Free rows ascending, then victims by (aged count, last seen, row) or (last seen, row)."""
+  rng = np.random.default_rng(wanted)
+  capacity, step, half_life = 300, 50, 7
+  last = rng.integers(-1, step + 1, capacity)  # -1 free; == step: seen now, never a victim
+  counts = rng.integers(0, 6, capacity) << rng.integers(0, 3, capacity)  # many equal counts
+  index = np.arange(capacity)
+  free = index[(last < 0) & (index > 0)]
+  victims = index[(last >= 0) & (last < step) & (index > 0)]
+  aged = counts[victims] >> np.minimum(step // half_life - last[victims] // half_life, 62)
+  if eviction == "lru":
+    aged = np.zeros_like(aged)
+  victims = victims[np.lexsort((victims, last[victims], aged))]
+  want = np.concatenate([free, victims])[:wanted]
+  got = native.managed_rows_to_give(
+    tf.constant(last), tf.constant(counts), step, wanted, eviction, half_life
+  )
+  np.testing.assert_array_equal(got.numpy(), want)
+  assert 0 < len(free) < 40 < len(free) + len(victims) < 500  # every regime was exercised
+
+
 def test_dedup_lookup_of_a_hand_worked_bag():
   table = tf.Variable([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
   activations, unique_ids, index = native.dedup_lookup(

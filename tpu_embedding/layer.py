@@ -13,21 +13,45 @@ from typing import Any
 
 import tf_keras
 
-from tpu_embedding import hardware
+from tpu_embedding import hardware, weight_files
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 _RELOAD_REFUSAL = (
-  "A model holding a TPUEmbedding layer cannot be rebuilt by tf_keras.models.load_model: the "
+  "A model holding a {layer} layer cannot be rebuilt by tf_keras.models.load_model: the "
   "rebuilt model would no longer train its embedding tables (their feature configuration and "
   "optimizers are not part of a Keras config). Instead, build the model in code as before and "
   "restore its state with tf.train.Checkpoint(model=model).restore(path) (saved with "
-  "tf.train.Checkpoint(model=model).save(path)); to serve it, export it with "
-  "tpu_embedding.serving.export_for_serving and load that with tf.saved_model.load."
+  "tf.train.Checkpoint(model=model).save(path)), or, for a file model.save wrote (.h5, "
+  ".keras), with model.load_weights(path), which restores every table and slot it holds; to "
+  "serve it, export it with tpu_embedding.serving.export_for_serving and load that with "
+  "tf.saved_model.load."
 )
 
 
+class RebuiltInCodeOnly:
+  """The Keras config of a tf-keras embedding layer: its name only, and a refusal to rebuild.
+
+  `model.save` (HDF5, `.keras`, SavedModel) writes the config; `load_model` then reaches
+  `from_config`, which refuses with the way to save and restore instead of reviving a shell
+  whose tables nothing trains. The tables and slots themselves are in every such file, for
+  `model.load_weights` into a model built in code.
+  """
+
+  # Makes load_model rebuild the layer through `from_config` (see above), even from a SavedModel.
+  _must_restore_from_config = True
+
+  def get_config(self) -> dict[str, Any]:
+    return {"name": self.name, "trainable": self.trainable}
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> Any:
+    raise ValueError(_RELOAD_REFUSAL.format(layer=cls.__name__))
+
+
 @tf_keras.saving.register_keras_serializable(package="tpu_embedding")
-class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
+class TPUEmbedding(
+  RebuiltInCodeOnly, weight_files.TablesInKerasFiles, TPUEmbeddingCore, tf_keras.layers.Layer
+):
   """Embedding lookups for large tables, trained as the TPU embedding engine trains them.
 
   A drop-in replacement for `tfrs.layers.embedding.TPUEmbedding` (same arguments, same call).
@@ -51,17 +75,6 @@ class TPUEmbedding(TPUEmbeddingCore, tf_keras.layers.Layer):
       gradient, weight or learning rate on its way to a table, before anything is written.
       Off by default, as on TPU, where such values silently poison the rows they touch.
   """
-
-  # Makes load_model rebuild the layer through `from_config`, which refuses with the way to
-  # save and restore instead, rather than revive a shell whose tables nothing trains.
-  _must_restore_from_config = True
-
-  def get_config(self) -> dict[str, Any]:
-    return {"name": self.name, "trainable": self.trainable}
-
-  @classmethod
-  def from_config(cls, config: dict[str, Any]) -> "TPUEmbedding":
-    raise ValueError(_RELOAD_REFUSAL)
 
   @property
   def path(self) -> hardware.ExecutionPath:

@@ -220,6 +220,10 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     """{table name: {"parameters": table, slot name: slot}} on every path."""
     return self._backend.variables_by_table
 
+  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
+    """The tables a Keras file (`weight_files`) holds for this layer: all of them."""
+    return self.variables_by_table
+
   @property
   def embedding_tables(self) -> dict[TableConfig, tf.Variable]:
     """The table variables, keyed by the user's own TableConfig objects."""

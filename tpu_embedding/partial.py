@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import tf_keras
 
-from tpu_embedding.layer import TPUEmbedding
+from tpu_embedding import weight_files
+from tpu_embedding.layer import RebuiltInCodeOnly, TPUEmbedding
 from tpu_embedding.partial_core import (  # the public names of this module, defined there
   REPLICATED,
   SHARDED,
@@ -28,7 +29,13 @@ __all__ = [
 ]
 
 
-class PartialTPUEmbedding(PartialTPUEmbeddingCore, tf_keras.layers.Layer):
+@tf_keras.saving.register_keras_serializable(package="tpu_embedding")
+class PartialTPUEmbedding(
+  RebuiltInCodeOnly,
+  weight_files.TablesInKerasFiles,
+  PartialTPUEmbeddingCore,
+  tf_keras.layers.Layer,
+):
   """Replicates small tables and shards large ones; a drop-in for tf-recommenders' class.
 
   Args:

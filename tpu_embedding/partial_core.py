@@ -356,6 +356,11 @@ class PartialTPUEmbeddingCore(
       variables.update(_sharded_variables(self._sharded))
     return variables
 
+  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
+    """The tables a Keras file (`weight_files`) holds for this layer: the replicated ones (the
+    sharded side is a Keras sublayer, which Keras saves on its own)."""
+    return {} if self._replicated is None else self._replicated.variables_by_table
+
   def _track_tables(self) -> None:
     """Registers every existing table and slot under `<table>` / `<table>/<slot>`.
 

@@ -66,12 +66,16 @@ def runs_on(variables: Sequence[tf.Variable]) -> bool:
   (training functions, gradients included, are saved too), which must load where this package
   is not installed.
   """
+  return all(v.dtype == tf.float32 for v in variables) and runs_here(variables)
+
+
+def runs_here(variables: Sequence[tf.Variable]) -> bool:
+  """Whether the kernels are enabled and these variables live on a CPU of this process, outside
+  a SavedModel trace (see `runs_on`)."""
   if not enabled() or tf_internals.in_save_context():
     return False
   local = tf.DeviceSpec.from_string(tf_internals.host_address_space())
   for variable in variables:
-    if variable.dtype != tf.float32:
-      return False
     device = tf.DeviceSpec.from_string(variable.device)
     if device.device_type != "CPU" or not same_task(device, local):
       return False
@@ -168,4 +172,24 @@ def row_gradients(
     gains=_optional(gains, tf.float32),
     upstream=tf.cast(upstream, tf.float32),
     num_unique=tf.cast(num_unique, tf.int64),
+  )
+
+
+def managed_rows_to_give(
+  last_seen: tf.Tensor,
+  counts: tf.Tensor,
+  step: tf.Tensor,
+  wanted: tf.Tensor,
+  eviction: str,
+  half_life: int,
+) -> tf.Tensor:
+  """Up to `wanted` rows of a managed-id map for new keys: free rows ascending, then victims in
+  `eviction` order (cc/managed_ids.cc; the same rows as `IdMap`'s TF ops)."""
+  return _library().tpu_embedding_managed_rows_to_give(
+    last_seen=last_seen,
+    counts=counts,
+    step=tf.cast(step, tf.int64),
+    wanted=tf.cast(wanted, tf.int64),
+    eviction=eviction,
+    half_life=int(half_life),
   )

@@ -215,10 +215,6 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
       weights = tf.nest.pack_sequence_as(inputs, [w for _, w in bags])
     return ids, weights
 
-  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
-    # The embedding engine's side is a Keras sublayer, which Keras saves on its own.
-    return {} if self._replicated is None else self._replicated.variables_by_table
-
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     children = super()._trackable_children(save_type, **kwargs)
     if save_type == "checkpoint":

@@ -110,6 +110,3 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
 
   def compute_output_shape(self, input_shape: Any) -> Any:
     return shapes.output_shape(self._config, input_shape, shapes.mid_level_shape)
-
-  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
-    return self.variables_by_table

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import keras
-import tensorflow as tf
 
 from tpu_embedding.keras import saving, shapes
 from tpu_embedding.keras.layer import TPUEmbedding, feature_config_for_keras3
@@ -83,7 +82,3 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
 
   def compute_output_shape(self, input_shape: Any) -> Any:
     return shapes.output_shape(self._config, input_shape, shapes.mid_level_shape)
-
-  def _own_tables(self) -> dict[str, dict[str, tf.Variable]]:
-    # The sharded side is a Keras sublayer, which Keras saves on its own.
-    return {} if self._replicated is None else self._replicated.variables_by_table

@@ -2,7 +2,8 @@
 
 Keras 3 saves a layer as `get_config()` plus the arrays `save_own_variables` puts in a store.
 The layers' tables and slots live in the engine, not in Keras variables, so they are stored
-here under `table:<table>` and `table:<table>:<slot>`, checked before anything is assigned.
+under `table:<table>` and `table:<table>:<slot>`, checked before anything is assigned
+(`tpu_embedding.weight_files`, shared with the tf-keras layers).
 
 The configuration is saved as the layer uses it: every table with its resolved mid-level
 optimizer. Saved as values: a learning rate that is a callable or follows a Keras optimizer is
@@ -17,10 +18,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names, optimizer_specs
+from tpu_embedding import checkpoint_names, optimizer_specs, weight_files
 from tpu_embedding import config as config_lib
 
 E = tf.tpu.experimental.embedding
@@ -31,7 +31,7 @@ _FEATURE_KEY = "tpu_embedding_feature"
 # The layers' side
 
 
-class KerasFileMixin:
+class KerasFileMixin(weight_files.TablesInKerasFiles):
   """`get_config`/`from_config` and the tables' store for a Keras 3 embedding layer.
 
   The layer sets `_arguments` (its constructor arguments other than the feature config and
@@ -39,9 +39,6 @@ class KerasFileMixin:
   """
 
   _arguments: dict
-
-  def _own_tables(self) -> Mapping[str, Mapping[str, tf.Variable]]:
-    raise NotImplementedError
 
   def get_config(self) -> dict:
     if getattr(self, "managed_ids", None):  # a rebuilt layer would lose its key -> row maps
@@ -58,14 +55,6 @@ class KerasFileMixin:
   def from_config(cls, config: dict) -> Any:
     config = dict(config)
     return cls(deserialize_feature_config(config.pop("feature_config")), **config)
-
-  def save_own_variables(self, store: Any) -> None:
-    # The gradient trap is not saved: it only carries gradients and is always zero.
-    self.flush()
-    save_tables(store, self._own_tables())
-
-  def load_own_variables(self, store: Any) -> None:
-    load_tables(store, self._own_tables(), self.name)
 
   @property
   def non_trainable_weights(self) -> list:
@@ -171,38 +160,3 @@ def _deserialize_table(table: Mapping[str, Any]) -> E.TableConfig:
     optimizer=optimizer_specs.deserialize(table["optimizer"]),
     initializer=None if initializer is None else keras.initializers.deserialize(initializer),
   )
-
-
-# ---------------------------------------------------------------------------------------------
-# Tables and slots
-
-
-def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
-  for table, variables in variables_by_table.items():
-    for slot, variable in variables.items():
-      store[checkpoint_names.keras_file_key(table, slot)] = variable.numpy()
-
-
-def load_tables(
-  store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]], layer: str
-) -> None:
-  """Assigns every table and slot from `store`, after checking that all are there and fit."""
-  values = {}
-  for table, variables in variables_by_table.items():
-    for slot, variable in variables.items():
-      key = checkpoint_names.keras_file_key(table, slot)
-      if key not in store.keys():
-        raise ValueError(
-          f"Layer {layer!r}: the .keras file holds no {slot!r} for table "
-          f"{table!r} (looked for {key!r}; it holds {sorted(store.keys())})."
-        )
-      value = np.asarray(store[key])
-      if list(value.shape) != variable.shape.as_list():
-        raise ValueError(
-          f"Layer {layer!r}: table {table!r} {slot!r} has shape "
-          f"{list(value.shape)} in the .keras file; the layer expects "
-          f"{variable.shape.as_list()}."
-        )
-      values[key] = (variable, value)
-  for variable, value in values.values():
-    variable.assign(value)

@@ -1,15 +1,18 @@
-"""`IdMap`: one table's key -> row map, with admission, eviction and ages, in TF ops only.
+"""`IdMap`: one table's key -> row map, with admission, eviction and ages.
 
-Everything is TensorFlow's own machinery (a `MutableHashTable` and variables), so the map runs
+Its state is TensorFlow's own machinery (a `MutableHashTable` and variables), so the map runs
 eagerly and in `tf.function`, is saved by `tf.train.Checkpoint` and exported in SavedModels.
 No decision depends on a hash table's iteration order: free rows are taken in row order, victims
-by an explicit sort, candidates are pruned after a full sort (docs/managed-ids.md).
+by an explicit order, candidates are pruned after a full sort (docs/managed-ids.md). The choice
+of rows for new keys, the one step that reads the whole map, runs in the engine's compiled
+kernel where it can (`native.managed_rows_to_give`), else in TF ops with the same result.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from tpu_embedding.engine import native
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 _MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
@@ -32,8 +35,9 @@ class IdMap(tf.Module):
         tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
       )
       self.keys = _variable(tf.fill([capacity], empty), "keys")
+      # A row's count was last updated when its key was last seen: its age is
+      # `last_seen // lfu_half_life_steps` epochs, so no per-row epoch is stored.
       self.counts = _variable(tf.zeros([capacity], tf.int64), "counts")
-      self.counted_at = _variable(tf.zeros([capacity], tf.int64), "counted_at")
       self.last_seen = _variable(tf.fill([capacity], tf.constant(-1, tf.int64)), "last_seen")
       self.step = _variable(tf.constant(0, tf.int64), "step")
 
@@ -85,9 +89,8 @@ class IdMap(tf.Module):
     return tf.gather(self.rows_of_keys.lookup(unique), position), new_rows
 
   def _count_hits(self, rows: tf.Tensor, occurrences: tf.Tensor, step: tf.Tensor) -> None:
-    epoch = self._epoch(step)
-    self.counts.scatter_update(tf.IndexedSlices(self._aged_counts(rows, epoch) + occurrences, rows))
-    self.counted_at.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), epoch), rows))
+    aged = self._aged_counts(rows, self._epoch(step))
+    self.counts.scatter_update(tf.IndexedSlices(aged + occurrences, rows))
     self.last_seen.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), step), rows))
 
   def _free_expired(self, step: tf.Tensor) -> None:
@@ -115,9 +118,6 @@ class IdMap(tf.Module):
     self.rows_of_keys.insert(admitted, rows)
     self.keys.scatter_update(tf.IndexedSlices(admitted, rows))
     self.counts.scatter_update(tf.IndexedSlices(chosen_totals[:placed], rows))
-    self.counted_at.scatter_update(
-      tf.IndexedSlices(tf.fill(tf.shape(rows), self._epoch(step)), rows)
-    )
     self.last_seen.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(rows), step), rows))
     if self.candidates is not None:
       self.candidates.remove(admitted)
@@ -131,6 +131,15 @@ class IdMap(tf.Module):
     """Up to `wanted` rows: free rows by ascending index, then victims in eviction order among
     rows whose key was not seen in this step."""
     last = self.last_seen.read_value()
+    if native.runs_here([self.last_seen, self.counts]):
+      return native.managed_rows_to_give(
+        last,
+        self.counts.read_value(),
+        step,
+        wanted,
+        self.spec.eviction,
+        self.spec.lfu_half_life_steps,
+      )
     index = tf.range(self.capacity, dtype=tf.int64)
     free = tf.where((last < 0) & (index > 0))[:, 0]
 
@@ -138,7 +147,7 @@ class IdMap(tf.Module):
       victims = tf.where(self._used_rows(last) & (last < step))[:, 0]  # ascending rows
       order = tf.argsort(tf.gather(last, victims), stable=True)  # least recently seen first
       if self.spec.eviction == "lfu":
-        aged = self._aged_counts(tf.gather(victims, order), self._epoch(step))
+        aged = self._aged_counts(tf.gather(victims, order), self._epoch(step), last)
         order = tf.gather(order, tf.argsort(aged, stable=True))
       ranked = tf.concat([free, tf.gather(victims, order)], 0)
       return ranked[: tf.minimum(wanted, tf.size(ranked, tf.int64))]
@@ -167,8 +176,13 @@ class IdMap(tf.Module):
   def _epoch(self, step: tf.Tensor) -> tf.Tensor:
     return step // self.spec.lfu_half_life_steps
 
-  def _aged_counts(self, rows: tf.Tensor, epoch: tf.Tensor) -> tf.Tensor:
-    halvings = tf.minimum(epoch - tf.gather(self.counted_at, rows), _MAX_SHIFT)
+  def _aged_counts(
+    self, rows: tf.Tensor, epoch: tf.Tensor, last_seen: tf.Tensor = None
+  ) -> tf.Tensor:
+    """Counts of `rows` (holding keys) aged to `epoch`, from `last_seen` (default: read now)."""
+    last = self.last_seen if last_seen is None else last_seen
+    counted_at = self._epoch(tf.gather(last, rows))
+    halvings = tf.minimum(epoch - counted_at, _MAX_SHIFT)
     return tf.bitwise.right_shift(tf.gather(self.counts, rows), halvings)
 
   def _used_rows(self, last_seen: tf.Tensor = None) -> tf.Tensor:
