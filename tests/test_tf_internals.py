@@ -5,9 +5,13 @@ or changed meaning fails here by name.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from tpu_embedding import tf_internals, tf_versions
+from tpu_embedding import hardware, tf_internals, tf_versions
+from tpu_embedding.layer import TPUEmbedding
+
+import tpu_harness
 
 emb = tf.tpu.experimental.embedding
 MINOR = tuple(int(part) for part in tf_versions.minor_version(tf.__version__).split("."))
@@ -96,6 +100,17 @@ def test_custom_optimizer_where_this_tf_has_it():
   # The mid-level CustomOptimizer came with TF 2.18.
   assert (tf_internals.CUSTOM_OPTIMIZER is not None) == (MINOR >= (2, 18))
   assert tf_internals.CUSTOM_OPTIMIZER is getattr(emb, "CustomOptimizer", None)
+
+
+def test_sparse_core_where_this_tf_can_restore_it(monkeypatch):
+  # SparseCore's checkpoint adapter came with TF 2.17; without it the SparseCore path is refused.
+  assert (tf_internals.SPARSE_CORE_CHECKPOINTS is not None) == (MINOR >= (2, 17))
+  if tf_internals.SPARSE_CORE_CHECKPOINTS is not None:
+    return
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
+  config = {"f": emb.FeatureConfig(emb.TableConfig(8, 2, name="t"))}
+  with strategy.scope(), pytest.raises(RuntimeError, match="needs TensorFlow 2.17 or later"):
+    TPUEmbedding(config, optimizer="sgd")
 
 
 def test_sparse_core_helpers():

@@ -20,7 +20,7 @@ E = tf.tpu.experimental.embedding
 SEEN = {}  # id(probe) -> what its restore hook saw (kept off the probe: TF would track it)
 
 
-class Probe(tf.Module):
+class Probe(tf_restore.RestoreHook, tf.Module):
   """A trackable whose restore hook records what `tf_restore` and TF's stack show of its restore."""
 
   def __init__(self, rows):
@@ -36,8 +36,16 @@ class Probe(tf.Module):
     children = {child.local_name: child.node_id for child in restore.node.children}
     self.seen["children"] = sorted(children)
     self.seen["table shape"] = restore.stored_shape(restore.nodes[children["table"]])
-    self.seen["position"] = sys._getframe(1).f_locals[tf_restore.POSITION_LOCAL]
+    self.seen["position"] = _position_on_stack()
     return super()._checkpoint_adapter(path)
+
+
+def _position_on_stack():
+  """The nearest caller's `checkpoint_position`: TF's, from inside the restore hook."""
+  frame = sys._getframe(1)
+  while tf_restore.POSITION_LOCAL not in frame.f_locals:
+    frame = frame.f_back
+  return frame.f_locals[tf_restore.POSITION_LOCAL]
 
 
 def test_checked_tf_version_is_the_installed_one():
@@ -48,9 +56,33 @@ def test_checked_tf_version_is_the_installed_one():
 
 
 def test_tf_restore_hook_caller_has_the_position_local():
-  params = list(inspect.signature(tf_restore_internals._maybe_get_adapter).parameters)
-  assert params == [tf_restore.POSITION_LOCAL, "trackable"]
-  assert "._checkpoint_adapter(" in inspect.getsource(tf_restore_internals._maybe_get_adapter)
+  # The restore hook came with TF 2.17; before it, `RestoreHook` calls it from the restore walk.
+  minor = tuple(int(part) for part in tf_versions.minor_version(tf.__version__).split("."))
+  assert tf_restore.HAS_ADAPTER_HOOK == (minor >= (2, 17))
+  walk = getattr(tf_restore_internals, tf_restore.RESTORE_WALK)
+  assert list(inspect.signature(walk).parameters)[0] == tf_restore.POSITION_LOCAL
+  source = inspect.getsource(walk)
+  assert source.index("._trackable_children()") < source.index(".object_proto.children")
+  if tf_restore.HAS_ADAPTER_HOOK:
+    params = list(inspect.signature(tf_restore_internals._maybe_get_adapter).parameters)
+    assert params == [tf_restore.POSITION_LOCAL, "trackable"]
+    assert "._checkpoint_adapter(" in inspect.getsource(tf_restore_internals._maybe_get_adapter)
+
+
+def test_the_hook_runs_once_per_restore_of_an_object(tmp_path):
+  calls = []
+
+  class Counted(Probe):
+    def _checkpoint_adapter(self, path):
+      calls.append(path)
+      return super()._checkpoint_adapter(path)
+
+  path = tf.train.Checkpoint(probe=Probe(rows=2)).write(str(tmp_path / "ckpt"))
+  restored = Counted(rows=2)
+  tf.train.Checkpoint(probe=restored).read(path).assert_consumed()
+  assert calls == [path]
+  tf.train.Checkpoint(probe=restored).write(str(tmp_path / "again"))  # no restore: no call
+  assert calls == [path]
 
 
 def test_real_restore_exposes_what_tf_restore_reads(tmp_path):

@@ -12,7 +12,14 @@ from typing import Any, Mapping, Optional, Union
 
 import tensorflow as tf
 
-from tpu_embedding import backends, checkpoint_names, hardware, optimizers, sparse_core
+from tpu_embedding import (
+  backends,
+  checkpoint_names,
+  hardware,
+  optimizers,
+  sparse_core,
+  tf_restore,
+)
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding.engine import serving_lookup
@@ -49,7 +56,7 @@ class RefusesCopies:
     self._refuse_copy("pickle")
 
 
-class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
+class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restore.RestoreHook):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours)."""
 
   def __init__(

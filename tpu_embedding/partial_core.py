@@ -35,6 +35,7 @@ from tpu_embedding import (
   optimizers,
   sparse_core,
   tf_internals,
+  tf_restore,
 )
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
@@ -98,7 +99,9 @@ class CheckpointNode(tf_internals.AutoTrackable):
 # The layer
 
 
-class PartialTPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin):
+class PartialTPUEmbeddingCore(
+  RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restore.RestoreHook
+):
   """The layer behaviour, mixed in before a Keras `Layer` class (see the two flavours).
 
   `sharded_layer_class` is the flavour's `TPUEmbedding`, which serves the sharded tables.

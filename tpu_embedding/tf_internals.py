@@ -6,8 +6,10 @@ Checked against the TF versions in `tf_versions.CHECKED_AGAINST`; importing this
 another TF raises `tf_versions.UncheckedTensorFlow`. The mid-level objects' variables and the
 restore machinery have their own adapters (`tf_mid_level`, `tf_restore`).
 
-What differs between the checked versions: TF 2.17 has no mid-level `CustomOptimizer`
-(`CUSTOM_OPTIMIZER` is None there).
+What differs between the checked versions: TF 2.16 and 2.17 have no mid-level
+`CustomOptimizer` (`CUSTOM_OPTIMIZER` is None there); TF 2.16 has no SparseCore checkpoint
+adapter, without which the SparseCore path cannot restore its stacked tables safely
+(`SPARSE_CORE_CHECKPOINTS` is None, and the path is refused there).
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from tensorflow.python.eager import context, record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.saved_model import save_context
-from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter, tpu_embedding_v3_utils
+from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import autotrackable, trackable_utils
 from tensorflow.python.util import nest
 
 from tpu_embedding import tf_versions
 
 tf_versions.require_checked(__name__)
+
+try:  # TF 2.17 on: converts checkpoints between per-table and SparseCore's stacked layouts.
+  from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as SPARSE_CORE_CHECKPOINTS
+except ImportError:  # TF 2.16
+  SPARSE_CORE_CHECKPOINTS = None
 
 _embedding = tf.tpu.experimental.embedding
 
@@ -38,7 +45,7 @@ AutoTrackable = autotrackable.AutoTrackable
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 # V1's `low_dimensional_packing_status` values.
 PackingStatus = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
-# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.17).
+# The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.16, 2.17).
 CUSTOM_OPTIMIZER: Optional[type] = getattr(_embedding, "CustomOptimizer", None)
 # ---------------------------------------------------------------------------------------------
 # Nests: path-aware flattening in tf.nest's order, and structure-up-to maps.
@@ -138,7 +145,7 @@ def remove_sparse_core_padding(padded: tf.Tensor, shape: tuple[int, ...]) -> tf.
 def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bool:
   """Whether TF's SparseCore checkpoint adapter would convert the checkpoint at `path` for
   `mid_level` (it holds the tables in another layout)."""
-  adapter = tpu_embedding_v3_checkpoint_adapter.TpuEmbeddingV3CheckpointAdapter
+  adapter = SPARSE_CORE_CHECKPOINTS.TpuEmbeddingV3CheckpointAdapter
   return adapter.create_from_checkpoint(path).is_applicable(mid_level)
 
 

@@ -14,6 +14,11 @@ not API:
   ({name: [CheckpointPosition]}).
 `tests/test_tf_restore.py` asserts each of these, so a TF upgrade that moves one fails there; at
 run time, a restore whose position cannot be found raises `RestoreMachineryChanged`.
+
+TF 2.15 and 2.16 have no `_checkpoint_adapter` hook. There `RestoreHook` calls it from the one
+step of TF's restore walk that every version shares: `restore._queue_children_for_restoration`
+(local `checkpoint_position`) asks the object for its `_trackable_children()` before it looks
+at any child of the object's checkpoint node, i.e. at the same moment as the later hook.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ import sys
 from typing import Any, Optional
 
 import tensorflow as tf
+from tensorflow.python.trackable import base
 
 from tpu_embedding import tf_versions
 
 CHECKED_AGAINST = tf_versions.CHECKED_AGAINST
 tf_versions.require_checked(__name__)
 POSITION_LOCAL = "checkpoint_position"  # the local of `restore._maybe_get_adapter` read here
+# Whether TF asks each object `_checkpoint_adapter(path)` while restoring (TF 2.17 on).
+HAS_ADAPTER_HOOK = hasattr(base.Trackable, "_checkpoint_adapter")
+RESTORE_WALK = "_queue_children_for_restoration"  # TF's step that visits an object's children
 _VARIABLE_VALUE = "VARIABLE_VALUE"
-_FRAMES_SEARCHED = 8  # the caller's hook <- _checkpoint_adapter <- _maybe_get_adapter, with room
+# The caller's hook <- _checkpoint_adapter (and its overrides) <- _maybe_get_adapter, or, before
+# TF 2.17, <- `RestoreHook._trackable_children` and its overrides <- RESTORE_WALK; with room.
+_FRAMES_SEARCHED = 12
 
 
 class RestoreMachineryChanged(RuntimeError):
@@ -106,11 +117,52 @@ def restore_of(trackable: Any) -> Restore:
     except (AttributeError, KeyError):  # another local of that name, or an unbound position
       pass
     frame = frame.f_back
-  raise RestoreMachineryChanged(
+  raise _machinery_changed(trackable)
+
+
+def _machinery_changed(trackable: Any) -> RestoreMachineryChanged:
+  hook = "_checkpoint_adapter" if HAS_ADAPTER_HOOK else "_trackable_children"
+  return RestoreMachineryChanged(
     f"tpu_embedding cannot validate this restore of {type(trackable).__name__}: TensorFlow "
     f"{tf.__version__}'s restore machinery changed (no `{POSITION_LOCAL}` of this object on "
-    "the call stack of its `_checkpoint_adapter` hook). tpu_embedding.tf_restore was checked "
+    f"the call stack of its `{hook}` hook). tpu_embedding.tf_restore was checked "
     f"against TensorFlow {', '.join(CHECKED_AGAINST)}; the restore was stopped before any of "
     "its embedding tables or slots changed. Use a TensorFlow "
     "version it was checked against, or update tpu_embedding.tf_restore."
   )
+
+
+class RestoreHook:
+  """Base of the objects that validate a restore in `_checkpoint_adapter(path)`: on TF versions
+  without that hook, calls it at the same point of the restore (see the module docstring).
+
+  Place it after every class that overrides `_trackable_children` and before TF's trackable.
+  """
+
+  if not HAS_ADAPTER_HOOK:
+
+    def _checkpoint_adapter(self, path: str) -> Any:
+      del path  # TF's own per-object adapters (SparseCore's) do not exist on these versions
+      return None
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+      path = _restoring_into(self)
+      if path is not None:
+        self._checkpoint_adapter(path)
+      return super()._trackable_children(save_type, **kwargs)
+
+
+def _restoring_into(trackable: Any) -> Optional[str]:
+  """The checkpoint path if TF's restore walk is visiting `trackable` (a caller a few frames up
+  is RESTORE_WALK with `trackable` at its position), else None."""
+  frame = sys._getframe(2)
+  for _ in range(_FRAMES_SEARCHED):
+    if frame is None:
+      return None
+    if frame.f_code.co_name == RESTORE_WALK:
+      position = frame.f_locals.get(POSITION_LOCAL)
+      if position is None:
+        raise _machinery_changed(trackable)
+      return position.checkpoint.save_path_string if position.trackable is trackable else None
+    frame = frame.f_back
+  return None

@@ -3,8 +3,7 @@
 The package reads TF internals only through `tf_mid_level`, `tf_restore` and `tf_internals`.
 Each was checked (its tests run, with the version matrix `.ci/matrix`) against the TF releases in
 `CHECKED_AGAINST`; TF changes internals between minor versions, not in patch releases, so a
-minor version is checked as a whole. TF 2.15 and 2.16 lack the per-object restore hook
-(`Trackable._checkpoint_adapter`) that checkpoint validation needs: docs/compatibility.md.
+minor version is checked as a whole (docs/compatibility.md says what differs between them).
 Importing an adapter under any other TF raises
 `UncheckedTensorFlow`: a moved internal would otherwise fail later, inside a user's training
 step or restore, or silently train wrongly. `TPU_EMBEDDING_ALLOW_UNCHECKED_TF=1` turns the
@@ -21,6 +20,7 @@ import tensorflow as tf
 
 # {minor version: the release the matrix ran}; docs/compatibility.md says what was run.
 CHECKED_AGAINST = {
+  "2.16": "2.16.2",
   "2.17": "2.17.1",
   "2.18": "2.18.1",
   "2.21": "2.21.0",

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware, sparse_core
+from tpu_embedding import hardware, sparse_core, tf_internals
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.managed_ids import row_resets
@@ -25,6 +25,13 @@ class TpuV2Backend(Backend):
     pipelining: bool = False,
     sparse_core_embedding_config=None,
   ):
+    if tf_internals.SPARSE_CORE_CHECKPOINTS is None:
+      raise RuntimeError(
+        f"The SparseCore path (TPUEmbeddingV2) needs TensorFlow 2.17 or later; this is "
+        f"TensorFlow {tf.__version__}, which has no SparseCore checkpoint adapter, so this "
+        "layer's tables could not be restored from a checkpoint safely. Use TensorFlow 2.17 to "
+        "2.21 on a SparseCore TPU (docs/compatibility.md)."
+      )
     super().__init__(config)
     self._built = False
     converted = conversion.for_tpu_v2(config)

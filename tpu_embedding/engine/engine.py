@@ -21,7 +21,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names, checkpoints, optimizer_specs, optimizers, tf_internals
+from tpu_embedding import (
+  checkpoint_names,
+  checkpoints,
+  optimizer_specs,
+  optimizers,
+  tf_internals,
+  tf_restore,
+)
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import exchange, finite, inputs, lookup, sharded, static_path, updates
 from tpu_embedding.engine import trap as trap_lib
@@ -38,7 +45,7 @@ SECOND_GRADIENT_WARNING = (
 )
 
 
-class EmbeddingEngine(tf.Module):
+class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   """Owns the tables and slots and performs lookups and sparse updates on CPU or GPU.
 
   Args:
