@@ -41,8 +41,3 @@ def retrieve_from_tpu(mid_level: tf.Module) -> None:
 def load_into_tpu(mid_level: tf.Module) -> None:
   """Copies V1's host tables and slots into TPU memory, as a build or a restore does."""
   mid_level._load_variables()
-
-
-def slot_initializers(optimizer) -> list:
-  """The initializers of a mid-level optimizer's slots, in the order of its slot names."""
-  return optimizer._slot_initializers()

@@ -466,6 +466,18 @@ def _apply_every_row(
   scatter_rows(table, slots, row_ids, touched)
 
 
+def _zero_gradient_values(
+  rule: UpdateRule, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
+) -> tuple[tf.Tensor, tuple[tf.Tensor, ...]]:
+  """Every row's (table, slots) after an update with g = 0 and weight clipping: what
+  `_zero_gradient_pass` writes and `zero_gradient_step_is_finite` checks, computed one way."""
+  zero = tf.zeros([], table.dtype)
+  new_table, new_slots = rule.compute(
+    table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
+  )
+  return clip_weights(rule.optimizer, new_table), tuple(new_slots)
+
+
 @tf.function(jit_compile=True)
 def _zero_gradient_pass(
   rule: UpdateRule, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
@@ -475,11 +487,8 @@ def _zero_gradient_pass(
   XLA fuses the whole pass into one sweep over table and slots (about 4x
   faster than separate TF ops, which each stream [V, D] through memory).
   """
-  zero = tf.zeros([], table.dtype)
-  new_table, new_slots = rule.compute(
-    table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
-  )
-  table.assign(clip_weights(rule.optimizer, new_table))
+  new_table, new_slots = _zero_gradient_values(rule, table, slots, learning_rate)
+  table.assign(new_table)
   for variable, values in zip(slots, new_slots):
     variable.assign(values)
 
@@ -489,12 +498,8 @@ def zero_gradient_step_is_finite(
   rule: UpdateRule, table: tf.Variable, slots: Tuple[tf.Variable, ...], learning_rate: tf.Tensor
 ) -> tf.Tensor:
   """Whether `_zero_gradient_pass` would write only finite values (computed, not written)."""
-  zero = tf.zeros([], table.dtype)
-  new_table, new_slots = rule.compute(
-    table.read_value(), tuple(s.read_value() for s in slots), zero, learning_rate
-  )
-  new = (clip_weights(rule.optimizer, new_table), *new_slots)
-  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(values)) for values in new])
+  new_table, new_slots = _zero_gradient_values(rule, table, slots, learning_rate)
+  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in (new_table, *new_slots)])
 
 
 # --------------------------------------------------------------------------

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import tf_mid_level
+from tpu_embedding import optimizer_specs
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -17,26 +17,15 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 _ROW_INDEPENDENT = frozenset({"RandomNormal", "RandomUniform", "TruncatedNormal", "Zeros", "Ones"})
 
 
-def reset_rows(table: TableConfig, variables: Mapping[str, tf.Variable], rows: tf.Tensor) -> None:
-  """Writes fresh values into `rows` of the table and of each of its optimizer slots."""
-  for name, values in fresh_rows(table, rows).items():
-    if name in variables:
-      _write(variables[name], rows, values)
-
-
 def fresh_rows(table: TableConfig, rows: tf.Tensor) -> dict[str, tf.Tensor]:
   """{"parameters": [len(rows), dim], slot name: its [len(rows), ...]}: what a fresh table and
   its optimizer slots hold at `rows` (where each path writes them is its own business)."""
   values = {"parameters": _fresh(table.initializer, rows, [table.vocabulary_size, table.dim])}
   if table.optimizer is not None:
-    initializers = tf_mid_level.slot_initializers(table.optimizer)
+    initializers = optimizer_specs.slot_initializers(table.optimizer)
     for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
       values[name] = _fresh(initializer, rows, shape)
   return values
-
-
-def _write(variable: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
-  variable.scatter_update(tf.IndexedSlices(values, rows))
 
 
 def _fresh(initializer: Callable, rows: tf.Tensor, full_shape: list[int]) -> tf.Tensor:

@@ -22,22 +22,16 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 Reset = Callable[[tf.Tensor], None]
 
 
-def on_parameter_servers() -> bool:
-  """Whether maps created now go to parameter servers (the strategy in scope is PSS)."""
-  return tf.distribute.has_strategy() and isinstance(
-    tf.distribute.get_strategy(), tf.distribute.ParameterServerStrategy
-  )
-
-
 def new_map(spec: ManagedIds, table_name: str, capacity: int) -> IdMap | ShardedIdMap:
   """The map of a managed table created now: sharded over the ps tasks under PSS."""
-  if not on_parameter_servers():
+  if Distribution.current() is not Distribution.PARAMETER_SERVERS:
     return IdMap(spec, table_name, capacity)
   return ShardedIdMap(spec, table_name, capacity, len(parameter_server_devices()))
 
