@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
+from tpu_embedding import hardware, keras_slots, optimizer_specs
 from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
+from tpu_embedding.managed_ids import row_resets
 
 
 class TpuV0Backend(Backend):
@@ -27,6 +28,7 @@ class TpuV0Backend(Backend):
   def __init__(self, config: config_lib.EmbeddingConfig, user_optimizer: Any = None):
     super().__init__(config)
     converted = conversion.for_tpu_v0(config, user_optimizer)
+    self._keras_optimizer = user_optimizer
     self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV0(converted.feature_config, None)
 
   def build(self, per_replica_input_shapes):
@@ -47,6 +49,46 @@ class TpuV0Backend(Backend):
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return list(self._engine.embedding_tables.values())
+
+  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
+    """Replicated tables are written at once; their slots live in the Keras optimizer the
+    model applies, which must therefore be the layer's `optimizer` object: a row's slots are
+    reset there too, to the initial values of the optimizer's mid-level twin (the same)."""
+    optimizer = self._keras_optimizer
+    if optimizer is None or isinstance(optimizer, str):
+      raise ValueError(
+        f"managed_ids on path {self.path.name} (a TPU without an embedding engine) needs the "
+        "Keras optimizer object that trains the model as the layer's optimizer= (got "
+        f"{optimizer!r}): the tables' slots live in that optimizer, and a row given to a new "
+        "key must be reset there too. Create the optimizer first, pass it to the layer and "
+        "apply that same object in the train step."
+      )
+
+    def write(table, rows, values):
+      variable = self.variables_by_table[table.name]["parameters"]
+      keras_names = {
+        name: optimizer_specs.keras_slot_name(table.optimizer, name)
+        for name in values
+        if name != "parameters"
+      }
+      keras_names = {name: k for name, k in keras_names.items() if k is not None}
+      slots = keras_slots.slots_of(optimizer, variable, keras_names.values())
+      targets = {"parameters": variable}
+      targets.update({name: slots[k] for name, k in keras_names.items() if k in slots})
+      for name, target in targets.items():
+        _write_rows(target, rows, values[name])
+
+    return row_resets.ImmediateResets(write)
+
+
+def _write_rows(variable: Any, rows: tf.Tensor, value: tf.Tensor) -> None:
+  """Writes `value` into `rows` of a tf.Variable, or of a Keras 3 variable (no scatter)."""
+  if isinstance(variable, tf.Variable):
+    variable.scatter_update(tf.IndexedSlices(value, rows))
+  else:
+    variable.assign(
+      tf.tensor_scatter_nd_update(tf.convert_to_tensor(variable), rows[:, None], value)
+    )
 
 
 def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:

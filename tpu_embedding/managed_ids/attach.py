@@ -23,11 +23,6 @@ def create(
   reset rows given to new keys exactly."""
   if managed_ids is None or (isinstance(managed_ids, Mapping) and not managed_ids):
     return None
-  if path is hardware.ExecutionPath.TPU_V0:
-    raise ValueError(
-      "managed_ids is not supported on path TPU_V0 yet (only off TPU, on TPU_V1 and on "
-      "TPU_V2). Map keys to rows before the TPU step, or use another path."
-    )
   if pipelining and path is hardware.ExecutionPath.CPU:
     raise ValueError(
       "managed_ids cannot be combined with pipeline_execution_with_tensor_core=True off TPU: "
