@@ -341,3 +341,64 @@ def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
     layer.build({"movie": tf.TensorShape([BATCH])})  # fresh tables, loaded once
   np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), INIT)
   assert recorded.loads == 1
+
+
+def test_v1_plain_saved_model_save_applies_waiting_resets(monkeypatch, tmp_path):
+  """`tf.saved_model.save` (not only `export_for_serving`) resets the waiting rows first, so the
+  SavedModel never holds a key on a row still holding its previous key's values."""
+  strategy, recorded, layer = _v1_layer(monkeypatch, every=100)
+  variables = layer.variables_by_table["movies"]
+  before = _train_tpu_memory(variables, 0)
+  with strategy.scope():
+    rows = layer.remap({"movie": tf.constant([5, 6, 5], tf.int64)})["movie"]
+  assert rows.numpy().tolist() == [0, 0, 0]  # rows 1, 2 wait for their reset
+  loads = recorded.loads
+  module = tf.Module()
+  module.layer = layer
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  assert recorded.loads == loads + 1
+  want = before["parameters"].copy()
+  want[[1, 2]] = INIT[[1, 2]]
+  np.testing.assert_array_equal(variables["parameters"].numpy(), want)
+  want_slot = before["accumulators"].copy()
+  want_slot[[1, 2]] = ACC
+  np.testing.assert_array_equal(variables["accumulators"].numpy(), want_slot)
+  saved = tf.train.load_checkpoint(str(tmp_path / "saved" / "variables" / "variables"))
+  held = [
+    saved.get_tensor(n)
+    for n, s in saved.get_variable_to_shape_map().items()
+    if s == [CAPACITY, DIM] and "movies" in n and "accumulators" not in n
+  ]
+  assert held and all(np.array_equal(h, want) for h in held)
+
+
+def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
+  """What docs/managed-ids.md says a flush costs, counted in the graphs TF's own class builds:
+  one Retrieve and one Load op per table of the layer (managed or not), each moving the table
+  and its slots: (1 + slots) * vocabulary_size * dim * 4 bytes out and the same back."""
+  strategy, recorded = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  other = E.TableConfig(5, 3, name="genres")
+  features = dict(_features(), genre=E.FeatureConfig(other, name="genre"))
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      features,
+      optimizer=E.Adagrad(0.3),
+      managed_ids={"movies": tpu_embedding.ManagedIds()},
+    )
+    layer.build({"movie": tf.TensorShape([BATCH]), "genre": tf.TensorShape([BATCH])})
+    built = len(recorded.graphs)
+    layer.remap({"movie": tf.constant([5, 6, 5], tf.int64), "genre": tf.constant([1, 2, 3])})
+  flush = recorded.graphs[built:]
+  assert [kind for kind, _ in flush] == ["retrieves", "loads"]
+  ops = {
+    kind: [op for op in graph.get_operations() if "TPUEmbedding" in op.type]
+    for kind, graph in flush
+  }
+  assert sorted(op.type for op in ops["retrieves"]) == ["RetrieveTPUEmbeddingAdagradParameters"] * 2
+  assert sorted(op.type for op in ops["loads"]) == ["LoadTPUEmbeddingAdagradParameters"] * 2
+  loaded = {
+    op.get_attr("table_name").decode(): sum(4 * i.shape.num_elements() for i in op.inputs)
+    for op in ops["loads"]
+  }
+  assert loaded == {"movies": 2 * CAPACITY * DIM * 4, "genres": 2 * 5 * 3 * 4}
+  assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators

@@ -53,6 +53,8 @@ class Recorded:
   config_protos: list = dataclasses.field(default_factory=list)  # V1 system initialisation
   loads: int = 0
   retrieves: int = 0
+  # The graph each load / retrieve would have run, in order: ("loads" or "retrieves", graph).
+  graphs: list = dataclasses.field(default_factory=list)
 
 
 class _HardwareFeature:
@@ -108,8 +110,9 @@ def _traced_instead_of_run(recorded: Recorded, counter: str, function: Callable)
   """A stand-in for a tf.function that loads/retrieves: traces its graph, runs nothing."""
 
   def stub(*args, **kwargs):
-    function.get_concrete_function(*args, **kwargs)
+    graph = function.get_concrete_function(*args, **kwargs).graph
     setattr(recorded, counter, getattr(recorded, counter) + 1)
+    recorded.graphs.append((counter, graph))
 
   return stub
 
