@@ -14,10 +14,11 @@ import tensorflow as tf
 import tpu_embedding
 from tests import tpu_harness
 from tests.managed_ids_reference import ReferenceMap
-from tpu_embedding import hardware
+from tpu_embedding import hardware, sparse_core
 from tpu_embedding import keras as keras3
 
 E = tf.tpu.experimental.embedding
+place = sparse_core.row_placement
 CAPACITY, DIM, BATCH, ACC = 6, 2, 4, 0.1
 INIT = np.arange(CAPACITY * DIM, dtype=np.float32).reshape(CAPACITY, DIM) / 10.0
 KEYS = np.array([9_123_456_789_012, -7, 2**31 + 1, 3, -(2**40), 77, 123456789, 11, -5])
@@ -188,6 +189,10 @@ def test_v2_rows_are_reset_at_once_in_the_sparse_core_layout(monkeypatch):
   stack = layouts["movies"].stacked_table_name
   assert stack == layouts["albums"].stacked_table_name  # stacked with an unmanaged table
   variables = layer.variables_by_table[stack]
+  placements = []  # where the reset rows land is worked out once per table and step
+  monkeypatch.setattr(
+    sparse_core, "row_placement", lambda *args: placements.append(args) or place(*args)
+  )
   ref = ReferenceMap(8, "lfu")
   for step, keys in enumerate(_stream(10, seed=3), start=1):
     tpu_harness.fill_shards(variables.values(), seed=step)
@@ -197,6 +202,7 @@ def test_v2_rows_are_reset_at_once_in_the_sparse_core_layout(monkeypatch):
     want_rows, fresh = ref.train(keys.tolist())
     assert rows["movie"].numpy().tolist() == want_rows
     assert rows["x"].numpy().tolist() == [1, 2, 3, 4]
+    assert len(placements) == step  # table and accumulators: one placement
     for name, variable in variables.items():
       after = tpu_harness.stacked_by_hand(variable)
       movies = tpu_harness.logical_by_hand(after, layouts["movies"])

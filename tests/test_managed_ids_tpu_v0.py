@@ -113,3 +113,40 @@ def test_v0_reset_before_the_optimizer_has_slots_writes_the_table_only(monkeypat
   want[[1, 2]] = INIT[[1, 2]]
   np.testing.assert_array_equal(table.numpy(), want)
   assert _table_slots(optimizer) == []
+
+
+def test_v0_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
+  with strategy.scope():
+    optimizer = tf_keras.optimizers.Adagrad(0.3, ACC)
+    layer = tpu_embedding.TPUEmbedding(
+      _features(), optimizer=optimizer, managed_ids={"movies": tpu_embedding.ManagedIds()}
+    )
+    rows = layer.remap({"movie": tf.constant([5, 6], tf.int64)})["movie"]
+    assert rows.numpy().tolist() == [1, 2]
+    layer.build({"movie": tf.TensorShape([BATCH])})
+  np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), INIT)
+
+
+def test_v0_slots_that_cannot_be_told_apart_are_refused_before_the_map_changes(monkeypatch):
+  """Two layers' tables of one name, trained by one tf-keras optimizer: its two slots carry the
+  same name, so the reset could hit the wrong one. Refused, naming the slot; no map changed."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
+  with strategy.scope():
+    optimizer = tf_keras.optimizers.Adagrad(0.3, ACC)
+    layers = [
+      tpu_embedding.TPUEmbedding(
+        _features(), optimizer=optimizer, managed_ids={"movies": tpu_embedding.ManagedIds()}
+      )
+      for _ in range(2)
+    ]
+    for layer in layers:
+      layer.build({"movie": tf.TensorShape([BATCH])})
+    optimizer.build([v for layer in layers for v in layer.trainable_variables])
+    table = layers[0].variables_by_table["movies"]["parameters"]
+    table.assign(INIT + 50.0)
+    with pytest.raises(ValueError, match=r"two 'accumulator' slots named .*movies"):
+      layers[0].remap({"movie": tf.constant([5, 6], tf.int64)})
+  assert int(layers[0].managed_ids["movies"].size()) == 0
+  assert int(layers[0].managed_ids["movies"].step) == 0
+  np.testing.assert_array_equal(table.numpy(), INIT + 50.0)

@@ -31,7 +31,7 @@ class CpuBackend(Backend):
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
 
-  def build(self, per_replica_input_shapes: Any) -> None:
+  def create_tables(self, per_replica_input_shapes: Any) -> None:
     self._engine.build()
 
   def lookup(self, features, weights, trap):

@@ -31,7 +31,7 @@ class TpuV0Backend(Backend):
     self._keras_optimizer = user_optimizer
     self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV0(converted.feature_config, None)
 
-  def build(self, per_replica_input_shapes):
+  def create_tables(self, per_replica_input_shapes):
     self._engine.build()
 
   def lookup(self, features, weights, trap):
@@ -64,21 +64,31 @@ class TpuV0Backend(Backend):
         "apply that same object in the train step."
       )
 
-    def write(table, rows, values):
+    tables = {table.name: table for table in self.config.tables}
+
+    def targets(table):
+      """{"parameters" or mid-level slot name: the variable holding it}: the table, and each
+      slot the Keras optimizer has created for it (under its Keras name)."""
       variable = self.variables_by_table[table.name]["parameters"]
-      keras_names = {
+      names = {
         name: optimizer_specs.keras_slot_name(table.optimizer, name)
-        for name in values
-        if name != "parameters"
+        for name, _ in config_lib.slot_shapes(table)
       }
-      keras_names = {name: k for name, k in keras_names.items() if k is not None}
-      slots = keras_slots.slots_of(optimizer, variable, keras_names.values())
-      targets = {"parameters": variable}
-      targets.update({name: slots[k] for name, k in keras_names.items() if k in slots})
-      for name, target in targets.items():
+      slots = keras_slots.slots_of(optimizer, variable, [k for k in names.values() if k])
+      return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
+
+    def write(table, rows, values):
+      for name, target in targets(table).items():
         _write_rows(target, rows, values[name])
 
-    return row_resets.ImmediateResets(write)
+    def check():
+      """Finds every slot before the maps change, so that one it cannot tell apart is refused
+      with nothing changed."""
+      if self.is_built():
+        for name in managed:
+          targets(tables[name])
+
+    return row_resets.ImmediateResets(write, built=self.is_built, check=check)
 
 
 def _write_rows(variable: Any, rows: tf.Tensor, value: tf.Tensor) -> None:

@@ -38,12 +38,20 @@ def write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, A
 class ImmediateResets:
   """Resets written as the map gives the rows, before the step that reads them."""
 
-  def __init__(self, write: Write, built: Callable[[], bool] = lambda: True):
+  def __init__(
+    self,
+    write: Write,
+    built: Callable[[], bool] = lambda: True,
+    check: Callable[[], None] = lambda: None,
+  ):
     self._write = write
     self._built = built  # before the tables exist, rows need no reset: they will be fresh
+    self._check = check
 
   def check_training_remap(self) -> None:
-    """Refuses a training remap this path cannot reset rows for (none here)."""
+    """Refuses, before any map changes, a training remap this path could not reset rows for
+    (`check` raises)."""
+    self._check()
 
   def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
     """`rows` of `table` were just given to new keys."""

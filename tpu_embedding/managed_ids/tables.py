@@ -8,7 +8,6 @@ from typing import Any, Callable, Mapping, Optional
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import tf_internals
 from tpu_embedding.managed_ids import sharded_map
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import ManagedIds
@@ -54,10 +53,8 @@ class ManagedTables(tf.Module):
 
     All keys of one table (its features in feature order, each flattened row-major) form one
     stream, so one call is one step of that table's map. With `training`, `reset_rows(table,
-    rows)` is told the rows given to new keys (the path resets them in its memory). Functions
-    traced for a SavedModel only look keys up.
+    rows)` is told the rows given to new keys (the path resets them in its memory).
     """
-    training = training and not tf_internals.in_save_context()  # serving traces never admit keys
     if training:
       refuse_per_replica_remap()
     pairs = config_lib.match_structure(config, features, subset=True)
