@@ -149,7 +149,8 @@ def test_v1_training_remap_in_a_tf_function_is_refused_and_changes_nothing(monke
   assert looked_up["movie"].numpy().tolist() == [0] * BATCH
 
 
-def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
+def _rows_1_and_2_waiting(monkeypatch):
+  """A V1 layer whose trained rows 1 and 2 were given to new keys and wait for their reset."""
   strategy, recorded, layer = _v1_layer(monkeypatch, every=100)
   variables = layer.variables_by_table["movies"]
   before = _train_tpu_memory(variables, 0)
@@ -157,6 +158,11 @@ def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
     rows = layer.remap({"movie": tf.constant([5, 6, 5], tf.int64)})["movie"]
   assert rows.numpy().tolist() == [0, 0, 0]  # rows 1, 2 wait for their reset
   np.testing.assert_array_equal(variables["parameters"].numpy(), before["parameters"])
+  return strategy, recorded, layer, variables, before
+
+
+def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
+  strategy, recorded, layer, variables, before = _rows_1_and_2_waiting(monkeypatch)
   loads = recorded.loads
   tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
   assert recorded.loads == loads + 1
@@ -352,12 +358,7 @@ def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
 def test_v1_plain_saved_model_save_applies_waiting_resets(monkeypatch, tmp_path):
   """`tf.saved_model.save` (not only `export_for_serving`) resets the waiting rows first, so the
   SavedModel never holds a key on a row still holding its previous key's values."""
-  strategy, recorded, layer = _v1_layer(monkeypatch, every=100)
-  variables = layer.variables_by_table["movies"]
-  before = _train_tpu_memory(variables, 0)
-  with strategy.scope():
-    rows = layer.remap({"movie": tf.constant([5, 6, 5], tf.int64)})["movie"]
-  assert rows.numpy().tolist() == [0, 0, 0]  # rows 1, 2 wait for their reset
+  _, recorded, layer, variables, before = _rows_1_and_2_waiting(monkeypatch)
   loads = recorded.loads
   module = tf.Module()
   module.layer = layer
