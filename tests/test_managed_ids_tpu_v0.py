@@ -4,7 +4,8 @@ V0's tables are replicated variables trained by the Keras optimizer the train st
 their slots live in that optimizer. Each step here remaps on the host, checks the rows against
 the reference map, checks that exactly the rows given to new keys were reset (table initializer,
 the Keras slots' initial values) and nothing else changed, then trains one real Keras step on
-the rows, so that every later reset overwrites trained values.
+the rows, so that every later reset overwrites trained values. Off TPU, tables trained by the
+Keras optimizer (`table_updates="keras"`) are reset the same way (`backends.keras_trained`).
 """
 
 import keras
@@ -150,3 +151,41 @@ def test_v0_slots_that_cannot_be_told_apart_are_refused_before_the_map_changes(m
   assert int(layers[0].managed_ids["movies"].size()) == 0
   assert int(layers[0].managed_ids["movies"].step) == 0
   np.testing.assert_array_equal(table.numpy(), INIT + 50.0)
+
+
+def test_cpu_tables_trained_by_keras_reset_the_keras_optimizers_slots_too():
+  """Off TPU with table_updates="keras" the slots live in the Keras optimizer as on V0."""
+  optimizer = tf_keras.optimizers.Adagrad(0.3, ACC)
+  layer = tpu_embedding.TPUEmbedding(
+    _features(),
+    optimizer=optimizer,
+    table_updates="keras",
+    managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru")},
+  )
+  layer.build({"movie": tf.TensorShape([BATCH])})
+  table = layer.variables_by_table["movies"]["parameters"]
+  keys = tf.constant([5, 6, 7, 8, 9], tf.int64)  # rows 1..5, every row taken
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(layer({"movie": keys})["movie"] * [[1.0, -2.0]])
+  optimizer.apply_gradients(
+    zip(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+  )
+  (slot,) = _table_slots(optimizer)
+  table_before, slot_before = table.numpy(), slot.numpy()
+  assert (slot_before[1:] != ACC).all()  # trained
+  rows = layer.remap({"movie": tf.constant([10, 11], tf.int64)})["movie"]
+  assert rows.numpy().tolist() == [1, 2]  # least recently seen rows, smallest first
+  table_before[[1, 2]], slot_before[[1, 2]] = INIT[[1, 2]], ACC
+  np.testing.assert_array_equal(table.numpy(), table_before)
+  np.testing.assert_array_equal(slot.numpy(), slot_before)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", E.Adagrad(0.1)], ids=["name", "mid-level"])
+def test_cpu_tables_trained_by_keras_need_the_keras_optimizer_object(optimizer):
+  with pytest.raises(ValueError, match=r"table_updates='keras'.*Keras optimizer object"):
+    tpu_embedding.TPUEmbedding(
+      _features(),
+      optimizer=optimizer,
+      table_updates="keras",
+      managed_ids={"movies": tpu_embedding.ManagedIds()},
+    )

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware, keras_slots, optimizer_specs
-from tpu_embedding.backends import conversion
+from tpu_embedding import hardware
+from tpu_embedding.backends import conversion, keras_trained
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.managed_ids import row_resets
 
@@ -51,54 +51,8 @@ class TpuV0Backend(Backend):
     return list(self._engine.embedding_tables.values())
 
   def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
-    """Replicated tables are written at once; their slots live in the Keras optimizer the
-    model applies, which must therefore be the layer's `optimizer` object: a row's slots are
-    reset there too, to the initial values of the optimizer's mid-level twin (the same)."""
-    optimizer = self._keras_optimizer
-    if optimizer is None or isinstance(optimizer, str):
-      raise ValueError(
-        f"managed_ids on path {self.path.name} (a TPU without an embedding engine) needs the "
-        "Keras optimizer object that trains the model as the layer's optimizer= (got "
-        f"{optimizer!r}): the tables' slots live in that optimizer, and a row given to a new "
-        "key must be reset there too. Create the optimizer first, pass it to the layer and "
-        "apply that same object in the train step."
-      )
-
-    tables = {table.name: table for table in self.config.tables}
-
-    def targets(table):
-      """{"parameters" or mid-level slot name: the variable holding it}: the table, and each
-      slot the Keras optimizer has created for it (under its Keras name)."""
-      variable = self.variables_by_table[table.name]["parameters"]
-      names = {
-        name: optimizer_specs.keras_slot_name(table.optimizer, name)
-        for name, _ in config_lib.slot_shapes(table)
-      }
-      slots = keras_slots.slots_of(optimizer, variable, [k for k in names.values() if k])
-      return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
-
-    def write(table, rows, values):
-      for name, target in targets(table).items():
-        _write_rows(target, rows, values[name])
-
-    def check():
-      """Finds every slot before the maps change, so that one it cannot tell apart is refused
-      with nothing changed."""
-      if self.is_built():
-        for name in managed:
-          targets(tables[name])
-
-    return row_resets.ImmediateResets(write, built=self.is_built, check=check)
-
-
-def _write_rows(variable: Any, rows: tf.Tensor, value: tf.Tensor) -> None:
-  """Writes `value` into `rows` of a tf.Variable, or of a Keras 3 variable (no scatter)."""
-  if isinstance(variable, tf.Variable):
-    variable.scatter_update(tf.IndexedSlices(value, rows))
-  else:
-    variable.assign(
-      tf.tensor_scatter_nd_update(tf.convert_to_tensor(variable), rows[:, None], value)
-    )
+    """Written at once, slots in the Keras optimizer included (`keras_trained`)."""
+    return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
 
 
 def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:
