@@ -25,7 +25,8 @@ Bytes per step are what crossed the loopback interface during the timed steps (t
 `lo` counters in /proc/net/dev, all processes together, gRPC framing included) divided by the
 steps. Beside them: the loopback's own bandwidth, one TCP stream moving 256 MiB.
 
-Usage: python -m benchmarks.sharded_ps [--quick] [--managed] [--rows 100000] [--steps 30]
+Usage: python -m benchmarks.sharded_ps [--quick] [--managed [managed|pre-mapped]] [--rows 100000]
+  [--steps 30]
 """
 
 from __future__ import annotations
@@ -204,7 +205,14 @@ def main(argv=None) -> None:
   parser.add_argument("--tables", type=int, default=3)
   parser.add_argument("--batch", type=int, default=1024)
   parser.add_argument("--steps", type=int, default=30)
-  parser.add_argument("--managed", action="store_true", help="managed vs pre-mapped, 2 ps")
+  parser.add_argument(
+    "--managed",
+    nargs="?",
+    const="both",
+    choices=("both", "managed", "pre-mapped"),
+    help="managed vs pre-mapped on 2 ps (one of them: a process of its own per configuration, "
+    "since a second cluster in one process may miss functions the first one registered)",
+  )
   parser.add_argument("--distinct", type=int, default=10**8, help="distinct keys (--managed)")
   args = parser.parse_args(argv)
   if args.quick:
@@ -220,7 +228,8 @@ def main(argv=None) -> None:
   )
   print("|---|---:|---:|---:|---:|")
   if args.managed:
-    configs = [("pre-mapped", 2), ("managed", 2)]
+    kinds = ("pre-mapped", "managed") if args.managed == "both" else (args.managed,)
+    configs = [(kind, 2) for kind in kinds]
   else:
     configs = [("keras", 2), ("unsharded", 2)]
     configs += [("sharded", n) for n in ((1, 2) if args.quick else (1, 2, 4))]
