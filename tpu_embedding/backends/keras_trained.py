@@ -42,7 +42,8 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     slots = keras_slots.slots_of(optimizer, variable, [k for k in names.values() if k])
     return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
 
-  def write(table, rows, values):
+  def write(table, rows, values, block):
+    del block  # the row block under parameter servers: the writes below take global rows
     for name, target in targets(table).items():
       _write_rows(target, rows, values[name])
 
