@@ -182,8 +182,10 @@ def managed_index(name: str) -> tf.Tensor:
 
 
 def destroy_managed_index(name: str) -> None:
-  """Frees the index `name` if it was created (its map is gone)."""
-  tf.raw_ops.DestroyResourceOp(resource=managed_index(name), ignore_lookup_error=True)
+  """Frees the index `name` if it was created (its map is gone). Eagerly: the garbage collector
+  may call this while a function is being traced, which must not record it."""
+  with tf.init_scope():
+    tf.raw_ops.DestroyResourceOp(resource=managed_index(name), ignore_lookup_error=True)
 
 
 def managed_next_step(index: tf.Tensor, step: tf.Variable) -> tf.Tensor:
