@@ -107,10 +107,14 @@ class IdMap(tf.Module):
     self._count_hits(seen, tf.boolean_mask(occurrences, known), step)
     freed = self._free_expired(step) if self.spec.eviction == "ttl" else tf.zeros([0], tf.int64)
     places = _Places(step, seen, freed, compiled)
-    new_rows = self._admit(
-      tf.boolean_mask(unique, ~known), tf.boolean_mask(occurrences, ~known), places
+    newcomers = tf.where(~known)[:, 0]
+    new_rows, admitted = self._admit(
+      tf.gather(unique, newcomers), tf.gather(occurrences, newcomers), places
     )
-    return tf.gather(self.rows_of_keys.lookup(unique), position), new_rows
+    # Keys seen in this step keep their rows (never evicted, never expired by it): only the
+    # admitted ones change.
+    rows = tf.tensor_scatter_nd_update(rows, tf.gather(newcomers, admitted)[:, None], new_rows)
+    return tf.gather(rows, position), new_rows
 
   def _count_hits(self, rows: tf.Tensor, occurrences: tf.Tensor, step: tf.Tensor) -> None:
     aged = self._aged_counts(rows, self._epoch(step))
@@ -128,8 +132,11 @@ class IdMap(tf.Module):
     )
     return expired
 
-  def _admit(self, keys: tf.Tensor, occurrences: tf.Tensor, places: _Places) -> tf.Tensor:
-    """Gives rows to the eligible ones of `keys` (new keys in first-occurrence order)."""
+  def _admit(
+    self, keys: tf.Tensor, occurrences: tf.Tensor, places: _Places
+  ) -> tuple[tf.Tensor, tf.Tensor]:
+    """Gives rows to the eligible ones of `keys` (new keys in first-occurrence order): (the rows,
+    the positions in `keys` of the keys given them)."""
     step = places.step
     if self.candidates is not None:
       totals = tf.reshape(self.candidates.lookup(keys), [-1]) + occurrences
@@ -152,7 +159,7 @@ class IdMap(tf.Module):
       waiting_totals = tf.concat([tf.boolean_mask(totals, ~eligible), chosen_totals[placed:]], 0)
       self.candidates.insert(waiting, waiting_totals)
       self._prune_candidates()
-    return rows
+    return rows, tf.where(eligible)[:placed, 0]
 
   def _rows_to_give(self, wanted: tf.Tensor, places: _Places) -> tf.Tensor:
     """Up to `wanted` rows: free rows by ascending index, then victims in eviction order among
