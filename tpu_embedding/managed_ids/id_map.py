@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
 from tpu_embedding.engine import native
+from tpu_embedding.managed_ids.key_row_map import Reset
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 _MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
@@ -73,12 +74,18 @@ class IdMap(tf.Module):
     rows = tf.where(self._used_rows())[:, 0]
     return tf.gather(self.keys, rows), rows, self._aged_counts(rows, self._epoch(self.step))
 
+  def serving_tables(self) -> list[tf.lookup.experimental.MutableHashTable]:
+    """The hash table a serving lookup reads (a SavedModel must hold it)."""
+    return [self.rows_of_keys]
+
   # -------------------------------------------------------------------------------------------
   # One training step
 
   @tf.autograph.experimental.do_not_convert
-  def remap(self, keys: tf.Tensor, training: bool) -> tuple[tf.Tensor, tf.Tensor]:
-    """(row of each key, rows given to new keys this step, which the caller must reset).
+  def remap(
+    self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
+  ) -> tuple[tf.Tensor, tf.Tensor]:
+    """(row of each key, rows given to new keys this step), the latter passed to `reset`.
 
     With `training`, this is one step of the map: counts and ages advance, eligible keys are
     admitted in order of first occurrence, victims are freed. Otherwise a plain lookup.
@@ -111,6 +118,8 @@ class IdMap(tf.Module):
     new_rows, admitted = self._admit(
       tf.gather(unique, newcomers), tf.gather(occurrences, newcomers), places
     )
+    if reset is not None:
+      reset(new_rows)
     # Keys seen in this step keep their rows (never evicted, never expired by it): only the
     # admitted ones change.
     rows = tf.tensor_scatter_nd_update(rows, tf.gather(newcomers, admitted)[:, None], new_rows)
