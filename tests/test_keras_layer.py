@@ -335,6 +335,6 @@ def test_keras_file_with_a_table_of_another_shape_is_refused(tmp_path):
   layer = TPUEmbedding({"f": E.FeatureConfig(table=make_table(E.SGD(0.1)))})
   store = {"table:t": np.zeros((5, 2), np.float32)}
   before = layer.variables_by_table["t"]["parameters"].numpy()
-  with pytest.raises(ValueError, match=r"table 't' 'parameters' has shape \[5, 2\].*\[4, 2\]"):
+  with pytest.raises(ValueError, match=r"'table:t' has shape \[5, 2\].*\[4, 2\]"):
     layer.load_own_variables(store)
   np.testing.assert_array_equal(layer.variables_by_table["t"]["parameters"].numpy(), before)

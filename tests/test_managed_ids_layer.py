@@ -166,13 +166,13 @@ def test_errors_name_feature_and_table():
     )
 
 
-def test_tpu_v0_refuses_managed_ids_by_path(monkeypatch):
+def test_tpu_v0_refuses_managed_ids_without_the_keras_optimizer_object(monkeypatch):
   from tests import tpu_harness
   from tpu_embedding import hardware
 
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
   with strategy.scope():
-    with pytest.raises(ValueError, match="managed_ids is not supported on path TPU_V0 yet"):
+    with pytest.raises(ValueError, match=r"path TPU_V0.*Keras optimizer object.*got 'sgd'"):
       tpu_embedding.TPUEmbedding(
         {"movie": E.FeatureConfig(E.TableConfig(CAPACITY, DIM, name="movies"))},
         optimizer="sgd",

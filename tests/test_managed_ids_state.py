@@ -122,3 +122,31 @@ def test_export_serves_raw_keys_in_a_process_with_only_tensorflow(tmp_path, how)
   np.testing.assert_allclose(json.loads(out), expected, rtol=1e-6)
   assert json.loads(modules) == []
   assert int(model.layer.managed_ids["movies"].step) == step  # the export admitted nothing
+
+
+def test_a_signature_calling_the_layer_in_training_mode_still_never_admits(tmp_path):
+  """A SavedModel traces every call of the layer as a lookup, whatever `training` it passes:
+  the export's map never changes, unknown keys read row 0."""
+  model, _, probe, expected = _model_and_expected(tmp_path)
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+  def serve(keys):
+    return model.layer({"movie": keys}, training=True)["movie"]
+
+  row0 = np.array([9.0, -9.0], np.float32)  # apart from the fresh rows an admission gives
+  model.layer.variables_by_table["movies"]["parameters"].scatter_update(
+    tf.IndexedSlices(row0[None], [0])
+  )
+  expected[-1] = row0  # the probe's last key reads row 0
+  step = int(model.layer.managed_ids["movies"].step)
+  path = str(tmp_path / "export")
+  tf.saved_model.save(model, path, signatures=serve)
+  assert int(model.layer.managed_ids["movies"].step) == step
+  loaded = tf.saved_model.load(path)
+  serve_loaded = lambda keys: list(
+    loaded.signatures["serving_default"](keys=tf.constant(keys, tf.int64)).values()
+  )[0].numpy()
+  new = [555, 556]  # admitting them would evict two rows, whose fresh values are not row 0's
+  for _ in range(2):
+    np.testing.assert_allclose(serve_loaded(new), np.tile(row0, (len(new), 1)), rtol=1e-6)
+    np.testing.assert_allclose(serve_loaded(probe), expected, rtol=1e-6)

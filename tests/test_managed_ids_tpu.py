@@ -14,10 +14,11 @@ import tensorflow as tf
 import tpu_embedding
 from tests import tpu_harness
 from tests.managed_ids_reference import ReferenceMap
-from tpu_embedding import hardware
+from tpu_embedding import hardware, sparse_core
 from tpu_embedding import keras as keras3
 
 E = tf.tpu.experimental.embedding
+place = sparse_core.row_placement
 CAPACITY, DIM, BATCH, ACC = 6, 2, 4, 0.1
 INIT = np.arange(CAPACITY * DIM, dtype=np.float32).reshape(CAPACITY, DIM) / 10.0
 KEYS = np.array([9_123_456_789_012, -7, 2**31 + 1, 3, -(2**40), 77, 123456789, 11, -5])
@@ -148,7 +149,8 @@ def test_v1_training_remap_in_a_tf_function_is_refused_and_changes_nothing(monke
   assert looked_up["movie"].numpy().tolist() == [0] * BATCH
 
 
-def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
+def _rows_1_and_2_waiting(monkeypatch):
+  """A V1 layer whose trained rows 1 and 2 were given to new keys and wait for their reset."""
   strategy, recorded, layer = _v1_layer(monkeypatch, every=100)
   variables = layer.variables_by_table["movies"]
   before = _train_tpu_memory(variables, 0)
@@ -156,6 +158,11 @@ def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
     rows = layer.remap({"movie": tf.constant([5, 6, 5], tf.int64)})["movie"]
   assert rows.numpy().tolist() == [0, 0, 0]  # rows 1, 2 wait for their reset
   np.testing.assert_array_equal(variables["parameters"].numpy(), before["parameters"])
+  return strategy, recorded, layer, variables, before
+
+
+def test_v1_flush_and_checkpoint_apply_waiting_resets(monkeypatch, tmp_path):
+  strategy, recorded, layer, variables, before = _rows_1_and_2_waiting(monkeypatch)
   loads = recorded.loads
   tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
   assert recorded.loads == loads + 1
@@ -188,6 +195,10 @@ def test_v2_rows_are_reset_at_once_in_the_sparse_core_layout(monkeypatch):
   stack = layouts["movies"].stacked_table_name
   assert stack == layouts["albums"].stacked_table_name  # stacked with an unmanaged table
   variables = layer.variables_by_table[stack]
+  placements = []  # where the reset rows land is worked out once per table and step
+  monkeypatch.setattr(
+    sparse_core, "row_placement", lambda *args: placements.append(args) or place(*args)
+  )
   ref = ReferenceMap(8, "lfu")
   for step, keys in enumerate(_stream(10, seed=3), start=1):
     tpu_harness.fill_shards(variables.values(), seed=step)
@@ -197,6 +208,7 @@ def test_v2_rows_are_reset_at_once_in_the_sparse_core_layout(monkeypatch):
     want_rows, fresh = ref.train(keys.tolist())
     assert rows["movie"].numpy().tolist() == want_rows
     assert rows["x"].numpy().tolist() == [1, 2, 3, 4]
+    assert len(placements) == step  # table and accumulators: one placement
     for name, variable in variables.items():
       after = tpu_harness.stacked_by_hand(variable)
       movies = tpu_harness.logical_by_hand(after, layouts["movies"])
@@ -341,3 +353,59 @@ def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
     layer.build({"movie": tf.TensorShape([BATCH])})  # fresh tables, loaded once
   np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), INIT)
   assert recorded.loads == 1
+
+
+def test_v1_plain_saved_model_save_applies_waiting_resets(monkeypatch, tmp_path):
+  """`tf.saved_model.save` (not only `export_for_serving`) resets the waiting rows first, so the
+  SavedModel never holds a key on a row still holding its previous key's values."""
+  _, recorded, layer, variables, before = _rows_1_and_2_waiting(monkeypatch)
+  loads = recorded.loads
+  module = tf.Module()
+  module.layer = layer
+  tf.saved_model.save(module, str(tmp_path / "saved"))
+  assert recorded.loads == loads + 1
+  want = before["parameters"].copy()
+  want[[1, 2]] = INIT[[1, 2]]
+  np.testing.assert_array_equal(variables["parameters"].numpy(), want)
+  want_slot = before["accumulators"].copy()
+  want_slot[[1, 2]] = ACC
+  np.testing.assert_array_equal(variables["accumulators"].numpy(), want_slot)
+  saved = tf.train.load_checkpoint(str(tmp_path / "saved" / "variables" / "variables"))
+  held = [
+    saved.get_tensor(n)
+    for n, s in saved.get_variable_to_shape_map().items()
+    if s == [CAPACITY, DIM] and "movies" in n and "accumulators" not in n
+  ]
+  assert held and all(np.array_equal(h, want) for h in held)
+
+
+def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
+  """What docs/managed-ids.md says a flush costs, counted in the graphs TF's own class builds:
+  one Retrieve and one Load op per table of the layer (managed or not), each moving the table
+  and its slots: (1 + slots) * vocabulary_size * dim * 4 bytes out and the same back."""
+  strategy, recorded = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
+  other = E.TableConfig(5, 3, name="genres")
+  features = dict(_features(), genre=E.FeatureConfig(other, name="genre"))
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      features,
+      optimizer=E.Adagrad(0.3),
+      managed_ids={"movies": tpu_embedding.ManagedIds()},
+    )
+    layer.build({"movie": tf.TensorShape([BATCH]), "genre": tf.TensorShape([BATCH])})
+    built = len(recorded.graphs)
+    layer.remap({"movie": tf.constant([5, 6, 5], tf.int64), "genre": tf.constant([1, 2, 3])})
+  flush = recorded.graphs[built:]
+  assert [kind for kind, _ in flush] == ["retrieves", "loads"]
+  ops = {
+    kind: [op for op in graph.get_operations() if "TPUEmbedding" in op.type]
+    for kind, graph in flush
+  }
+  assert sorted(op.type for op in ops["retrieves"]) == ["RetrieveTPUEmbeddingAdagradParameters"] * 2
+  assert sorted(op.type for op in ops["loads"]) == ["LoadTPUEmbeddingAdagradParameters"] * 2
+  loaded = {
+    op.get_attr("table_name").decode(): sum(4 * i.shape.num_elements() for i in op.inputs)
+    for op in ops["loads"]
+  }
+  assert loaded == {"movies": 2 * CAPACITY * DIM * 4, "genres": 2 * 5 * 3 * 4}
+  assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators

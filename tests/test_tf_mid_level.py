@@ -79,3 +79,34 @@ def test_load_into_tpu_runs_tfs_load_of_every_table(monkeypatch):
   before = recorded.loads
   tf_mid_level.load_into_tpu(mid_level)
   assert recorded.loads == before + 1
+
+
+@pytest.mark.parametrize("feature", [EmbeddingFeature.UNSUPPORTED, EmbeddingFeature.V1])
+def test_plain_variables_are_v1s_host_shards_and_any_other_variable_itself(monkeypatch, feature):
+  mid_level, _ = built(monkeypatch, feature)
+  table = tf_mid_level.variables_by_table(mid_level)["video"]["parameters"]
+  pieces = tf_mid_level.plain_variables(table)
+  assert all(type(piece) is type(pieces[0]) for piece in pieces)
+  assert isinstance(pieces[0], tf.Variable)
+  if feature is EmbeddingFeature.V1:  # one host: one shard, the whole table
+    assert [piece.name for piece in pieces] == ["video_0:0"]
+  else:
+    assert pieces == [table]
+  np.testing.assert_array_equal(pieces[0].numpy(), np.arange(8.0).reshape(2, 4))
+
+
+def test_plain_variables_are_sparse_cores_per_device_shards(monkeypatch):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, EmbeddingFeature.V2, replicas=2)
+  table = emb.TableConfig(8, 4, name="video", initializer=tpu_harness.pattern(0.0))
+  with strategy.scope():
+    features = {"watched": emb.FeatureConfig(table, output_shape=[BATCH])}
+    mid_level = emb.TPUEmbeddingV2(features, emb.Adagrad(0.1))
+    mid_level.build()
+  stacked = mid_level.variables["video"]["parameters"]
+  pieces = tf_mid_level.plain_variables(stacked)
+  assert [type(piece).__name__ for piece in pieces] == ["ResourceVariable"] * 2
+  assert [piece.name for piece in pieces] == ["video/0:0", "video/1:0"]  # one per device, in order
+  assert [piece.shape[0] for piece in pieces] == [stacked.shape[0] // 2] * 2
+  np.testing.assert_array_equal(
+    np.concatenate([piece.numpy() for piece in pieces]), tpu_harness.stacked_by_hand(stacked)
+  )

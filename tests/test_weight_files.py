@@ -11,6 +11,7 @@ what each layer's `save_own_variables` gives, by name.
 import hashlib
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,6 +20,7 @@ import weight_files_scenario as scenario
 
 import tpu_embedding
 from tpu_embedding import hardware
+from tpu_embedding import keras as tpu_keras
 
 import tpu_harness
 from child_process import run_python
@@ -45,7 +47,7 @@ def digest(path):
 @pytest.mark.parametrize("kind", sorted(scenario.LAYERS))
 def test_every_format_restores_the_trained_tables_in_a_fresh_process(kind, tmp_path):
   model, layer = scenario.build(kind)
-  model.fit(scenario.IDS, scenario.LABELS, batch_size=4, epochs=2, verbose=0)
+  model.fit(scenario.ids(kind), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
   paths = []
   for name, save in SAVES.items():
     paths.append(str(tmp_path / name))
@@ -53,7 +55,7 @@ def test_every_format_restores_the_trained_tables_in_a_fresh_process(kind, tmp_p
   layer.flush()  # the tables as a checkpoint would hold them, every update applied
   trained = scenario.state(layer)
   assert trained["small/accumulators"].max() > 0.2 and trained["large/accumulators"].max() > 0.2
-  prediction = model.predict(scenario.IDS, verbose=0)
+  prediction = model.predict(scenario.ids(kind), verbose=0)
 
   out = tmp_path / "reloaded.npz"
   run_python(
@@ -106,48 +108,203 @@ def test_a_file_of_other_tables_is_refused_by_name_and_changes_nothing(tmp_path)
   out = other(inputs)
   other_model = tf_keras.Model(inputs, [out["a"], out["b"]])
   before = scenario.state(other)
-  with pytest.raises(ValueError, match=r"table 'large' 'parameters' has shape \[50, 2\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"'table:large' has shape \[50, 2\] in the Keras file; the layer expects \[60, 2\]",
+  ):
     other_model.load_weights(path)
   for key, value in scenario.state(other).items():
     np.testing.assert_array_equal(value, before[key], err_msg=key)
   assert digest(path) == saved
 
 
-@pytest.mark.parametrize(
-  "layer_class", [tpu_embedding.TPUEmbedding, tpu_embedding.PartialTPUEmbedding]
-)
-def test_managed_ids_are_refused_by_name_in_keras_files(layer_class):
-  layer = layer_class(
-    {"a": E.FeatureConfig(E.TableConfig(5, 2, name="t"), name="a")},
-    E.Adagrad(0.5),
-    managed_ids={"t": tpu_embedding.ManagedIds()},
+# ---------------------------------------------------------------------------------------------
+# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed (tests/tpu_harness.py).
+# TF splits each table over hosts (V1, host copies of the TPU's memory) or devices (V2): every
+# format holds the pieces, V1's copied out of the TPU's memory before they are read and loaded
+# back after they are assigned.
+
+# Per flavour, the formats a functional model is saved in (a subclassed one: save_weights only).
+TPU_SAVES = {
+  "tf_keras": SAVES,
+  "tf_keras_partial": SAVES,
+  "keras3": {
+    "k.weights.h5": lambda model, path: model.save_weights(path),
+    "k.keras": lambda model, path: model.save(path),
+    "k.h5": lambda model, path: model.save(path),
+  },
+}
+SUBCLASSED = {"tf_keras": ["w.weights.h5", "w.h5"], "keras3": ["k.weights.h5", "k.h5"]}
+FEATURES = {"V1": hardware.EmbeddingFeature.V1, "V2": hardware.EmbeddingFeature.V2}
+REPLICAS = 2  # two SparseCore devices: two pieces per table and slot on V2
+
+
+class Holder(tf_keras.Model):
+  """A subclassed model holding the layer, built without a symbolic call (SparseCore lookups
+  trace only inside `strategy.run`); tf-keras saves such a model with `save_weights` only."""
+
+  def __init__(self, layer):
+    super().__init__()
+    self.embedding = layer
+
+  def call(self, inputs):
+    return self.embedding(inputs)
+
+
+class Keras3Holder(keras.Model):
+  """`Holder` for Keras 3, whose `model.save("m.h5")` takes a subclassed model."""
+
+  def __init__(self, layer=None, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = layer
+
+  def call(self, inputs):
+    return self.embedding(inputs)
+
+
+def _tpu_model(flavour, strategy, functional):
+  """(model, the layer in it, the TPUEmbedding layer whose TF object holds the TPU tables):
+  tables "video" (6 x 4) and "user" (12 x 2); a Partial replicates "video" and shards "user".
+  `functional`: a functional model (its call traced symbolically), else a built subclassed one."""
+  video = E.TableConfig(6, 4, name="video", initializer=tpu_harness.pattern(0.0))
+  user = E.TableConfig(12, 2, name="user", initializer=tpu_harness.pattern(1000.0))
+  per_replica = 2
+  features = {
+    "watched": E.FeatureConfig(video, name="watched", output_shape=[per_replica]),
+    "friends": E.FeatureConfig(user, name="friends", output_shape=[per_replica]),
+  }
+  keras_lib = keras if flavour == "keras3" else tf_keras
+  with strategy.scope():
+    if flavour == "keras3":
+      layer = tpu_keras.TPUEmbedding(features, E.Adagrad(0.1))
+    elif flavour == "tf_keras":
+      layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.1))
+    else:
+      layer = tpu_embedding.PartialTPUEmbedding(features, E.Adagrad(0.1), size_threshold=8)
+    if functional:
+      # tf-keras hands each replica its share of the batch; Keras 3 traces the whole of it.
+      batch = per_replica * (1 if flavour == "keras3" else REPLICAS)
+      inputs = {k: keras_lib.Input((), batch_size=batch, dtype="int32", name=k) for k in features}
+      out = layer(inputs)
+      joined = keras_lib.layers.Concatenate()([out["watched"], out["friends"]])
+      model = keras_lib.Model(inputs, joined)
+    else:
+      layer.build({k: tf.TensorShape([per_replica]) for k in features})
+      model = (Keras3Holder if flavour == "keras3" else Holder)(layer)
+      model.built = True  # its one layer is: tf-keras loads HDF5 weights into built models only
+  sharded = layer.tpu_embedding if flavour == "tf_keras_partial" else layer
+  return model, layer, sharded
+
+
+def _tpu_state(layer, sharded, memory):
+  """{name: values} of every table and slot: those in the TPU as the TPU holds them (V1's
+  memory, V2's per-device variables), a Partial's replicated ones as variables."""
+  variables = sharded.variables_by_table
+  if sharded.execution_path is hardware.ExecutionPath.TPU_V1:
+    state = {f"{t}/{s}/{host}": v for (t, s, host), v in memory.of(variables).items()}
+  else:
+    state = {
+      f"{t}/{s}/{i}": piece.numpy()
+      for t, slots in variables.items()
+      for s, variable in slots.items()
+      for i, piece in enumerate(variable.values)
+    }
+  for t, slots in layer.variables_by_table.items():
+    if t not in variables and isinstance(t, str):
+      state.update({f"{t}/{s}": variable.numpy() for s, variable in slots.items()})
+  return state
+
+
+def _train_by_hand(layer, sharded, memory, seed):
+  """Gives every table and slot seeded values where it lives (V1: the TPU's memory only, so
+  that the host copies are stale, as after steps on a TPU)."""
+  rng = np.random.default_rng(seed)
+  variables = sharded.variables_by_table
+  if sharded.execution_path is hardware.ExecutionPath.TPU_V1:
+    tpu = memory.of(variables)
+    for key, value in tpu.items():
+      tpu[key] = rng.uniform(0.1, 1.0, value.shape).astype(np.float32)
+  else:
+    tpu_harness.fill_shards([v for slots in variables.values() for v in slots.values()], seed)
+  for t, slots in layer.variables_by_table.items():
+    if t not in variables:
+      for variable in slots.values():
+        variable.assign(rng.uniform(0.1, 1.0, variable.shape).astype(np.float32))
+
+
+CASES = [("V1", flavour, name) for flavour, saves in TPU_SAVES.items() for name in saves] + [
+  ("V2", flavour, name) for flavour, names in SUBCLASSED.items() for name in names
+]
+
+
+@pytest.mark.parametrize("path_name, flavour, name", CASES)
+def test_every_format_holds_and_restores_the_tpu_tables(
+  monkeypatch, tmp_path, path_name, flavour, name
+):
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, FEATURES[path_name], replicas=REPLICAS)
+  memory = tpu_harness.TpuMemory(monkeypatch)
+  functional = path_name == "V1"
+  model, layer, sharded = _tpu_model(flavour, strategy, functional)
+  _train_by_hand(layer, sharded, memory, seed=7)
+  trained = _tpu_state(layer, sharded, memory)
+  path = str(tmp_path / name)
+  TPU_SAVES[flavour][name](model, path)
+
+  other, other_layer, other_sharded = _tpu_model(flavour, strategy, functional)
+  before = _tpu_state(other_layer, other_sharded, memory)
+  other.load_weights(path)
+  after = _tpu_state(other_layer, other_sharded, memory)
+  assert sorted(after) == sorted(trained)
+  for key, value in trained.items():
+    assert not np.array_equal(before[key], value), key
+    np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keras 3 and managed ids: `save_weights` holds the map; the formats that also save the layer's
+# config refuse it (a layer rebuilt from config alone would have no map).
+
+
+def _keras3_managed_model():
+  features = {
+    "a": E.FeatureConfig(E.TableConfig(20, 3, name="small"), name="a"),
+    "b": E.FeatureConfig(E.TableConfig(50, 2, name="large"), name="b"),
+  }
+  layer = tpu_keras.TPUEmbedding(
+    features, E.Adagrad(0.5), managed_ids={"large": tpu_embedding.ManagedIds()}
   )
-  layer({"a": tf.constant([[7]], tf.int64)})
+  ids = scenario.ids("managed")
+  inputs = {k: keras.Input((1,), dtype=v.dtype.name, name=k) for k, v in ids.items()}
+  out = layer(inputs)
+  model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Concatenate()(list(out.values()))))
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  return model, layer
+
+
+def test_keras3_save_weights_holds_the_managed_ids_map(tmp_path):
+  model, layer = _keras3_managed_model()
+  model.fit(scenario.ids("managed"), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
+  trained = scenario.state(layer)
+  path = str(tmp_path / "k.weights.h5")
+  model.save_weights(path)
+
+  other, other_layer = _keras3_managed_model()
+  before = scenario.state(other_layer)
+  other.load_weights(path)
+  after = scenario.state(other_layer)
+  assert sorted(trained["large/rows of keys"]) == list(range(1, 17))  # 16 keys, 16 rows
+  for key, value in trained.items():
+    assert not np.array_equal(before[key], value), key
+    np.testing.assert_array_equal(after[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["k.keras", "k.h5"])
+def test_keras3_model_save_refuses_managed_ids_by_name(name, tmp_path):
+  model, layer = _keras3_managed_model()
   before = scenario.state(layer)
-  store = {}
-  message = rf"layer '{layer.name}' has managed_ids.*tf.train.Checkpoint"
-  with pytest.raises(ValueError, match=message):
-    layer.save_own_variables(store)
-  assert store == {}
-  with pytest.raises(ValueError, match=message):
-    layer.load_own_variables({"table:t": np.zeros((5, 2))})
+  with pytest.raises(
+    ValueError, match=rf"Layer '{layer.name}' has managed_ids.*tf.train.Checkpoint"
+  ):
+    model.save(str(tmp_path / name))
   for key, value in scenario.state(layer).items():
     np.testing.assert_array_equal(value, before[key], err_msg=key)
-
-
-def test_tables_in_a_tpu_engine_are_refused_by_name(monkeypatch):
-  """On V1 (TF's own class, TPU runtime stubbed) the tables are in the engine's memory."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V1)
-  video, _ = tpu_harness.video_and_user_tables()
-  with strategy.scope():
-    layer = tpu_embedding.TPUEmbedding(
-      {"watched": E.FeatureConfig(video, name="watched")}, E.Adagrad(0.1)
-    )
-    layer.build({"watched": tf.TensorShape([4])})
-  message = r"memory \(path TPU_V1\).*tf.train.Checkpoint"
-  store = {}
-  with pytest.raises(ValueError, match=message):
-    layer.save_own_variables(store)
-  assert store == {}
-  with pytest.raises(ValueError, match=message):
-    layer.load_own_variables({"table:video": np.zeros((2, 4))})

@@ -35,7 +35,8 @@ EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
 
 # The TPU strategy's extended attributes that TF's mid-level classes read (TPUExtended sets
 # them in its __init__); the stand-in carries these and nothing more of TPUExtended.
-# `tpu_run` is what `TPUStrategy.run` calls.
+# `tpu_run` is what `TPUStrategy.run` calls; `steps_per_run` is what tf-keras's `load_weights`
+# reads of a TPU strategy.
 STRATEGY_ATTRIBUTES = (
   "tpu_hardware_feature",
   "_tpu_devices",
@@ -43,6 +44,7 @@ STRATEGY_ATTRIBUTES = (
   "num_hosts",
   "worker_devices",
   "tpu_run",
+  "steps_per_run",
 )
 
 
@@ -53,6 +55,8 @@ class Recorded:
   config_protos: list = dataclasses.field(default_factory=list)  # V1 system initialisation
   loads: int = 0
   retrieves: int = 0
+  # The graph each load / retrieve would have run, in order: ("loads" or "retrieves", graph).
+  graphs: list = dataclasses.field(default_factory=list)
 
 
 class _HardwareFeature:
@@ -77,6 +81,7 @@ class _StandInExtended(one_device_strategy.OneDeviceExtended):
       [[f"/job:localhost/replica:0/task:0/device:TPU:{i}"] for i in range(replicas)], dtype=object
     )
     self._device_assignment = None
+    self.steps_per_run = 1
 
   @property
   def worker_devices(self) -> tuple[str, ...]:
@@ -108,8 +113,9 @@ def _traced_instead_of_run(recorded: Recorded, counter: str, function: Callable)
   """A stand-in for a tf.function that loads/retrieves: traces its graph, runs nothing."""
 
   def stub(*args, **kwargs):
-    function.get_concrete_function(*args, **kwargs)
+    graph = function.get_concrete_function(*args, **kwargs).graph
     setattr(recorded, counter, getattr(recorded, counter) + 1)
+    recorded.graphs.append((counter, graph))
 
   return stub
 
@@ -146,6 +152,34 @@ def runtime_stubs(recorded: Recorded) -> list[tuple[Any, str, Any]]:
       _traced_instead_of_run(recorded, "retrieves", tpu_embedding_v2._retrieve_variables_impl),
     ),
   ]
+
+
+class TpuMemory:
+  """V1's TPU memory, for tests of what moves between it and the host variables: TF's load
+  copies the host variables into it and its retrieve copies it back (instead of the tracing
+  stubs of `runtime_stubs`). Set it up after `tpu_strategy`."""
+
+  def __init__(self, monkeypatch):
+    # id of a mid-level object's variables dict -> {(table, slot, host): values}
+    self._memory: dict[int, dict[tuple[str, str, int], np.ndarray]] = {}
+    monkeypatch.setattr(tpu_embedding_v2, "_load_variables_impl", self._load)
+    monkeypatch.setattr(tpu_embedding_v2, "_retrieve_variables_impl", self._retrieve)
+
+  def of(self, variables: dict) -> dict[tuple[str, str, int], np.ndarray]:
+    """The memory of the mid-level object whose variables dict is `variables`."""
+    return self._memory[id(variables)]
+
+  def _load(self, config, hosts, variables, table_config):
+    self._memory[id(variables)] = {
+      (table, slot, host): shard.numpy()
+      for table, slots in variables.items()
+      for slot, variable in slots.items()
+      for host, shard in enumerate(variable.variables)
+    }
+
+  def _retrieve(self, config, hosts, variables, table_config):
+    for (table, slot, host), values in self._memory[id(variables)].items():
+      variables[table][slot].variables[host].assign(values)
 
 
 # Classes whose real `isinstance` targets the stand-in must satisfy.

@@ -17,6 +17,8 @@ IDS = {
   "b": (np.arange(16, dtype=np.int32) * 3 % 50).reshape(16, 1),
 }
 LABELS = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(16, 1)
+# Raw keys for the "managed" kind, whose table "large" gives rows to keys (managed_ids).
+KEYS = IDS["b"].astype(np.int64) * 1000 + 7
 
 
 def _features():
@@ -34,12 +36,22 @@ LAYERS = {
   "PartialTPUEmbedding": lambda: tpu_embedding.PartialTPUEmbedding(
     _features(), E.Adagrad(0.5), size_threshold=30
   ),
+  "managed": lambda: tpu_embedding.TPUEmbedding(
+    _features(), E.Adagrad(0.5), managed_ids={"large": tpu_embedding.ManagedIds()}
+  ),
 }
+
+
+def ids(kind):
+  """The model's inputs: ids, or for "managed" raw keys of feature "b"."""
+  return dict(IDS, b=KEYS) if kind == "managed" else IDS
 
 
 def build(kind):
   """(model, embedding layer): a functional model, compiled."""
-  inputs = {key: tf_keras.Input((1,), dtype="int32", name=key) for key in IDS}
+  inputs = {
+    key: tf_keras.Input((1,), dtype=value.dtype.name, name=key) for key, value in ids(kind).items()
+  }
   layer = LAYERS[kind]()
   out = layer(inputs)
   joined = tf_keras.layers.Concatenate()([out["a"], out["b"]])
@@ -51,12 +63,16 @@ def build(kind):
 
 
 def state(layer):
-  """{"<table>/<parameters or slot>": values} of every table and slot."""
-  return {
+  """{"<table>/<parameters or slot>": values} of every table and slot, and for a managed table
+  "<table>/rows of keys": the rows its map gives the scenario's keys."""
+  values = {
     f"{table}/{slot}": variable.numpy()
     for table, variables in layer.variables_by_table.items()
     for slot, variable in variables.items()
   }
+  for table, id_map in (layer.managed_ids or {}).items():
+    values[f"{table}/rows of keys"] = id_map.lookup(KEYS.reshape(-1)).numpy()
+  return values
 
 
 def main(kind, out, paths):
@@ -66,5 +82,5 @@ def main(kind, out, paths):
     arrays.update({f"{i}:before:{k}": v for k, v in state(layer).items()})
     model.load_weights(path)
     arrays.update({f"{i}:after:{k}": v for k, v in state(layer).items()})
-    arrays[f"{i}:prediction"] = model.predict(IDS, verbose=0)
+    arrays[f"{i}:prediction"] = model.predict(ids(kind), verbose=0)
   np.savez(out, **arrays)

@@ -77,6 +77,16 @@ class TPUEmbedding(
   """
 
   @property
+  def non_trainable_weights(self) -> list:
+    """Keras's list, which on CPU/GPU holds the engine's tables and slots, and on TPU V1/V2 the
+    pieces of the TPU's tables (`weight_files`), which Keras does not find itself: Keras's
+    legacy HDF5 files (`save_weights("w.h5")`, `model.save("m.h5")`) store this list."""
+    weights = super().non_trainable_weights
+    if self.built and self.execution_path in weight_files.IN_TPU_MEMORY:
+      weights += list(self.table_weights(self.variables_by_table).values())
+    return weights
+
+  @property
   def path(self) -> hardware.ExecutionPath:
     """Deprecated: `execution_path` (Keras 3 layers have a `path` of their own, their name)."""
     warnings.warn(

@@ -101,6 +101,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
         self._config,
         self.execution_path,
         pipelining=bool(pipeline_execution_with_tensor_core),
+        variables_by_table=lambda: self._backend.variables_by_table,
       )
     )
     self._row_resets = None
@@ -279,8 +280,10 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
-    if save_type == "checkpoint" and tf.executing_eagerly():
-      self.flush()  # a checkpoint holds the tables with every update applied
+    if tf.executing_eagerly():
+      # A checkpoint or a SavedModel (a plain tf.saved_model.save too) holds the tables with
+      # every held-back update and every waiting reset of managed rows applied.
+      self.flush()
     children = super()._trackable_children(save_type, **kwargs)
     if save_type == "checkpoint":
       children.pop(TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it

@@ -181,6 +181,7 @@ class PartialTPUEmbeddingCore(
         self._config,
         path,
         pipelining=bool(pipeline_execution_with_tensor_core),
+        variables_by_table=lambda: self.variables_by_table,
       )
     )
     self._row_resets = None
@@ -437,11 +438,13 @@ class PartialTPUEmbeddingCore(
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
+    if tf.executing_eagerly():
+      # A checkpoint or a SavedModel (a plain tf.saved_model.save too) holds the tables with
+      # every held-back update and every waiting reset of managed rows applied.
+      self.flush()
     children = super()._trackable_children(save_type, **kwargs)
     if save_type != "checkpoint":
       return children
-    if tf.executing_eagerly():
-      self.flush()  # a checkpoint holds the tables with every update applied
     children.pop(_TRAP_NAME, None)
     children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)

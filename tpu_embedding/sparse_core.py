@@ -10,7 +10,7 @@ TF's own `tpu_embedding_v3_utils` functions undo it, the same ones its checkpoin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import tensorflow as tf
 
@@ -21,8 +21,7 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 def stacked_value(variable: Any) -> tf.Tensor:
   """The whole stacked variable: its per-device shards in device order, one after another."""
-  shards = list(getattr(variable, "values", None) or [variable])
-  return tf.concat([tf.convert_to_tensor(shard) for shard in shards], axis=0)
+  return tf.concat([tf.convert_to_tensor(shard) for shard in _shards(variable)], axis=0)
 
 
 def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
@@ -38,28 +37,50 @@ def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
   return tf_internals.remove_sparse_core_padding(padded, tuple(layout.unsharded_shape))
 
 
-def write_logical_rows(variable: Any, layout: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
-  """Writes `values` ([len(rows), dim]) into logical `rows` of the table `layout` places in the
-  stacked `variable`, shard by shard, leaving the padding columns as they are.
+def write_logical_rows(
+  variables: Mapping[str, Any], layout: Any, rows: tf.Tensor, values: Mapping[str, tf.Tensor]
+) -> None:
+  """Writes each `values[name]` ([len(rows), dim]) into logical `rows` of the table `layout`
+  places in the stacked `variables[name]` (the table and its slots), shard by shard, leaving
+  the padding columns as they are. Where the rows land is worked out once for all of them."""
+  placements: dict[tuple[int, ...], list[tuple[tf.Tensor, tf.Tensor]]] = {}
+  dim = int(layout.unsharded_shape[1])
+  for name, value in values.items():
+    shards = _shards(variables[name])
+    sizes = tuple(int(shard.shape[0]) for shard in shards)
+    if sizes not in placements:
+      placements[sizes] = row_placement(layout, rows, sizes)
+    for shard, (mine, local) in zip(shards, placements[sizes]):
+      padding = tf.gather(shard, local)[:, dim:]
+      shard.scatter_update(tf.IndexedSlices(tf.concat([tf.gather(value, mine), padding], 1), local))
+
+
+def row_placement(
+  layout: Any, rows: tf.Tensor, shard_sizes: tuple[int, ...]
+) -> list[tuple[tf.Tensor, tf.Tensor]]:
+  """For each per-device shard (of `shard_sizes` rows) of a stacked variable, (positions in
+  `rows` of the logical rows it holds, their rows within the shard).
 
   Logical row r lives on SparseCore (r mod n + rotation) mod n, at row offset + r // n of that
   core's block (the placement `logical_table` undoes); the blocks are the stacked rows split in
   n, and the stacked rows are the per-device shards one after another.
   """
-  shards = list(getattr(variable, "values", None) or [variable])
-  sizes = [int(shard.shape[0]) for shard in shards]
   n = layout.num_sparse_cores
   rows = tf.cast(rows, tf.int64)
   core = (rows % n + layout.sparse_core_shard_rotation) % n
-  stacked_row = core * (sum(sizes) // n) + layout.sparse_core_shard_row_offset + rows // n
-  starts = tf.constant([sum(sizes[:i]) for i in range(len(sizes))], tf.int64)
+  stacked_row = core * (sum(shard_sizes) // n) + layout.sparse_core_shard_row_offset + rows // n
+  starts = tf.constant([sum(shard_sizes[:i]) for i in range(len(shard_sizes))], tf.int64)
   shard_of = tf.cast(tf.searchsorted(starts, stacked_row, side="right") - 1, tf.int32)
-  dim = int(layout.unsharded_shape[1])
-  for index, shard in enumerate(shards):
+  placement = []
+  for index in range(len(shard_sizes)):
     mine = tf.where(tf.equal(shard_of, index))[:, 0]
-    local = tf.gather(stacked_row, mine) - starts[index]
-    padding = tf.gather(shard, local)[:, dim:]
-    shard.scatter_update(tf.IndexedSlices(tf.concat([tf.gather(values, mine), padding], 1), local))
+    placement.append((mine, tf.gather(stacked_row, mine) - starts[index]))
+  return placement
+
+
+def _shards(variable: Any) -> list[Any]:
+  """A stacked variable's per-device shards in device order (itself if it has none)."""
+  return list(getattr(variable, "values", None) or [variable])
 
 
 def logical_tables(

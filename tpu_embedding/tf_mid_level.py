@@ -12,7 +12,11 @@ module under another raises `tf_versions.UncheckedTensorFlow`). TF has no public
 - copy V1's tables and slots from TPU memory into their host variables, which TF does only in
   its checkpoint-save callback, through `_retrieve_variables`, or back into TPU memory, which
   TF does when built and after a restore, through `_load_variables` (managed ids reset rows
-  given to new keys in the host copies and load them).
+  given to new keys in the host copies and load them);
+- tell the variables TF's TPU classes split a table into (V1's `TPUEmbeddingVariable`, one
+  variable per host; SparseCore's `TPUEmbeddingShardedVariable`, one per device) from any other:
+  their pieces are public (`variables`, `values`), the classes are not exported. Keras's legacy
+  HDF5 files store these pieces (`weight_files`).
 `tests/test_tf_mid_level.py` runs both on the real classes (TPU runtime stubbed), so a TF
 upgrade that moves either fails there rather than in a user's model.
 """
@@ -20,6 +24,7 @@ upgrade that moves either fails there rather than in a user's model.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
 
 from tpu_embedding import tf_versions
 
@@ -41,3 +46,13 @@ def retrieve_from_tpu(mid_level: tf.Module) -> None:
 def load_into_tpu(mid_level: tf.Module) -> None:
   """Copies V1's host tables and slots into TPU memory, as a build or a restore does."""
   mid_level._load_variables()
+
+
+def plain_variables(variable: tf.Variable) -> list[tf.Variable]:
+  """The plain variables holding one table or slot: V1's per-host shards, SparseCore's per-device
+  shards, or on every other path the variable itself."""
+  if isinstance(variable, tpu_embedding_v2.TPUEmbeddingVariable):
+    return list(variable.variables)
+  if isinstance(variable, tpu_embedding_v3.TPUEmbeddingShardedVariable):
+    return list(variable.values)
+  return [variable]

@@ -1,12 +1,24 @@
-"""Keras's own weight files (`.keras`, `.weights.h5`) hold every table and slot, by name.
+"""Keras's weight files hold every table, slot and managed-ids map of the embedding layers.
 
-Both Keras flavours save a layer in these formats as whatever its `save_own_variables` puts in
-a store, and then walk only its Keras children (layers, optimizers): the engine holding the
-tables is a `tf.Module`, so by default the tables would be left out without a word, and a reload
-would keep freshly initialised tables. `TablesInKerasFiles` stores them under
-`table:<table>` and `table:<table>:<slot>` (`checkpoint_names.keras_file_key`) and checks all of
-them before assigning any. This module imports no Keras: the tf-keras layers and the Keras 3
-ones (`tpu_embedding.keras.saving`) share it.
+Both Keras flavours save a layer in their own formats (`.keras`, `.weights.h5`) as whatever its
+`save_own_variables` puts in a store, and then walk only its Keras children (layers,
+optimizers): the engine holding the tables is a `tf.Module`, so by default the tables would be
+left out without a word, and a reload would keep freshly initialised tables.
+`TablesInKerasFiles` stores them under `table:<table>` and `table:<table>:<slot>`
+(`checkpoint_names.keras_file_key`), each managed-ids map's variables under
+`managed:<table>:<i>`, and checks all of them before assigning any.
+
+The legacy HDF5 format (`save_weights("w.h5")`, `model.save("m.h5")`) stores a layer's Keras
+weights by position, assigns them back, then calls the layer's `finalize_state`. Keras lists
+the CPU/GPU engine's variables and the maps' variables itself, but not TF's TPU tables, which
+are split over hosts (V1) or devices (SparseCore): `table_weights` gives their pieces, plain
+variables Keras can read and assign (in Keras's own formats too, under `<key>/<piece>`). On V1,
+whose variables are host copies of the TPU's memory, the tables are copied out of the TPU before
+they are read and loaded back after a load, as TF's checkpoints do. A map's hash table is no
+variable: `finalize_state` rebuilds it from the map's variables.
+
+This module imports no Keras: the tf-keras layers and the Keras 3 ones
+(`tpu_embedding.keras.saving`) share it.
 """
 
 from __future__ import annotations
@@ -16,75 +28,122 @@ from typing import Any, Mapping
 import numpy as np
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names, hardware
+from tpu_embedding import checkpoint_names, hardware, tf_mid_level
+from tpu_embedding.managed_ids import IdMap
+from tpu_embedding.managed_ids.sharded_map import ShardedIdMap
 
-_IN_ENGINE_MEMORY = (hardware.ExecutionPath.TPU_V1, hardware.ExecutionPath.TPU_V2)
+# Paths whose tables TF's TPU classes hold, where Keras lists none of them itself.
+IN_TPU_MEMORY = (hardware.ExecutionPath.TPU_V1, hardware.ExecutionPath.TPU_V2)
 
 
 class TablesInKerasFiles:
-  """`save_own_variables` / `load_own_variables` of an embedding layer: its tables by name.
+  """What Keras's files hold of an embedding layer: its tables, slots and managed-ids maps.
 
-  The layer's `_own_tables()` says which tables it stores itself (a side served by a Keras
-  sublayer is stored by that sublayer). The gradient trap is not stored: it only carries
-  gradients and is always zero. Managed ids (key -> row maps) and tables in a TPU embedding
-  engine's memory are refused by name: such a file would silently lack them.
+  `save_own_variables` / `load_own_variables` (Keras's own formats) store them by name;
+  `table_weights` lists them for Keras's weight lists (legacy HDF5, by position), and
+  `finalize_state` completes a load. The layer's `_own_tables()` says which tables it stores
+  itself (a side served by a Keras sublayer is stored by that sublayer). The gradient trap is
+  not stored: it only carries gradients and is always zero.
   """
 
   def save_own_variables(self, store: Any) -> None:
-    self._refuse_keras_file()
-    self.flush()  # a file holds the tables with every pipelined update applied
-    save_tables(store, self._own_tables())
+    self.flush()  # a file holds the tables with every pipelined update and row reset applied
+    stored = stored_variables(self.table_weights(self._own_tables()), self.managed_ids or {})
+    save_variables(store, stored)
 
   def load_own_variables(self, store: Any) -> None:
-    self._refuse_keras_file()
     self.flush()  # an update held back would otherwise land on the loaded tables
-    load_tables(store, self._own_tables(), self.name)
+    maps = self.managed_ids or {}
+    load_variables(store, stored_variables(self.table_weights(self._own_tables()), maps), self.name)
+    self.finalize_state()
 
-  def _refuse_keras_file(self) -> None:
-    if self.managed_ids:
-      why = "has managed_ids, whose key -> row maps no Keras file (.keras, .weights.h5) holds"
-    elif getattr(self, "execution_path", None) in _IN_ENGINE_MEMORY:
-      why = (
-        f"keeps its tables in the TPU embedding engine's memory (path {self.execution_path.name}),"
-        " which a Keras file (.keras, .weights.h5) cannot read or load"
+  def table_weights(self, variables_by_table: Mapping[str, Mapping[str, Any]]) -> dict:
+    """{name: plain variable} of these tables and slots, in order, for Keras's weight lists
+    (`tf_mid_level.plain_variables`; the name is the table's `keras_file_key`, `/<piece>` added
+    where TF splits it). Read eagerly, tables in V1's TPU memory are first copied into these
+    variables, so that a legacy HDF5 file written from this list holds their current values."""
+    if tf.executing_eagerly():
+      for engine in self._engines_in_tpu_memory():
+        tf_mid_level.retrieve_from_tpu(engine)
+    weights = {}
+    for table, variables in variables_by_table.items():
+      for slot, variable in variables.items():
+        key = checkpoint_names.keras_file_key(table, slot)
+        pieces = tf_mid_level.plain_variables(variable)
+        if len(pieces) == 1 and pieces[0] is variable:
+          weights[key] = variable
+        else:
+          weights.update({f"{key}/{i}": piece for i, piece in enumerate(pieces)})
+    return weights
+
+  def finalize_state(self) -> None:
+    """Keras calls this once it has assigned the layer's weights (legacy HDF5 `load_weights`,
+    `set_weights`): tables in V1's TPU memory are loaded from the host copies just assigned, and
+    each managed-ids map finds its keys again in the variables just assigned."""
+    for engine in self._engines_in_tpu_memory():
+      tf_mid_level.load_into_tpu(engine)
+    reindex_maps(self.managed_ids or {})
+
+  def _engines_in_tpu_memory(self) -> list[tf.Module]:
+    """TF's built V1 objects behind this layer (its own, or its sharded side's)."""
+    layers = [self, getattr(self, "tpu_embedding", None)]  # tpu_embedding: a Partial's side
+    return [
+      layer.engine
+      for layer in layers
+      if getattr(layer, "execution_path", None) is hardware.ExecutionPath.TPU_V1 and layer.built
+    ]
+
+
+def reindex_maps(maps: Mapping[str, Any]) -> None:
+  """`reindex` of every map of `maps` ({table name: map}), shard by shard."""
+  for id_map in maps.values():
+    for shard in id_map.shards if isinstance(id_map, ShardedIdMap) else [id_map]:
+      reindex(shard)
+
+
+def reindex(id_map: IdMap) -> None:
+  """Makes `id_map`'s hash tables agree with its variables after Keras assigned them from a
+  file, which holds the variables (each row's key, count, last step) but no hash table: every
+  key the variables give a row finds it again; keys still waiting for admission (`min_count`)
+  start counting anew."""
+  keys, rows, _ = id_map.export()
+  for table in (id_map.rows_of_keys, id_map.candidates):
+    if table is not None:
+      table.remove(table.export()[0])
+  id_map.rows_of_keys.insert(keys, rows)
+
+
+def stored_variables(tables: Mapping[str, tf.Variable], maps: Mapping[str, Any]) -> dict:
+  """{key in a Keras file's store: variable}: `tables` (`TablesInKerasFiles.table_weights`), and
+  every variable of each managed-ids map (`maps`, {table name: map}) under
+  `managed:<table>:<i>`, in the map's own order (`tf.Module.variables`)."""
+  stored = dict(tables)
+  for table, id_map in maps.items():
+    stored.update({f"managed:{table}:{i}": v for i, v in enumerate(id_map.variables)})
+  return stored
+
+
+def save_variables(store: Any, stored: Mapping[str, tf.Variable]) -> None:
+  for key, variable in stored.items():
+    store[key] = variable.numpy()
+
+
+def load_variables(store: Any, stored: Mapping[str, tf.Variable], layer: str) -> None:
+  """Assigns every variable of `stored` from `store`, after checking that all are there and fit."""
+  values = []
+  for key, variable in stored.items():
+    if key not in store.keys():
+      raise ValueError(
+        f"Layer {layer!r}: the Keras file holds no {key!r} (it holds {sorted(store.keys())}): "
+        "it was saved from another layer, or on another path (a TPU's tables are stored as "
+        "the pieces TensorFlow splits them into). Nothing was changed in this layer."
       )
-    else:
-      return
-    raise ValueError(
-      f"{type(self).__name__} layer {self.name!r} {why}. Save and restore it with "
-      "tf.train.Checkpoint (or save_weights/load_weights to a path without .h5 or .keras), "
-      "which holds every table, slot and map; export it for serving with tf.saved_model.save or "
-      "tpu_embedding.serving.export_for_serving."
-    )
-
-
-def save_tables(store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]]) -> None:
-  for table, variables in variables_by_table.items():
-    for slot, variable in variables.items():
-      store[checkpoint_names.keras_file_key(table, slot)] = variable.numpy()
-
-
-def load_tables(
-  store: Any, variables_by_table: Mapping[str, Mapping[str, tf.Variable]], layer: str
-) -> None:
-  """Assigns every table and slot from `store`, after checking that all are there and fit."""
-  values = {}
-  for table, variables in variables_by_table.items():
-    for slot, variable in variables.items():
-      key = checkpoint_names.keras_file_key(table, slot)
-      if key not in store.keys():
-        raise ValueError(
-          f"Layer {layer!r}: the Keras file holds no {slot!r} for table "
-          f"{table!r} (looked for {key!r}; it holds {sorted(store.keys())}). Nothing was "
-          "changed in this layer."
-        )
-      value = np.asarray(store[key])
-      if list(value.shape) != variable.shape.as_list():
-        raise ValueError(
-          f"Layer {layer!r}: table {table!r} {slot!r} has shape "
-          f"{list(value.shape)} in the Keras file; the layer expects "
-          f"{variable.shape.as_list()}. Nothing was changed in this layer."
-        )
-      values[key] = (variable, value)
-  for variable, value in values.values():
+    value = np.asarray(store[key])
+    if list(value.shape) != variable.shape.as_list():
+      raise ValueError(
+        f"Layer {layer!r}: {key!r} has shape {list(value.shape)} in the Keras file; the layer "
+        f"expects {variable.shape.as_list()}. Nothing was changed in this layer."
+      )
+    values.append((variable, value))
+  for variable, value in values:
     variable.assign(value)

@@ -42,7 +42,11 @@ def create(
   check_layer_options(path, table_updates, check_finite, batch_size)
   if path is hardware.ExecutionPath.CPU:
     return CpuBackend(
-      config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
+      config,
+      pipelining=pipelining,
+      table_updates=table_updates,
+      check_finite=check_finite,
+      user_optimizer=user_optimizer,
     )
   if path is hardware.ExecutionPath.TPU_V0:
     return TpuV0Backend(config, user_optimizer)

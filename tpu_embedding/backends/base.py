@@ -35,10 +35,22 @@ class Backend(abc.ABC):
     off TPU, TF's mid-level `TPUEmbeddingV0`/`TPUEmbedding`/`TPUEmbeddingV2` on TPU."""
     return self._engine
 
-  @abc.abstractmethod
+  _built = False
+
   def build(self, per_replica_input_shapes: Any) -> None:
     """Creates the tables (and slots) once, given the per-replica input shapes (a nest like
     the feature config, or None where the path needs none)."""
+    self.create_tables(per_replica_input_shapes)
+    self._built = True
+
+  @abc.abstractmethod
+  def create_tables(self, per_replica_input_shapes: Any) -> None:
+    """What `build` does on this path."""
+
+  def is_built(self) -> bool:
+    """Whether `build` has created the tables: rows given to new keys before then need no
+    reset, since they will be fresh (and TPU memory does not hold them yet)."""
+    return self._built
 
   @abc.abstractmethod
   def lookup(self, features: Any, weights: Any, trap: Optional[tf.Variable]) -> Any:

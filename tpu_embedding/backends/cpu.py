@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
+from tpu_embedding.backends import keras_trained
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import EmbeddingEngine
 
@@ -24,14 +25,16 @@ class CpuBackend(Backend):
     pipelining: bool = False,
     table_updates: str = "engine",
     check_finite: bool = False,
+    user_optimizer: Any = None,
   ):
     super().__init__(config)
     self.table_updates = table_updates
+    self._keras_optimizer = user_optimizer  # trains the tables with table_updates="keras"
     self._engine = EmbeddingEngine(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
 
-  def build(self, per_replica_input_shapes: Any) -> None:
+  def create_tables(self, per_replica_input_shapes: Any) -> None:
     self._engine.build()
 
   def lookup(self, features, weights, trap):
@@ -54,3 +57,9 @@ class CpuBackend(Backend):
 
   def flush(self) -> None:
     self._engine.flush()
+
+  def row_resets(self, managed: Mapping[str, Any]):
+    """As every path's, except that Keras-trained tables' slots live in the Keras optimizer."""
+    if self.table_updates == "keras":
+      return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
+    return super().row_resets(managed)

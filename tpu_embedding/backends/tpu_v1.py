@@ -29,7 +29,6 @@ class TpuV1Backend(Backend):
     super().__init__(config)
     self._batch_size = batch_size
     self._pipelining = bool(pipelining)
-    self._built = False
     converted = conversion.for_tpu_v1(config)
     self._engine = tf.tpu.experimental.embedding.TPUEmbedding(
       converted.feature_config, converted.optimizer, pipelining
@@ -64,15 +63,14 @@ class TpuV1Backend(Backend):
       tables={name: (tables[name], spec.reset_every_steps) for name, spec in managed.items()},
       pipelining=self._pipelining,
       path_name=self.path.name,
-      built=lambda: self._built,
+      built=self.is_built,
     )
 
-  def build(self, per_replica_input_shapes):
+  def create_tables(self, per_replica_input_shapes):
     if self._batch_size is None:
       self._engine.build(per_replica_input_shapes=per_replica_input_shapes)
     else:
       self._engine.build(per_replica_batch_size=self._batch_size)
-    self._built = True
 
   def lookup(self, features, weights, trap):
     conversion.refuse_wide_dense_ids(self.config, features)

@@ -33,15 +33,13 @@ class TpuV2Backend(Backend):
         "2.21 on a SparseCore TPU (docs/compatibility.md)."
       )
     super().__init__(config)
-    self._built = False
     converted = conversion.for_tpu_v2(config)
     self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV2(
       converted.feature_config, converted.optimizer, pipelining, sparse_core_embedding_config
     )
 
-  def build(self, per_replica_input_shapes):
+  def create_tables(self, per_replica_input_shapes):
     self._engine.build()
-    self._built = True
 
   @property
   def embedding_tables(self) -> dict:
@@ -64,13 +62,13 @@ class TpuV2Backend(Backend):
     """SparseCore tables are variables in TPU memory the host writes between steps: each reset
     is written at once, into the table's rows of its stacked, dealt and rotated variables."""
 
-    def write(table, rows, values):
+    def write(table, rows, values, block):  # no row blocks: tables are in TPU memory
+      del block
       layout = self._engine.embedding_layouts[table.name]
       variables = self._engine.variables[layout.stacked_table_name]
-      for name, value in values.items():
-        sparse_core.write_logical_rows(variables[name], layout, rows, value)
+      sparse_core.write_logical_rows(variables, layout, rows, values)
 
-    return row_resets.ImmediateResets(write, built=lambda: self._built)
+    return row_resets.ImmediateResets(write, built=self.is_built)
 
   def needs_relayout(self, path: str) -> bool:
     return sparse_core.needs_relayout(path, self._engine)

@@ -20,8 +20,8 @@ from typing import Any, Mapping
 import keras
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names, optimizer_specs, weight_files
 from tpu_embedding import config as config_lib
+from tpu_embedding import optimizer_specs, weight_files
 
 E = tf.tpu.experimental.embedding
 _FEATURE_KEY = "tpu_embedding_feature"
@@ -64,14 +64,12 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
     are non-trainable weights. Listing them here (and not as tracked variables, which `.keras`
     files and checkpoints already hold under their own names) is what makes legacy HDF5 files
     (`model.save("m.h5")`, `save_weights`/`load_weights` with `.h5`), which store a layer's
-    `trainable_weights + non_trainable_weights` by position, hold and restore them.
+    `trainable_weights + non_trainable_weights` by position, hold and restore them (on TPU
+    V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`).
     """
     return super().non_trainable_weights + [
-      TableVariable(
-        variable, checkpoint_names.keras_file_key(table, slot).replace(":", "_").replace("/", "_")
-      )
-      for table, variables in self.variables_by_table.items()
-      for slot, variable in variables.items()
+      TableVariable(variable, name.replace(":", "_").replace("/", "_"))
+      for name, variable in self.table_weights(self.variables_by_table).items()
     ]
 
 

@@ -1,0 +1,67 @@
+"""Managed-id resets for tables the Keras optimizer trains (TPU V0; `table_updates="keras"`).
+
+The tables are variables the host writes at once; their slots live in the Keras optimizer the
+model applies, which must therefore be the layer's `optimizer` object: a row given to a new key
+is reset in the table and in each slot that optimizer holds for it, to the initial values of the
+optimizer's mid-level twin (the same values: see `optimizers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from tpu_embedding import config as config_lib
+from tpu_embedding import keras_slots, optimizer_specs
+from tpu_embedding.managed_ids import row_resets
+
+
+def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
+  """The `ImmediateResets` of `backend`'s managed tables ({table name: ManagedIds}), trained by
+  the Keras `optimizer`."""
+  if not hasattr(optimizer, "apply_gradients"):  # None, a name, a mid-level optimizer
+    raise ValueError(
+      f"managed_ids on path {backend.path.name} with tables trained by the Keras optimizer (a "
+      "TPU without an embedding engine, or table_updates='keras') needs the Keras optimizer "
+      f"object that trains the model as the layer's optimizer= (got {optimizer!r}): the "
+      "tables' slots live in that optimizer, and a row given to a new key must be reset there "
+      "too. Create the optimizer first, pass it to the layer and apply that same object in the "
+      "train step."
+    )
+  tables = {table.name: table for table in backend.config.tables}
+
+  def targets(table: config_lib.TableConfig) -> dict[str, Any]:
+    """{"parameters" or mid-level slot name: the variable holding it}: the table, and each
+    slot the Keras optimizer has created for it (under its Keras name)."""
+    variable = backend.variables_by_table[table.name]["parameters"]
+    names = {
+      name: optimizer_specs.keras_slot_name(table.optimizer, name)
+      for name, _ in config_lib.slot_shapes(table)
+    }
+    slots = keras_slots.slots_of(optimizer, variable, [k for k in names.values() if k])
+    return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
+
+  def write(table, rows, values, block):
+    del block  # the row block under parameter servers: the writes below take global rows
+    for name, target in targets(table).items():
+      _write_rows(target, rows, values[name])
+
+  def check():
+    """Finds every slot before the maps change, so that one it cannot tell apart is refused
+    with nothing changed."""
+    if backend.is_built():
+      for name in managed:
+        targets(tables[name])
+
+  return row_resets.ImmediateResets(write, built=backend.is_built, check=check)
+
+
+def _write_rows(variable: Any, rows: tf.Tensor, value: tf.Tensor) -> None:
+  """Writes `value` into `rows` of a tf.Variable, or of a Keras 3 variable (no scatter)."""
+  if isinstance(variable, tf.Variable):
+    variable.scatter_update(tf.IndexedSlices(value, rows))
+  else:
+    variable.assign(
+      tf.tensor_scatter_nd_update(tf.convert_to_tensor(variable), rows[:, None], value)
+    )

@@ -1,0 +1,54 @@
+"""The slots a Keras optimizer keeps for one model variable, found by the names Keras gives them.
+
+On TPU V0 the Keras optimizer the model applies trains the tables, so that optimizer, not the
+layer, holds their slots; managed ids must reset a row of each of them when the row changes key.
+Each Keras family names a slot after its variable, as its own docstring states: tf-keras legacy
+answers `get_slot(variable, name)`; tf-keras names it `"{slot}/{variable.name}"` (under the name
+scope of the function that built it); Keras 3 names it `"{variable.name}_{slot}"` with the '/'
+and ':' of the variable's name as '_'. `slot_names` here are the tf-keras names
+(`optimizer_specs.OptimizerSpec.keras_slots`); Keras 3 renames two of Adam's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import tensorflow as tf
+
+# Keras 3's names for the tf-keras slot names that differ.
+_KERAS3_NAMES = {"m": "momentum", "v": "velocity"}
+
+
+def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -> dict:
+  """{tf-keras slot name: slot variable} for those of `slot_names` that `optimizer` has created
+  for `variable` (none before its first update, or its `build`, created them)."""
+  names = list(slot_names)
+  if hasattr(optimizer, "get_slot_names"):  # tf-keras legacy: a public lookup
+    created = set(optimizer.get_slot_names())
+    found = {}
+    for name in names:
+      if name in created:
+        try:
+          found[name] = optimizer.get_slot(variable, name)
+        except KeyError:  # slots not created for this variable yet
+          pass
+    return found
+  if type(optimizer).__module__.split(".")[0] == "keras":
+    prefix = variable.name.replace("/", "_").replace(":", "_")
+    wanted = {f"{prefix}_{_KERAS3_NAMES.get(name, name)}": name for name in names}
+  else:
+    wanted = {f"{name}/{variable.name}": name for name in names}
+  found = {}
+  for candidate in optimizer.variables:
+    scoped = candidate.name
+    name = next((n for w, n in wanted.items() if scoped == w or scoped.endswith("/" + w)), None)
+    if name is None or candidate.shape != variable.shape:
+      continue
+    if name in found:
+      raise ValueError(
+        f"The Keras optimizer {type(optimizer).__name__} holds two {name!r} slots named "
+        f"{candidate.name!r} (two variables named {variable.name!r}), so the slot of this "
+        "layer's table cannot be told apart: give the tables distinct names."
+      )
+    found[name] = candidate
+  return found
