@@ -142,13 +142,14 @@ def save_variables(store: Any, stored: Mapping[str, tf.Variable]) -> None:
 def load_variables(store: Any, stored: Mapping[str, tf.Variable], layer: str) -> None:
   """Assigns every variable of `stored` from `store`, after checking that all are there and fit."""
   values = []
-  keys = list(store.keys())
   for key, variable in stored.items():
     wanted = [key + STRING_LENGTHS, key] if variable.dtype == tf.string else [key]
-    missing = [k for k in wanted if k not in keys]
+    # The keys' view, not a list of them: an HDF5 store's view finds a piece `<key>/<i>` by path.
+    missing = [k for k in wanted if k not in store.keys()]
     if missing:
       raise ValueError(
-        f"Layer {layer!r}: the Keras file holds no {missing[0]!r} (it holds {sorted(keys)}): "
+        f"Layer {layer!r}: the Keras file holds no {missing[0]!r} (it holds "
+        f"{sorted(store.keys())}): "
         "it was saved from another layer, or on another path (a TPU's tables are stored as "
         "the pieces TensorFlow splits them into). Nothing was changed in this layer."
       )

@@ -11,6 +11,8 @@ saved at its current value. A table's initializer is kept when it is a Keras ini
 any other gives the default one to a layer rebuilt from config alone (`load_model` then
 assigns the saved values anyway). The hardware arguments (`embedding_feature`,
 `sparse_core_embedding_config`) are not saved: the machine that loads the file decides.
+Managed-ids maps: their settings are saved in the config (`ManagedIds.to_config`, by table
+name), their keys, rows and counts with the tables; the legacy HDF5 format takes int64 keys only.
 """
 
 from __future__ import annotations
