@@ -4,10 +4,10 @@ The same ranking model (tables `user` 100,000 x 32 and `movie` 20,000 x 32 with 
 values, dense 64-relu-1 with identical weights) is exported twice, each in its own fresh
 process: with `tpu_embedding.serving.export_for_serving`, and with tf-recommenders 0.7.7's
 `TPUEmbedding` layer and `tf.saved_model.save` (tfrs needs TF_USE_LEGACY_KERAS=1 before
-TensorFlow is imported). Each export is then loaded in its own fresh process that imports only
-TensorFlow, and its `serving_default` signature is timed on dense ids at batch 1, 64 and 1024:
-p50 and p99 latency per call, and throughput (examples per second at the mean latency). Both
-exports must give the same predictions.
+TensorFlow is imported). Both exports are then loaded in one fresh process that imports only
+TensorFlow, and their `serving_default` signatures are timed in turn, call by call, on the same
+dense ids at batch 1, 64 and 1024: p50 and p99 latency per call, and throughput (examples per
+second at the mean latency). Both exports must give the same predictions.
 
 One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}.
 
@@ -102,14 +102,15 @@ def _export(implementation: str, directory: str) -> None:
 # Measurement (one fresh process per export, TensorFlow only)
 
 
-def _measure(directory: str, out: str, quick: bool) -> None:
+def _measure(directories: list[str], out: str, quick: bool) -> None:
+  """Times every export in this one process, call by call in turn (so that a change of load on
+  the machine reaches each alike), each on the same requests."""
   import numpy as np
   import tensorflow as tf
 
-  loaded = tf.saved_model.load(directory)
-  serve = loaded.signatures["serving_default"]
+  serves = [tf.saved_model.load(d).signatures["serving_default"] for d in directories]
   rng = np.random.default_rng(0)
-  results = {"rows": []}
+  results = [{"rows": []} for _ in directories]
   for batch in BATCH_SIZES:
     requests = [
       (
@@ -118,36 +119,44 @@ def _measure(directory: str, out: str, quick: bool) -> None:
       )
       for _ in range(16)
     ]
-    for user_id, movie_id in requests[:4] * 5:  # warm up
-      serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
-    budget = 0.5 if quick else 3.0
-    times = []
+    for serve in serves:
+      for user_id, movie_id in requests[:4] * 5:  # warm up
+        serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
+    budget = len(serves) * (0.5 if quick else 3.0)
+    times = [[] for _ in serves]
     start = time.perf_counter()
-    while (time.perf_counter() - start < budget or len(times) < 50) and len(times) < 20_000:
-      user_id, movie_id = requests[len(times) % len(requests)]
-      t0 = time.perf_counter()
-      serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
-      times.append(time.perf_counter() - t0)
-    times = np.array(times)
-    results["rows"].append(
-      {
-        "batch": batch,
-        "calls": len(times),
-        "p50_ms": float(np.percentile(times, 50) * 1e3),
-        "p99_ms": float(np.percentile(times, 99) * 1e3),
-        "examples_per_s": float(batch / times.mean()),
-      }
-    )
-  probe = serve(
-    user_id=tf.constant([0, 5, 99_999], tf.int64), movie_id=tf.constant([0, 7, 19_999], tf.int64)
-  )["score"].numpy()
-  results["probe"] = probe.ravel().tolist()
-  results["tensorflow_only"] = not [
+    while (time.perf_counter() - start < budget or len(times[0]) < 50) and len(times[0]) < 20_000:
+      call = len(times[0])
+      user_id, movie_id = requests[call % len(requests)]
+      for turn in range(len(serves)):
+        which = (call + turn) % len(serves)  # who goes first changes every call
+        t0 = time.perf_counter()
+        serves[which](user_id=user_id, movie_id=movie_id)["score"].numpy()
+        times[which].append(time.perf_counter() - t0)
+    for result, taken in zip(results, times):
+      taken = np.array(taken)
+      result["rows"].append(
+        {
+          "batch": batch,
+          "calls": len(taken),
+          "p50_ms": float(np.percentile(taken, 50) * 1e3),
+          "p99_ms": float(np.percentile(taken, 99) * 1e3),
+          "examples_per_s": float(batch / taken.mean()),
+        }
+      )
+  tensorflow_only = not [
     m for m in sys.modules if m.startswith(("tpu_embedding", "tensorflow_recommenders"))
   ]
-  results["export_mb"] = (
-    sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
-  )
+  for result, serve, directory in zip(results, serves, directories):
+    probe = serve(
+      user_id=tf.constant([0, 5, 99_999], tf.int64),
+      movie_id=tf.constant([0, 7, 19_999], tf.int64),
+    )["score"].numpy()
+    result["probe"] = probe.ravel().tolist()
+    result["tensorflow_only"] = tensorflow_only
+    result["export_mb"] = (
+      sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
+    )
   with open(out, "w") as f:
     json.dump(results, f)
 
@@ -219,15 +228,14 @@ def main() -> None:
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  results = {}
   with tempfile.TemporaryDirectory() as work:
-    for name in IMPLEMENTATIONS:
-      export_dir = os.path.join(work, name)
+    exports = [os.path.join(work, name) for name in IMPLEMENTATIONS]
+    for name, export_dir in zip(IMPLEMENTATIONS, exports):
       _run(["_export", name, export_dir], tfrs=name == "tfrs")
-      out = os.path.join(work, f"{name}.json")
-      _run(["_measure", export_dir, out] + (["--quick"] if args.quick else []))
-      with open(out) as f:
-        results[name] = json.load(f)
+    out = os.path.join(work, "measured.json")
+    _run(["_measure", ",".join(exports), out] + (["--quick"] if args.quick else []))
+    with open(out) as f:
+      results = dict(zip(IMPLEMENTATIONS, json.load(f)))
   import numpy as np
 
   difference = float(
@@ -252,6 +260,6 @@ if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "_export":
     _export(sys.argv[2], sys.argv[3])
   elif len(sys.argv) > 1 and sys.argv[1] == "_measure":
-    _measure(sys.argv[2], sys.argv[3], quick="--quick" in sys.argv[4:])
+    _measure(sys.argv[2].split(","), sys.argv[3], quick="--quick" in sys.argv[4:])
   else:
     main()

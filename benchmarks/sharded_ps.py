@@ -12,11 +12,21 @@ example, Adagrad, loss = sum of the activations) scheduled on the workers:
                  TF's own path (`tf.nn.embedding_lookup` dispatches to the shards), SGD
                  applied shard by shard with `scatter_sub`
 
+With `--managed`, instead, two configurations on 2 ps tasks (tables row-sharded in 2):
+
+  managed        every table manages its ids (`ManagedIds()`, LFU): the steps feed raw int64
+                 keys, Zipf-like over `--distinct` values, which the map (split with the
+                 table's row blocks, one shard per ps) turns into rows inside the step
+  pre-mapped     the same model fed row ids directly (uniform over the rows)
+
+Both warm up until every map is full (so the timed steps admit and evict), then time `--steps`.
+
 Bytes per step are what crossed the loopback interface during the timed steps (the kernel's
 `lo` counters in /proc/net/dev, all processes together, gRPC framing included) divided by the
 steps. Beside them: the loopback's own bandwidth, one TCP stream moving 256 MiB.
 
-Usage: python -m benchmarks.sharded_ps [--quick] [--rows 100000] [--steps 30]
+Usage: python -m benchmarks.sharded_ps [--quick] [--managed [managed|pre-mapped]] [--rows 100000]
+  [--steps 30]
 """
 
 from __future__ import annotations
@@ -78,15 +88,18 @@ def loopback_bandwidth(total: int = 256 << 20) -> float:
   return total / elapsed / 1e9
 
 
-def _engine_step(strategy, args):
+def _engine_step(strategy, args, managed: bool = False):
   features = {
     f"f{i}": E.FeatureConfig(
       table=E.TableConfig(vocabulary_size=args.rows, dim=DIM, combiner="sum", name=f"t{i}")
     )
     for i in range(args.tables)
   }
+  managed_ids = (
+    {f"t{i}": tpu_embedding.ManagedIds() for i in range(args.tables)} if managed else None
+  )
   with strategy.scope():
-    layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05))
+    layer = tpu_embedding.TPUEmbedding(features, E.Adagrad(0.05), managed_ids=managed_ids)
     layer.variables_by_table
 
   def step(ids):
@@ -120,6 +133,14 @@ def _keras_step(strategy, args):
   return step
 
 
+def zipf_keys(shape, seed, distinct: int) -> tf.Tensor:
+  """Raw int64 keys: ranks log-uniform over [1, distinct) (a Zipf law of exponent 1), spread
+  over the int64 range by an odd multiplier (distinct ranks stay distinct keys)."""
+  u = tf.random.stateless_uniform(shape, tf.stack([seed, seed]), dtype=tf.float64)
+  ranks = tf.cast(tf.exp(u * tf.math.log(tf.constant(float(distinct), tf.float64))), tf.int64)
+  return ranks * 2_654_435_761
+
+
 def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
   """(examples/s, loopback bytes per step) of one configuration, in a fresh cluster."""
   with LocalCluster(num_ps=num_ps, num_workers=2, allow_exposed=True) as cluster:
@@ -133,16 +154,24 @@ def measure(kind: str, num_ps: int, args) -> tuple[float, float]:
     )
     strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    replica_step = (_keras_step if kind == "keras" else _engine_step)(strategy, args)
+    if kind == "keras":
+      replica_step = _keras_step(strategy, args)
+    else:
+      replica_step = _engine_step(strategy, args, managed=kind == "managed")
 
     @tf.function
     def worker_step(seed):
-      ids = tf.random.stateless_uniform(
-        [args.tables, args.batch], tf.stack([seed, seed]), maxval=args.rows, dtype=tf.int64
-      )
+      if kind == "managed":
+        ids = zipf_keys([args.tables, args.batch], seed, args.distinct)
+      else:
+        ids = tf.random.stateless_uniform(
+          [args.tables, args.batch], tf.stack([seed, seed]), maxval=args.rows, dtype=tf.int64
+        )
       strategy.run(replica_step, args=(ids,))
 
-    for warmup in range(4):
+    # Managed: enough batches to fill every map first (each brings at most `batch` new keys).
+    warmups = 4 + (args.rows // args.batch + 1 if kind in ("managed", "pre-mapped") else 0)
+    for warmup in range(warmups):
       coordinator.schedule(worker_step, args=(tf.constant(warmup, tf.int64),))
     coordinator.join()
     before, start = loopback_bytes(), time.perf_counter()
@@ -176,6 +205,15 @@ def main(argv=None) -> None:
   parser.add_argument("--tables", type=int, default=3)
   parser.add_argument("--batch", type=int, default=1024)
   parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument(
+    "--managed",
+    nargs="?",
+    const="both",
+    choices=("both", "managed", "pre-mapped"),
+    help="managed vs pre-mapped on 2 ps (one of them: a process of its own per configuration, "
+    "since a second cluster in one process may miss functions the first one registered)",
+  )
+  parser.add_argument("--distinct", type=int, default=10**8, help="distinct keys (--managed)")
   args = parser.parse_args(argv)
   if args.quick:
     args.steps = min(args.steps, 10)
@@ -184,14 +222,22 @@ def main(argv=None) -> None:
     f"{args.tables} tables of {args.rows} x {DIM} ({table_bytes / 1e6:.1f} MB each), "
     f"batch {args.batch}, 2 workers, {args.steps} timed steps\n"
   )
-  print("| configuration | examples/s | bytes per step on loopback | x one table |")
-  print("|---|---:|---:|---:|")
-  configs = [("keras", 2), ("unsharded", 2)]
-  configs += [("sharded", n) for n in ((1, 2) if args.quick else (1, 2, 4))]
+  print(
+    "| configuration | examples/s | ms per step (cluster) | bytes per step on loopback "
+    "| x one table |"
+  )
+  print("|---|---:|---:|---:|---:|")
+  if args.managed:
+    kinds = ("pre-mapped", "managed") if args.managed == "both" else (args.managed,)
+    configs = [(kind, 2) for kind in kinds]
+  else:
+    configs = [("keras", 2), ("unsharded", 2)]
+    configs += [("sharded", n) for n in ((1, 2) if args.quick else (1, 2, 4))]
   for kind, num_ps in configs:
     rate, sent = measure(kind, num_ps, args)
     print(
-      f"| {kind} {num_ps} ps | {rate:,.0f} | {sent / 1e3:,.0f} kB | {sent / table_bytes:.3f} |",
+      f"| {kind} {num_ps} ps | {rate:,.0f} | {1e3 * args.batch / rate:.1f} "
+      f"| {sent / 1e3:,.0f} kB | {sent / table_bytes:.3f} |",
       flush=True,
     )
   print(f"\nloopback, one TCP stream: {loopback_bandwidth():.2f} GB/s")

@@ -1,7 +1,7 @@
 """Managed ids under ParameterServerStrategy: the coordinator side of `test_managed_ids_sharded.py`.
 
-Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running `LocalCluster`
-(2 ps, 2 workers); the table is row-sharded in 2 and its map split over the 2 ps tasks.
+Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running `LocalCluster`;
+the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map split with them.
 
 * `concurrent`: `STEPS` steps scheduled at once on both workers; consecutive batches share half
   their keys, so the two workers keep meeting the same new keys at the same time. Writes the map's
@@ -10,7 +10,15 @@ Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running 
   and min_count 2; writes the map, every shard's export and the table (`sequential.npz`), then a
   checkpoint (`ckpt`); a new layer under a new strategy restores it (`restored.npz`); a layer
   without managed ids' checkpoint is refused, and so is `ckpt` by a layer without strategy (one
-  whole map) (`refused.json`); the restored layer is exported for serving (`export/`).
+  whole map) (`refused.json`); the restored layer is exported for serving (`export/`). Then
+  the same steps again on a new layer through `layer.remap` on the coordinator, the steps taking
+  rows (`remapped.npz`).
+* `one_ps` (a cluster of 1 ps, 1 worker): restores `ckpt` (written under 2 ps), both blocks and
+  map shards now on the one ps (`restored_one_ps.npz`); trains `MORE` steps (`continued.npz`)
+  and writes `ckpt_one_ps`.
+* `two_ps` (2 ps again): restores `ckpt_one_ps` (`restored_two_ps.npz`); a layer whose
+  partitioner cuts the table into 3 blocks (its map in 3 shards, `three_blocks.npz`) is refused
+  it, nothing changed (`refused_3.json`).
 """
 
 import json
@@ -30,7 +38,7 @@ E = tf.tpu.experimental.embedding
 STEPS, HALF = 40, 100
 CONCURRENT_CAPACITY = 2 * HALF * (STEPS + 1) + 1  # room for every key in either shard
 # sequential
-SEQUENCE, SEQUENCE_BATCH, SEQUENCE_KEYS = 12, 16, 40
+SEQUENCE, SEQUENCE_BATCH, SEQUENCE_KEYS, MORE = 12, 16, 40, 6
 SEQUENCE_CAPACITY = 13  # 12 rows for keys: 6 per shard
 SEQUENCE_SPEC = dict(eviction="lfu", min_count=2, lfu_half_life_steps=4)
 INITIAL = 0.25
@@ -48,18 +56,19 @@ def concurrent_batch(i: int) -> np.ndarray:
 
 
 def sequence_batches() -> list[np.ndarray]:
+  """`SEQUENCE` batches, then the `MORE` ones the `one_ps` phase trains after its restore."""
   rng = np.random.default_rng(7)
   keys = rng.integers(-(2**40), 2**40, size=SEQUENCE_KEYS)
-  return [keys[rng.zipf(1.5, size=SEQUENCE_BATCH) % SEQUENCE_KEYS] for _ in range(SEQUENCE)]
+  return [keys[rng.zipf(1.5, size=SEQUENCE_BATCH) % SEQUENCE_KEYS] for _ in range(SEQUENCE + MORE)]
 
 
-def strategy_of(cluster: dict) -> tf.distribute.ParameterServerStrategy:
+def strategy_of(cluster: dict, blocks: int = 2) -> tf.distribute.ParameterServerStrategy:
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
     tf.train.ClusterSpec(cluster), rpc_layer="grpc"
   )
   return tf.distribute.ParameterServerStrategy(
     resolver,
-    variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+    variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(blocks),
   )
 
 
@@ -76,10 +85,10 @@ def make_layer(capacity: int, **spec) -> tpu_embedding.TPUEmbedding:
   return layer
 
 
-def worker_step(strategy, layer):
+def worker_step(strategy, layer, remapped=False):
   def step(keys):
     with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(layer({"f": keys})["f"])  # each occurrence subtracts 0.5
+      loss = tf.reduce_sum(layer({"f": keys}, remapped=remapped)["f"])  # an occurrence: -0.5
     tape.gradient(loss, layer.trainable_variables)
 
   @tf.function
@@ -96,10 +105,39 @@ def state(layer) -> dict:
   for k, shard in enumerate(id_map.shards):
     for name, value in zip(("keys", "rows", "counts"), shard.export()):
       out[f"shard{k}/{name}"] = value.numpy()
-  out["table"] = layer.variables_by_table["t"]["parameters"].numpy()
-  out["devices"] = np.array([v.device for v in id_map.first_rows])
+  table = layer.variables_by_table["t"]["parameters"]
+  out["table"] = table.numpy()
   out["size"] = id_map.size().numpy()
+  # Where each shard's state lives, beside the table block whose rows it gives.
+  out["devices"] = np.array([v.device for v in table.variables])
+  for k, shard in enumerate(id_map.shards):
+    out[f"shard{k}/capacity"] = np.array(shard.capacity)
+    held = [shard.keys, shard.counts, shard.last_seen, shard.step]
+    out[f"shard{k}/devices"] = np.array(
+      [v.device for v in held] + [shard.rows_of_keys.resource_handle.device, id_map.devices[k]]
+    )
   return out
+
+
+def train(strategy, layer, batches):
+  """Each batch's step on a worker, one at a time."""
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  run = worker_step(strategy, layer)
+  for keys in batches:
+    coordinator.schedule(run, args=(tf.constant(keys),))
+    coordinator.join()
+
+
+def refusal(layer, path) -> dict:
+  """The message of reading `path` into `layer`, and whether the layer is unchanged."""
+  before = state(layer)
+  try:
+    tf.train.Checkpoint(layer=layer).read(path)
+    message = "restored"
+  except ValueError as e:
+    message = str(e)
+  after = state(layer)
+  return {"message": message, "unchanged": all(np.array_equal(before[k], after[k]) for k in before)}
 
 
 def concurrent(cluster, out):
@@ -120,11 +158,7 @@ def sequential(cluster, out):
   strategy = strategy_of(cluster)
   with strategy.scope():
     layer = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
-  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-  run = worker_step(strategy, layer)
-  for keys in sequence_batches():
-    coordinator.schedule(run, args=(tf.constant(keys),))
-    coordinator.join()
+  train(strategy, layer, sequence_batches()[:SEQUENCE])
   np.savez(os.path.join(out, "sequential.npz"), **state(layer))
   tf.train.Checkpoint(layer=layer).write(os.path.join(out, "ckpt"))
 
@@ -139,14 +173,7 @@ def sequential(cluster, out):
     )
     plain.variables_by_table
   tf.train.Checkpoint(layer=plain).write(os.path.join(out, "plain"))
-  before = state(restored)
-  try:
-    tf.train.Checkpoint(layer=restored).read(os.path.join(out, "plain"))
-    message = "restored"
-  except ValueError as e:
-    message = str(e)
-  after = state(restored)
-  unchanged = all(np.array_equal(before[k], after[k]) for k in before)
+  plain_refusal = refusal(restored, os.path.join(out, "plain"))
   whole = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)  # no strategy: one whole map
   try:
     tf.train.Checkpoint(layer=whole).read(os.path.join(out, "ckpt"))
@@ -157,8 +184,8 @@ def sequential(cluster, out):
   with open(os.path.join(out, "refused.json"), "w") as f:
     json.dump(
       {
-        "message": message,
-        "unchanged": unchanged,
+        "message": plain_refusal["message"],
+        "unchanged": plain_refusal["unchanged"],
         "whole_message": whole_message,
         "whole_unchanged": whole_unchanged,
       },
@@ -173,8 +200,44 @@ def sequential(cluster, out):
   )
   serving.export_for_serving(model, os.path.join(out, "export"), serve)
 
+  with strategy.scope():
+    remapping = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  run = worker_step(strategy, remapping, remapped=True)
+  for keys in sequence_batches()[:SEQUENCE]:
+    rows = remapping.remap({"f": tf.constant(keys)})["f"]  # on the coordinator, eagerly
+    coordinator.schedule(run, args=(rows,))
+    coordinator.join()
+  np.savez(os.path.join(out, "remapped.npz"), **state(remapping))
+
+
+def restore(cluster, out, checkpoint: str, name: str):
+  """(strategy, layer) with `checkpoint` restored under a new strategy; its state in `name`."""
+  strategy = strategy_of(cluster)
+  with strategy.scope():
+    layer = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
+  tf.train.Checkpoint(layer=layer).read(os.path.join(out, checkpoint)).assert_consumed()
+  np.savez(os.path.join(out, name), **state(layer))
+  return strategy, layer
+
+
+def one_ps(cluster, out):
+  strategy, layer = restore(cluster, out, "ckpt", "restored_one_ps.npz")
+  train(strategy, layer, sequence_batches()[SEQUENCE:])
+  np.savez(os.path.join(out, "continued.npz"), **state(layer))
+  tf.train.Checkpoint(layer=layer).write(os.path.join(out, "ckpt_one_ps"))
+
+
+def two_ps(cluster, out):
+  restore(cluster, out, "ckpt_one_ps", "restored_two_ps.npz")
+  with strategy_of(cluster, blocks=3).scope():
+    cut_in_3 = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
+  np.savez(os.path.join(out, "three_blocks.npz"), **state(cut_in_3))
+  with open(os.path.join(out, "refused_3.json"), "w") as f:
+    json.dump(refusal(cut_in_3, os.path.join(out, "ckpt_one_ps")), f)
+
 
 if __name__ == "__main__":
-  {"concurrent": concurrent, "sequential": sequential}[sys.argv[1]](
-    json.loads(sys.argv[2]), *sys.argv[3:]
-  )
+  {"concurrent": concurrent, "sequential": sequential, "one_ps": one_ps, "two_ps": two_ps}[
+    sys.argv[1]
+  ](json.loads(sys.argv[2]), *sys.argv[3:])

@@ -536,6 +536,32 @@ def test_without_a_tape_the_lookup_gathers_per_occurrence_the_training_activatio
     serve(bad, weights)
 
 
+@pytest.mark.parametrize("traced_under_the_tape", [False, True])
+def test_a_tf_function_differentiated_by_a_tape_outside_it_updates_the_tables(
+  engine_path, traced_under_the_tape
+):
+  """TF differentiates such a function with a backward function of its own, which runs only
+  what its outputs need: the update must be among it (it once was pruned, tables unchanged)."""
+  values = np.arange(20, dtype=np.float32).reshape(10, 2) / 10
+  table = _table(values)
+  layer = tpu_embedding.TPUEmbedding({"f": E.FeatureConfig(table=table, name="f")}, E.SGD(0.5))
+  ids = tf.constant([1, 3, 1], tf.int64)
+  layer({"f": ids})  # builds the tables outside the function
+  lookup = tf.function(lambda ids: tf.reduce_sum(layer({"f": ids})["f"]))
+  if not traced_under_the_tape:
+    lookup.get_concrete_function(tf.TensorSpec([None], tf.int64))  # no tape records here
+  with tf.GradientTape() as tape:
+    loss = lookup(ids)
+  tape.gradient(loss, layer.trainable_variables)
+  rows, grads = reference.assemble_gradients(
+    [([1], None), ([3], None), ([1], None)], np.ones([3, 2]), "sum"
+  )
+  want = values.astype(np.float64)
+  want[rows] -= 0.5 * grads
+  np.testing.assert_allclose(layer.embedding_tables[table].numpy(), want, rtol=1e-6)
+  assert lookup.experimental_get_tracing_count() == 1
+
+
 def test_a_function_traced_without_a_tape_can_still_be_differentiated():
   """Its per-occurrence forward gives the backward pass no deduplication: the backward builds
   its own (`TableLookup.for_update`) instead of failing."""

@@ -374,3 +374,38 @@ def test_partial_under_mirrored_strategy_a_step_refused_on_one_side_writes_no_ta
     with pytest.raises(tf.errors.InvalidArgumentError, match=f"Table '{refused}': its learning"):
       step()
     assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("tables", [{"a": 5, "b": 50}, {"a": 5}], ids=["two_sides", "one_side"])
+def test_partial_runs_each_check_once(tables):
+  """The joint step runs both sides' checks before either writes; the engines then skip their
+  own (they once ran every check twice), and with one side it adds nothing."""
+  config = {
+    name: E.FeatureConfig(E.TableConfig(rows, 2, name=f"t{name}", combiner="sum"))
+    for name, rows in tables.items()
+  }
+  model = tpu_embedding.PartialTPUEmbedding(
+    config, E.SGD(0.5), size_threshold=20, check_finite=True
+  )
+  ids = {name: tf.constant([1, 3], tf.int64) for name in tables}
+  model(ids)
+
+  @tf.function
+  def step():
+    with tf.GradientTape() as tape:
+      loss = sum(tf.reduce_sum(a) for a in model(ids).values())
+    tape.gradient(loss, model.trainable_variables)
+
+  graph = step.get_concrete_function().graph.as_graph_def()
+  nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+  messages = [n.attr["message"].s.decode() for n in nodes if n.op == "CheckNumerics"]
+  wanted = []
+  for name in tables:
+    wanted += [
+      f"Feature '{name}' (table 't{name}'): the gradient of its activations",
+      f"Table 't{name}': its learning rate is not finite",
+      f"Table 't{name}': the gradient summed over one of its rows",
+      f"Table 't{name}': this step's update would write a non-finite value to its rows",
+    ]
+  assert sorted(m for w in wanted for m in messages if m.startswith(w)) == sorted(messages)
+  assert [sum(m.startswith(w) for m in messages) for w in wanted] == [1] * len(wanted)

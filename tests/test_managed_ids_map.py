@@ -131,3 +131,95 @@ def test_bad_specs_are_refused(kwargs, message):
 def test_capacity_below_two_is_refused_by_table():
   with pytest.raises(ValueError, match="Table 'tiny'.*vocabulary_size >= 2"):
     IdMap(ManagedIds(), "tiny", 1)
+
+
+@pytest.mark.parametrize(
+  "policy",
+  POLICIES + [dict(eviction="lfu", half_life=1000)],
+  ids=["lfu-aging", "lru", "ttl", "lfu"],
+)
+def test_large_map_follows_reference(policy, engine_path):
+  """A map larger than the compiled kernel's eviction pool (1024 rows at this capacity), full
+  after a few steps, then evicting hundreds of rows a step: the pool is refilled, compacted and
+  (LFU epochs) rebuilt many times; every step's rows equal the reference's."""
+  capacity = 3000
+  id_map = _id_map(capacity, min_count=1, **policy)
+  reference = ReferenceMap(capacity, min_count=1, **policy)
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  rng = np.random.default_rng(5)
+  universe = rng.integers(-(2**62), 2**62, size=20_000)
+  evicted = 0
+  for s in range(40):
+    keys = universe[(rng.zipf(1.2, size=700) + 400 * s) % len(universe)].tolist()
+    rows, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+    evicted += len(expected_fresh) if s > 10 else 0
+  keys_, rows_, counts_ = id_map.export()
+  assert keys_.numpy().tolist() == reference.export()[0]
+  np.testing.assert_array_equal(counts_.numpy(), reference.export()[2])
+  assert evicted > 2000  # many more victims than the pool holds
+
+
+def test_restore_at_the_same_step_reads_the_restored_map(tmp_path):
+  """A restore writes the map's variables behind the compiled kernel's eviction index, here
+  with the very step count the map had: the next steps still follow the restored map."""
+  saved, id_map = _id_map(8, "lfu", min_count=1), _id_map(8, "lfu", min_count=1)
+  reference = ReferenceMap(8, "lfu", min_count=1)
+  for s in range(6):
+    keys = [10 * s + k for k in range(5)]
+    saved.remap(tf.constant(keys, tf.int64), True)
+    reference.train(keys)
+    id_map.remap(tf.constant([-k - 100 * s for k in range(4)], tf.int64), True)
+  path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
+  tf.train.Checkpoint(m=id_map).read(path).assert_consumed()
+  for s in range(6, 10):
+    keys = [10 * s + k for k in range(5)] + [10 * (s - 1)]
+    rows, fresh = id_map.remap(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+
+
+def test_large_lfu_map_evicts_rows_seen_again_before_heavier_ones(engine_path):
+  """The map first fills with keys seen 3 times; then each step brings 100 keys seen once and
+  sees the previous step's ones again (count 2): those rows, lighter than the pool's heaviest
+  row when it was built, must be evicted before the count-3 rows, as the reference says."""
+  capacity = 3000
+  id_map = _id_map(capacity, "lfu", min_count=1)
+  reference = ReferenceMap(capacity, "lfu", min_count=1)
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  singles = []
+  for s in range(40):
+    if s < 10:
+      keys = [k for k in range(300 * s, 300 * s + 300) for _ in range(3)]
+    else:
+      keys = singles + [-k for k in range(100 * s, 100 * s + 100)]
+      singles = keys[-100:]
+    rows, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+  assert sorted(set(reference.export()[2])) == [1, 2, 3]
+
+
+def test_counts_saturate_at_int32_max(engine_path):
+  id_map = _id_map(4, "lfu", min_count=1)
+  id_map.remap(tf.constant([7], tf.int64), True)
+  id_map.counts.scatter_update(tf.IndexedSlices(tf.constant([2**31 - 3], tf.int32), [1]))
+  id_map.remap(tf.constant([7] * 5, tf.int64), True)
+  assert id_map.export()[2].numpy().tolist() == [2**31 - 1]
+
+
+def test_the_last_int32_step_is_refused_naming_the_table(engine_path):
+  id_map = _id_map(4, "lru", min_count=1)
+  id_map.remap(tf.constant([7], tf.int64), True)
+  id_map.step.assign(2**31 - 2)
+  id_map.remap(tf.constant([8], tf.int64), True)  # step 2**31 - 1: the last one
+  before = [v.numpy().copy() for v in (id_map.counts, id_map.last_seen, id_map.step)]
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 't'.*2\\*\\*31 - 1 training"):
+    id_map.remap(tf.constant([9], tf.int64), True)
+  for old, variable in zip(before, (id_map.counts, id_map.last_seen, id_map.step)):
+    np.testing.assert_array_equal(old, variable.numpy())
+  assert id_map.export()[0].numpy().tolist() == [7, 8]

@@ -1,8 +1,9 @@
 """Managed ids under ParameterServerStrategy, with real ps and worker processes on loopback.
 
-One `LocalCluster` (2 ps, 2 workers, each its own process) serves the module; the coordinator
-runs in a subprocess (`sharded_managed_job.py`). The map is split over the 2 ps tasks by key
-hash, each shard giving rows of its own range: every expectation is worked out here from the
+One `LocalCluster` (2 ps, 2 workers, each its own process) serves the module, and one of 1 ps
+and 1 worker the restores across ps counts; the coordinator runs in a subprocess
+(`sharded_managed_job.py`). The table is cut into 2 row blocks and the map split with them by key
+hash, each shard giving rows of its own block: every expectation is worked out here from the
 batches, each shard against the plain-Python reference map fed that shard's part of the stream.
 """
 
@@ -22,17 +23,24 @@ from child_process import run_python
 from managed_ids_reference import ReferenceMap
 
 JOB = pathlib.Path(__file__).with_name("sharded_managed_job.py")
-PS_TASKS = {f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)}
+PS_TASKS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)]
+
+
+def _run(cluster, phase: str, out) -> None:
+  argv = [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)]
+  result = subprocess.run(cluster.command(argv), capture_output=True, text=True, timeout=400)
+  assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp("sharded_managed")
   with loopback.cluster(num_ps=2, num_workers=2) as cluster:
-    for phase in ("concurrent", "sequential"):
-      argv = [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)]
-      result = subprocess.run(cluster.command(argv), capture_output=True, text=True, timeout=400)
-      assert result.returncode == 0, result.stderr[-3000:]
+    _run(cluster, "concurrent", out)
+    _run(cluster, "sequential", out)
+    with loopback.cluster(num_ps=1, num_workers=1) as one:
+      _run(one, "one_ps", out)
+    _run(cluster, "two_ps", out)
   return out
 
 
@@ -47,9 +55,26 @@ def shard_of(keys) -> list[int]:
 
 
 def row_ranges(capacity: int) -> list[range]:
-  """Rows 1..capacity-1 cut in two, the first range one row longer when odd."""
-  middle = 1 + (capacity - 1 + 1) // 2
+  """The table's 2 row blocks (the first one row longer when odd), row 0 left out."""
+  middle = (capacity + 1) // 2
   return [range(1, middle), range(middle, capacity)]
+
+
+def assert_placed_with_rows(out: dict, tasks: list[str]) -> None:
+  """Shard k's state, hash table and steps live on the ps task of the table's block k; the
+  blocks on `tasks` (PSS deals them out round-robin, from whichever task is next)."""
+  blocks = out["devices"].tolist()
+  assert sorted(blocks) == sorted(tasks)
+  for k, task in enumerate(blocks):
+    assert set(out[f"shard{k}/devices"].tolist()) == {task}, k
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+  """The same map, shards and table (wherever they are placed)."""
+  assert sorted(got) == sorted(want)
+  for name in want:
+    if not name.endswith("devices"):
+      np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_concurrent_workers_never_give_a_key_two_rows_or_a_row_two_keys(results):
@@ -72,8 +97,8 @@ def test_concurrent_workers_never_give_a_key_two_rows_or_a_row_two_keys(results)
   for key, count in occurrences.items():
     expected[row_of[key]] -= 0.5 * count
   np.testing.assert_array_equal(out["table"], expected)
-  # Shard k holds exactly its keys, on the first rows of its own range, on its own ps task.
-  assert set(out["devices"].tolist()) == PS_TASKS
+  # Shard k holds exactly its keys, on the first rows of its own block, on the block's ps task.
+  assert_placed_with_rows(out, PS_TASKS)
   owner = dict(zip(universe, shard_of(universe)))
   for k, span in enumerate(row_ranges(job_lib.CONCURRENT_CAPACITY)):
     mine = [key for key in universe if owner[key] == k]
@@ -82,8 +107,9 @@ def test_concurrent_workers_never_give_a_key_two_rows_or_a_row_two_keys(results)
     assert out[f"shard{k}/rows"].tolist() == list(range(1, len(mine) + 1))  # local rows
 
 
-def _reference_run():
-  """Each shard's reference map fed its part of every step, and the table those rows give."""
+def _reference_run(steps: int = job_lib.SEQUENCE):
+  """Each shard's reference map fed its part of the first `steps` steps, and the table those
+  rows give."""
   spans = row_ranges(job_lib.SEQUENCE_CAPACITY)
   spec = job_lib.SEQUENCE_SPEC
   maps = [
@@ -93,7 +119,7 @@ def _reference_run():
     for span in spans
   ]
   table = np.full([job_lib.SEQUENCE_CAPACITY, 2], job_lib.INITIAL, np.float32)
-  for batch in job_lib.sequence_batches():
+  for batch in job_lib.sequence_batches()[:steps]:
     batch = batch.tolist()
     owner = shard_of(batch)
     rows = [0] * len(batch)
@@ -109,9 +135,17 @@ def _reference_run():
   return maps, spans, table
 
 
-def test_sequential_steps_give_each_shard_the_reference_map_and_reset_rows(results):
-  out = _load(results, "sequential.npz")
-  maps, spans, table = _reference_run()
+@pytest.mark.parametrize(
+  "name, steps",
+  [
+    ("sequential.npz", job_lib.SEQUENCE),
+    ("remapped.npz", job_lib.SEQUENCE),  # layer.remap on the coordinator, steps on rows
+    ("continued.npz", job_lib.SEQUENCE + job_lib.MORE),  # restored under 1 ps, trained on
+  ],
+)
+def test_sequential_steps_give_each_shard_the_reference_map_and_reset_rows(results, name, steps):
+  out = _load(results, name)
+  maps, spans, table = _reference_run(steps)
   for k, (reference, span) in enumerate(zip(maps, spans)):
     keys, rows, counts = reference.export()
     assert out[f"shard{k}/keys"].tolist() == keys, k
@@ -126,11 +160,8 @@ def test_sequential_steps_give_each_shard_the_reference_map_and_reset_rows(resul
 
 def test_checkpoint_restores_the_sharded_map_and_refuses_other_layouts(results):
   trained, restored = _load(results, "sequential.npz"), _load(results, "restored.npz")
-  assert sorted(trained) == sorted(restored)
-  for name in trained:
-    if name != "devices":  # each shard on a ps task of its own, whichever
-      np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
-  assert set(restored["devices"].tolist()) == PS_TASKS
+  assert_same_state(restored, trained)
+  assert_placed_with_rows(restored, PS_TASKS)
   with open(results / "refused.json") as f:
     refused = json.load(f)
   assert (
@@ -138,10 +169,43 @@ def test_checkpoint_restores_the_sharded_map_and_refuses_other_layouts(results):
   )
   assert refused["unchanged"]
   assert (
-    "table 't': its managed-id map is whole (no parameter servers) in this layer but split over "
-    "2 parameter servers in the checkpoint"
+    "table 't': its managed-id map is whole (no parameter servers) in this layer but split into "
+    "2 row blocks in the checkpoint"
   ) in refused["whole_message"]
   assert refused["whole_unchanged"]
+
+
+def test_a_checkpoint_restores_under_another_number_of_ps_tasks(results):
+  # 2 ps -> 1 ps: both blocks, and both map shards with them, on the one ps; same keys, same
+  # rows, same table (hence the same embeddings), and training goes on as the reference does
+  # (`continued.npz` in the parametrized test above).
+  one = _load(results, "restored_one_ps.npz")
+  assert_same_state(one, _load(results, "sequential.npz"))
+  assert_placed_with_rows(one, PS_TASKS[:1] * 2)
+  # 1 ps -> 2 ps: each shard back beside its block, on its own ps task.
+  two = _load(results, "restored_two_ps.npz")
+  assert_same_state(two, _load(results, "continued.npz"))
+  assert_placed_with_rows(two, PS_TASKS)
+
+
+def test_a_map_is_split_with_the_table_blocks_not_the_ps_tasks(results):
+  # 3 blocks on 2 ps tasks: 3 shards, each beside its block (two of them on one task).
+  out = _load(results, "three_blocks.npz")
+  assert_placed_with_rows(out, [PS_TASKS[0], PS_TASKS[0], PS_TASKS[1]])
+  assert "shard3/devices" not in out
+  # PSS cuts 13 rows into 5 | 4 | 4; shard 0 leaves row 0 out; each shard's local row 0 added.
+  assert [int(out[f"shard{k}/capacity"]) for k in range(3)] == [5, 5, 5]
+
+
+def test_a_checkpoint_is_refused_where_the_table_is_cut_into_other_blocks(results):
+  with open(results / "refused_3.json") as f:
+    refused = json.load(f)
+  assert (
+    "table 't': its managed-id map is split into 3 parts in this layer but 2 in the checkpoint"
+  ) in refused["message"]
+  assert "FixedShardsPartitioner(2)" in refused["message"]
+  assert "Nothing was changed" in refused["message"]
+  assert refused["unchanged"]
 
 
 _SERVE = """

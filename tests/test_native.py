@@ -107,9 +107,19 @@ def test_managed_rows_to_give_match_numpy(eviction, wanted):
     aged = np.zeros_like(aged)
   victims = victims[np.lexsort((victims, last[victims], aged))]
   want = np.concatenate([free, victims])[:wanted]
+  index = native.managed_index(f"test_index_{eviction}_{wanted}")  # new: built from the variables
   got = native.managed_rows_to_give(
-    tf.constant(last), tf.constant(counts), step, wanted, eviction, half_life
+    index,
+    tf.Variable(last.astype(np.int32)),
+    tf.Variable(counts.astype(np.int32)),
+    step,
+    wanted,
+    tf.zeros([0], tf.int64),
+    tf.zeros([0], tf.int64),
+    eviction,
+    half_life,
   )
+  native.destroy_managed_index(f"test_index_{eviction}_{wanted}")
   np.testing.assert_array_equal(got.numpy(), want)
   assert 0 < len(free) < 40 < len(free) + len(victims) < 500  # every regime was exercised
 

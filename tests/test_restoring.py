@@ -146,6 +146,28 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     tpu_embedding.restore_checkpoint(built(), str(tmp_path / "ckpt-9"))
 
 
+@pytest.mark.parametrize("allow_missing", [False, True])
+def test_a_name_based_checkpoint_is_refused_with_one_reason(tmp_path, allow_missing):
+  """A tf.compat.v1 Saver's checkpoint has no object graph: that is the whole reason (the
+  model's variables were once listed as missing from it as well)."""
+  with tf.Graph().as_default():
+    tf.compat.v1.get_variable("hidden/kernel", initializer=tf.ones([5, 4]))
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      path = tf.compat.v1.train.Saver().save(session, str(tmp_path / "ckpt"))
+  target = built(seed=2)
+  before, on_disk = values(target), files(tmp_path)
+  with pytest.raises(ValueError) as raised:
+    tpu_embedding.restore_checkpoint(target, path, allow_missing=allow_missing)
+  assert str(raised.value) == (
+    f"Cannot restore the checkpoint {path!r}: it holds no object graph (it was written by a "
+    "name-based tf.compat.v1 Saver); restore it with that Saver. Nothing was restored: every "
+    "variable of the model is unchanged."
+  )
+  assert_unchanged(target, before)
+  assert files(tmp_path) == on_disk
+
+
 @pytest.mark.parametrize("damaged", ["index", "data"])
 def test_a_truncated_tfrs_checkpoint_is_named_and_restores_nothing(
   tfrs_checkpoints,  # noqa: F811  (the fixture imported above)

@@ -101,6 +101,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
         self._config,
         self.execution_path,
         pipelining=bool(pipeline_execution_with_tensor_core),
+        variables_by_table=lambda: self._backend.variables_by_table,
       )
     )
     self._row_resets = None

@@ -181,6 +181,7 @@ class PartialTPUEmbeddingCore(
         self._config,
         path,
         pipelining=bool(pipeline_execution_with_tensor_core),
+        variables_by_table=lambda: self.variables_by_table,
       )
     )
     self._row_resets = None

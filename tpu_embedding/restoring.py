@@ -60,6 +60,11 @@ def restore_checkpoint(
     root = tf.train.Checkpoint(model=checkpoint_or_model)
   prefix = _prefix(path)
   reader = _reader(prefix)
+  if not reader.has_tensor(_OBJECT_GRAPH_KEY):  # nothing to match the model's variables with
+    raise ValueError(
+      f"Cannot restore the checkpoint {prefix!r}: it holds no object graph (it was written by "
+      f"a name-based tf.compat.v1 Saver); restore it with that Saver. {_NOTHING_CHANGED}"
+    )
   problems, matched = _mismatches(root, reader)
   if allow_missing is not True:
     allowed = () if allow_missing is False else tuple(allow_missing)
@@ -118,11 +123,6 @@ def _first_line(error: BaseException) -> str:
 def _mismatches(root: Any, reader: Any) -> tuple[list[str], set[int]]:
   """(each variable that the checkpoint's object graph and the model's share, by path from the
   root, and whose shape or dtype differs; the ids of every variable of the model so matched)."""
-  if not reader.has_tensor(_OBJECT_GRAPH_KEY):
-    return [
-      "it holds no object graph (it was written by a name-based tf.compat.v1 Saver); restore "
-      "it with that Saver"
-    ], set()
   graph = tf_internals.object_graph(reader.get_tensor(_OBJECT_GRAPH_KEY))
   shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
   problems = []

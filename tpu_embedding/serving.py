@@ -19,7 +19,6 @@ import tensorflow as tf
 
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.layer_core import TPUEmbeddingCore
-from tpu_embedding.managed_ids.sharded_map import serving_tables
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -104,7 +103,7 @@ def export_for_serving(
   root.model_variables = [v for r, v in read.items() if r not in read_by]
   # Managed tables' key -> row maps, which serving signatures read (lookups only).
   root.managed_ids = {
-    layer.name: {table: serving_tables(id_map) for table, id_map in layer.managed_ids.items()}
+    layer.name: {table: id_map.serving_tables() for table, id_map in layer.managed_ids.items()}
     for layer in layers
     if layer.managed_ids
   }

@@ -64,7 +64,8 @@ class TpuV2Backend(Backend):
     """SparseCore tables are variables in TPU memory the host writes between steps: each reset
     is written at once, into the table's rows of its stacked, dealt and rotated variables."""
 
-    def write(table, rows, values):
+    def write(table, rows, values, block):  # no row blocks: tables are in TPU memory
+      del block
       layout = self._engine.embedding_layouts[table.name]
       variables = self._engine.variables[layout.stacked_table_name]
       for name, value in values.items():

@@ -131,28 +131,41 @@ def _ids_in_range(
     every[position] = tf.concat([every[position], cut], 0)
   largest = tf.stack([tf.reduce_max(tf.bitcast(i, tf.uint64)) for i in every])
 
-  def fail():
-    # Run only on bad ids: one Assert over all features' ids at once (naming the first
-    # feature at fault), so that the check does not grow with the features.
-    flat = tf.concat(every, 0)
-    owner = tf.repeat(tf.range(len(every)), tf.stack([tf.size(i) for i in every]))
-    too_large = tf.bitcast(flat, tf.uint64) >= tf.gather(sizes, owner)
-    at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
-    offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
-    message = tf.gather(messages, at_fault)
-    shown = tf.where(
-      tf.gather(unsigned, at_fault),
-      tf.strings.as_string(tf.bitcast(offending, tf.uint64)),
-      tf.strings.as_string(offending),
-    )
-    with tf.control_dependencies(
-      [tf.debugging.Assert(False, [message, "Offending ids:", shown], summarize=5)]
-    ):
-      return tf.constant(False)
-
-  checked = tf.cond(tf.reduce_all(largest < sizes), lambda: tf.constant(True), fail)
+  checked = tf.cond(
+    tf.reduce_all(largest < sizes),
+    lambda: tf.constant(True),
+    lambda: _refuse_out_of_range(every, sizes, messages, unsigned),
+  )
   with tf.control_dependencies([checked]):
     return tf.identity_n(ids)
+
+
+# Never inlined: TF lowers a `tf.cond` in a function to Switch/Merge, so an inlined failure
+# branch stays in the graph every request runs, where each of its ~65 ops is visited as dead
+# (most of the serving latency above a plain gather). Kept a function, it is one dead call.
+@tf.function(autograph=False, reduce_retracing=True, experimental_attributes={"_noinline": True})
+def _refuse_out_of_range(
+  every: list[Tensor], sizes: Tensor, messages: Tensor, unsigned: Tensor
+) -> Tensor:
+  """Fails with the first feature at fault and its offending ids; run only on bad ids.
+
+  One Assert over all features' ids at once, so that the check does not grow with the features.
+  """
+  flat = tf.concat(every, 0)
+  owner = tf.repeat(tf.range(len(every)), tf.stack([tf.size(i) for i in every]))
+  too_large = tf.bitcast(flat, tf.uint64) >= tf.gather(sizes, owner)
+  at_fault = tf.gather(owner, tf.argmax(tf.cast(too_large, tf.int32)))
+  offending = tf.boolean_mask(flat, tf.logical_and(too_large, tf.equal(owner, at_fault)))
+  message = tf.gather(messages, at_fault)
+  shown = tf.where(
+    tf.gather(unsigned, at_fault),
+    tf.strings.as_string(tf.bitcast(offending, tf.uint64)),
+    tf.strings.as_string(offending),
+  )
+  with tf.control_dependencies(
+    [tf.debugging.Assert(False, [message, "Offending ids:", shown], summarize=5)]
+  ):
+    return tf.constant(False)
 
 
 def _all_ids(bag: Bags) -> Tensor:

@@ -210,6 +210,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     step = inputs.Step.prepare(self._config, features, weights, compiled=static)
     if self._check_finite:
       step = finite.check_weights(step)
+    joined = finite.Joined()  # set if PartialTPUEmbedding's joint step runs the checks
     if plain:
       how = static_path.look_up_table if static else lookup.per_occurrence
       flat = lookup.look_up(step, self.parameters, how).activations
@@ -230,14 +231,16 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
           warnings.warn(SECOND_GRADIENT_WARNING, stacklevel=3)
         # Tables are trained here, never by the user's optimizer, even if they are trainable
         # variables (e.g. one passed to `update_embedding_table`).
-        self._apply_gradients(forward[-1].upstream_by_table(upstream), reusable(), static)
+        self._apply_gradients(
+          forward[-1].upstream_by_table(upstream), reusable(), static, joined.guarded
+        )
 
       # A SavedModel of a function traced before saving gets a plain lookup's gradient.
       flat = trap_lib.trapped(trap, look_up, update, plain_when_saved=True)
     if self._check_finite:
-      flat = finite.guard_gradients(flat, step.bags)
+      flat = finite.guard_gradients(flat, step.bags, joined)
       if not plain:
-        finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream))
+        finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream), joined)
     return tf.nest.pack_sequence_as(features, flat)
 
   def _register_training_lookup(self, step: inputs.Step) -> Callable[[], frozenset]:
@@ -301,7 +304,10 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     per_table: Sequence[tuple[TableConfig, lookup.TableLookup, list]],
     reusable: frozenset = frozenset(),
     static: bool = False,
+    checked: bool = False,
   ):
+    """Updates the tables from their lookups' activation gradients. `checked`: a joint step
+    ran this step's `check_finite` checks on these gradients already."""
     trainable, refusals = [], []
     for table, batch, upstream in per_table:
       if table.optimizer is None:
@@ -319,25 +325,29 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
             for t, batch, upstream in trainable
           ],
           {t.name: batch.looked_up_rows for t, batch, _ in trainable if t.name in reusable},
+          checked,
         )
       else:  # in a replica: one update per table from every replica's (id, gradient) pairs
+        # (checked again: the joint step saw only this replica's)
         exchange.gather_and_update(trainable, self._update_tables)
 
   def _update_tables(
     self,
     per_table: Sequence[tuple[TableConfig, tf.Tensor, tf.Tensor]],
     read_rows: Optional[dict[str, tf.Tensor]] = None,
+    checked: bool = False,
   ) -> None:
     """One step's update of every table, from (table, unique ids, row gradients) each.
 
     `read_rows` holds, by table name, the rows the lookup read where the update may reuse them.
     With `check_finite`, every table's update is checked (`finite.check_update`) before the
-    first write of any table, so a step that fails writes nothing.
+    first write of any table, so a step that fails writes nothing; unless `checked` (a joint
+    step checked them before any engine's gradient).
     """
     read_rows = read_rows or {}
-    rates = [self._learning_rate(table) for table, _, _ in per_table]
+    rates = [self._learning_rate(table, checked) for table, _, _ in per_table]
     checks = []
-    if self._check_finite:
+    if self._check_finite and not checked:
       for (table, ids, grads), rate in zip(per_table, rates):
         checks.extend(self._check_update(table, ids, grads, rate, read_rows.get(table.name)))
     with tf.control_dependencies(checks):
@@ -420,12 +430,13 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
         pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
 
-  def _learning_rate(self, table: TableConfig) -> tf.Tensor:
-    """The table's learning rate for this step (checked to be finite with `check_finite`)."""
+  def _learning_rate(self, table: TableConfig, checked: bool = False) -> tf.Tensor:
+    """The table's learning rate for this step (checked to be finite with `check_finite`,
+    unless `checked` already)."""
     learning_rate = optimizer_specs.learning_rate_tensor(
       table.optimizer, where=f"Table {table.name!r}"
     )
-    if self._check_finite:
+    if self._check_finite and not checked:
       learning_rate = finite.check_learning_rate(learning_rate, table.name)
     return learning_rate
 

@@ -41,17 +41,29 @@ def _checked_gains(bag: inputs.Bags) -> inputs.Bags:
   return dataclasses.replace(bag, gains=gains)
 
 
+@dataclasses.dataclass
+class Joined:
+  """Whether a joint step (`JointStep`) runs an engine's checks for it, before its gradient
+  functions: they then skip their own, so that each check runs once."""
+
+  guarded: bool = False
+
+
 def guard_gradients(
-  activations: Sequence[tf.Tensor], bags: Sequence[inputs.Bags]
+  activations: Sequence[tf.Tensor], bags: Sequence[inputs.Bags], joined: Joined
 ) -> list[tf.Tensor]:
-  """The activations, unchanged, whose gradients are checked on their way back to the tables."""
-  return [_checked_gradient(a, bag) for a, bag in zip(activations, bags)]
+  """The activations, unchanged, whose gradients are checked on their way back to the tables
+  (unless a joint step checked them first)."""
+  return [_checked_gradient(a, bag, joined) for a, bag in zip(activations, bags)]
 
 
-def _checked_gradient(activation: tf.Tensor, bag: inputs.Bags) -> tf.Tensor:
+def _checked_gradient(activation: tf.Tensor, bag: inputs.Bags, joined: Joined) -> tf.Tensor:
+  def grad(upstream):
+    return upstream if joined.guarded else checked_activation_gradient(upstream, bag)
+
   @tf.custom_gradient
   def identity(x):
-    return tf.identity(x), lambda upstream: checked_activation_gradient(upstream, bag)
+    return tf.identity(x), grad
 
   return identity(activation)
 
@@ -141,17 +153,18 @@ class JointStep:
   `guard` puts all their checks on the gradients' way back, before either gradient function."""
 
   def __init__(self) -> None:
-    self._lookups: list[tuple[list[tf.Tensor], CheckOf]] = []
+    self._lookups: list[tuple[list[tf.Tensor], CheckOf, Joined]] = []
 
-  def add(self, activations: list[tf.Tensor], check: CheckOf) -> None:
-    self._lookups.append((list(activations), check))
+  def add(self, activations: list[tf.Tensor], check: CheckOf, joined: Joined) -> None:
+    self._lookups.append((list(activations), check, joined))
 
   def guard(self, outputs: dict) -> dict:
     """`outputs` ({key: activation}), the activations of the lookups added replaced by ones
-    whose gradient, before it reaches any engine, passes every engine's checks."""
-    if not self._lookups:
+    whose gradient, before it reaches any engine, passes every engine's checks. With one
+    engine there is nothing to join: its own checks run before its writes."""
+    if len(self._lookups) < 2:
       return outputs
-    registered = [a for activations, _ in self._lookups for a in activations]
+    registered = [a for activations, _, _ in self._lookups for a in activations]
     keys = {id(a): key for key, a in outputs.items()}
     missing = [a for a in registered if id(a) not in keys]
     if missing:  # a layer between the engine and these outputs replaced its activations
@@ -161,7 +174,7 @@ class JointStep:
     def checked(*activations):
       def grad(*upstream):
         checks, position = [], 0
-        for lookup_activations, check in self._lookups:
+        for lookup_activations, check, _ in self._lookups:
           count = len(lookup_activations)
           checks.extend(check(list(upstream[position : position + count])))
           position += count
@@ -171,6 +184,8 @@ class JointStep:
       return [tf.identity(a) for a in activations], grad
 
     guarded = dict(zip([keys[id(a)] for a in registered], checked(*registered)))
+    for _, _, joined in self._lookups:
+      joined.guarded = True
     return {key: guarded.get(key, value) for key, value in outputs.items()}
 
 
@@ -188,8 +203,9 @@ def joint_step() -> Iterator[JointStep]:
     _open.step = outer
 
 
-def join(activations: list[tf.Tensor], check: CheckOf) -> None:
-  """Adds an engine's trained lookup to the joint step open on this thread, if any."""
+def join(activations: list[tf.Tensor], check: CheckOf, joined: Joined) -> None:
+  """Adds an engine's trained lookup to the joint step open on this thread, if any; `joined`
+  says, once its gradient is taken, whether that step ran the checks."""
   step: Optional[JointStep] = getattr(_open, "step", None)
   if step is not None:
-    step.add(activations, check)
+    step.add(activations, check, joined)

@@ -175,21 +175,48 @@ def row_gradients(
   )
 
 
+def managed_index(name: str) -> tf.Tensor:
+  """The handle of a managed-id map's eviction index (cc/managed_ids.cc), created at first use
+  and shared by every call naming it: a cache of the map's variables, never checkpointed."""
+  return _library().tpu_embedding_managed_index(shared_name=name)
+
+
+def destroy_managed_index(name: str) -> None:
+  """Frees the index `name` if it was created (its map is gone). Eagerly: the garbage collector
+  may call this while a function is being traced, which must not record it."""
+  with tf.init_scope():
+    tf.raw_ops.DestroyResourceOp(resource=managed_index(name), ignore_lookup_error=True)
+
+
+def managed_next_step(index: tf.Tensor, step: tf.Variable) -> tf.Tensor:
+  """Adds 1 to a map's step counter, returning the new value; a write of the counter by anything
+  else (a restore) makes the index rebuild itself from the variables at its next use."""
+  return _library().tpu_embedding_managed_next_step(index=index, step=step.handle)
+
+
 def managed_rows_to_give(
-  last_seen: tf.Tensor,
-  counts: tf.Tensor,
+  index: tf.Tensor,
+  last_seen: tf.Variable,
+  counts: tf.Variable,
   step: tf.Tensor,
   wanted: tf.Tensor,
+  seen: tf.Tensor,
+  freed: tf.Tensor,
   eviction: str,
   half_life: int,
 ) -> tf.Tensor:
   """Up to `wanted` rows of a managed-id map for new keys: free rows ascending, then victims in
-  `eviction` order (cc/managed_ids.cc; the same rows as `IdMap`'s TF ops)."""
+  `eviction` order (the same rows as `IdMap`'s TF ops). `seen`: the rows counted at this step;
+  `freed`: the rows freed at it (TTL). Reads the variables in place, from the map's eviction
+  index (cc/managed_ids.cc)."""
   return _library().tpu_embedding_managed_rows_to_give(
-    last_seen=last_seen,
-    counts=counts,
+    index=index,
+    last_seen=last_seen.handle,
+    counts=counts.handle,
     step=tf.cast(step, tf.int64),
     wanted=tf.cast(wanted, tf.int64),
+    seen=tf.cast(seen, tf.int64),
+    freed=tf.cast(freed, tf.int64),
     eviction=eviction,
     half_life=int(half_life),
   )

@@ -38,8 +38,7 @@ def trapped(
       activations = forward()
 
       def grad(*upstream, variables=None):
-        backward(list(upstream))
-        return tf.zeros_like(dummy), [None] * len(variables or ())
+        return _updated(backward, list(upstream), dummy), [None] * len(variables or ())
 
       return list(activations), grad
 
@@ -50,9 +49,27 @@ def trapped(
     def grad(*upstream):
       if tf_internals.in_save_context():
         return [tf.zeros_like(dummy), *upstream]
-      backward(list(upstream))
-      return [tf.zeros_like(dummy), *([None] * len(activations))]
+      return [_updated(backward, list(upstream), dummy), *([None] * len(activations))]
 
     return [tf.identity(a) for a in activations], grad
 
   return passing_trap(trap, *forward())
+
+
+def _updated(
+  backward: Callable[[list[tf.Tensor]], None], upstream: list[tf.Tensor], dummy: tf.Tensor
+) -> tf.Tensor:
+  """The dummy's zero gradient, once `backward(upstream)` has run.
+
+  In a graph the gradient depends on every op `backward` built: the backward function TF builds
+  for a `tf.function` differentiated by a tape outside it runs only what its outputs depend on
+  (it has no automatic control dependencies), so the update would otherwise never run.
+  """
+  if tf.executing_eagerly():
+    backward(upstream)
+    return tf.zeros_like(dummy)
+  graph = tf.compat.v1.get_default_graph()
+  first = len(graph.get_operations())
+  backward(upstream)
+  with tf.control_dependencies(graph.get_operations()[first:]):
+    return tf.zeros_like(dummy)

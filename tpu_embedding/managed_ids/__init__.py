@@ -1,14 +1,16 @@
 """Managed ids: embedding tables that take raw keys and give rows to them (docs/managed-ids.md).
 
-`ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables);
-`ManagedTables` applies a layer's maps to its feature nest and resets the rows given to new
-keys; `row_resets` is how each path's memory receives those resets; `attach` and
+`ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables) and
+`ShardedIdMap` that map split with the table's row blocks over parameter servers, both
+`KeyRowMap`s; `ManagedTables` applies a layer's maps to its feature nest and resets the rows
+given to new keys; `row_resets` is how each path's memory receives those resets; `attach` and
 `checkpoint` are how a layer holds them.
 """
 
 from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create, specs
 from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
 from tpu_embedding.managed_ids.row_resets import (
   DeferredResets,
@@ -24,6 +26,7 @@ __all__ = [
   "DeferredResets",
   "IdMap",
   "ImmediateResets",
+  "KeyRowMap",
   "ManagedIds",
   "ManagedIdsMixin",
   "ManagedTables",

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding.managed_ids.spec import ManagedIds
-from tpu_embedding.managed_ids.tables import ManagedTables
+from tpu_embedding.managed_ids.tables import ManagedTables, VariablesByTable
 
 # The layer tracks its maps under this name: `<layer>/managed_ids/maps/<table>/...`.
 CHECKPOINT_KEY = "managed_ids"
@@ -18,9 +18,11 @@ def create(
   config: config_lib.EmbeddingConfig,
   path: hardware.ExecutionPath,
   pipelining: bool,
+  variables_by_table: VariablesByTable,
 ) -> Optional[ManagedTables]:
   """The layer's maps, or None without `managed_ids`; refuses the paths and options that cannot
-  reset rows given to new keys exactly."""
+  reset rows given to new keys exactly. `variables_by_table`: the layer's tables (under
+  parameter servers, the maps are split with the tables' row blocks)."""
   if managed_ids is None or (isinstance(managed_ids, Mapping) and not managed_ids):
     return None
   if path is hardware.ExecutionPath.TPU_V0:
@@ -40,7 +42,7 @@ def create(
       "of the previous key held back one step could land on the fresh row. Pipelining with "
       "managed ids is supported on TPU_V1, whose resets wait a step (docs/managed-ids.md)."
     )
-  return ManagedTables(managed_ids, config)
+  return ManagedTables(managed_ids, config, variables_by_table)
 
 
 def specs(managed: ManagedTables) -> dict[str, ManagedIds]:

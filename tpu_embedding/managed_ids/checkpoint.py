@@ -61,13 +61,22 @@ def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Opti
   wanted = id_map.num_shards if isinstance(id_map, ShardedIdMap) else 0
   if stored == wanted:
     return None
+  if stored and wanted:
+    return (
+      f"its managed-id map is split into {wanted} parts in this layer but {stored} in the "
+      "checkpoint, one per row block of the table (as the strategy's variable_partitioner cut "
+      "it). A key's part is its hash modulo the number of parts and each part gives rows of its "
+      "own block only, so under another cut the restored keys would belong to parts whose blocks "
+      "do not hold their rows. Restore under a partitioner that cuts the table into "
+      f"{stored} blocks (e.g. FixedShardsPartitioner({stored})), with any number of ps tasks"
+    )
 
   def split(count: int) -> str:
-    return f"split over {count} parameter servers" if count else "whole (no parameter servers)"
+    return f"split into {count} row blocks" if count else "whole (no parameter servers)"
 
   return (
     f"its managed-id map is {split(wanted)} in this layer but {split(stored)} in the "
-    "checkpoint; restore it under the same number of ps tasks"
+    "checkpoint; restore it under a ParameterServerStrategy exactly when it was written under one"
   )
 
 

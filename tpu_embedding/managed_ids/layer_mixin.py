@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
-from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables
 
@@ -22,7 +22,7 @@ class ManagedIdsMixin:
   _config: config_lib.EmbeddingConfig
 
   @property
-  def managed_ids(self) -> dict[str, IdMap]:
+  def managed_ids(self) -> dict[str, KeyRowMap]:
     """{table name: its key -> row map} for the tables named in `managed_ids`."""
     return {} if self._managed is None else dict(self._managed.maps)
 

@@ -10,27 +10,39 @@ loads them back (docs/managed-ids.md, "TPU").
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import tf_internals
+from tpu_embedding.engine import sharded
 from tpu_embedding.managed_ids import resets
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
-# Writes {"parameters"/slot name: [len(rows), ...] values} into `rows` of one table's memory.
-Write = Callable[[TableConfig, tf.Tensor, Mapping[str, tf.Tensor]], None]
+# Writes {"parameters"/slot name: [len(rows), ...] values} into `rows` of one table's memory;
+# the last argument, when not None, is the row block of a table sharded over parameter servers
+# that holds all of `rows` (the write then touches that block, on its ps task, only).
+Write = Callable[[TableConfig, tf.Tensor, Mapping[str, tf.Tensor], Optional[int]], None]
 
 
 def write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, Any]]]) -> Write:
   """A `Write` into variables kept per table ({table name: {"parameters"/slot: variable}})."""
 
-  def write(table: TableConfig, rows: tf.Tensor, values: Mapping[str, tf.Tensor]) -> None:
+  def write(
+    table: TableConfig, rows: tf.Tensor, values: Mapping[str, tf.Tensor], block: Optional[int]
+  ) -> None:
     variables = variables_by_table()[table.name]
     for name, value in values.items():
-      if name in variables:
-        variables[name].scatter_update(tf.IndexedSlices(value, rows))
+      if name not in variables:
+        continue
+      variable = variables[name]
+      if block is not None:  # slots are cut into the table's blocks (`sharded.create_slots`)
+        start = sharded.row_starts(variable)[block]
+        variable, rows_here = sharded.shards(variable)[block], rows - start
+      else:
+        rows_here = rows
+      variable.scatter_update(tf.IndexedSlices(value, rows_here))
 
   return write
 
@@ -45,10 +57,10 @@ class ImmediateResets:
   def check_training_remap(self) -> None:
     """Refuses a training remap this path cannot reset rows for (none here)."""
 
-  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
-    """`rows` of `table` were just given to new keys."""
+  def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
+    """`rows` of `table` (all in row block `block`, if given) were just given to new keys."""
     if self._built():
-      self._write(table, rows, resets.fresh_rows(table, rows))
+      self._write(table, rows, resets.fresh_rows(table, rows), block)
 
   def end_step(self) -> None:
     """One training remap of every map is done."""
@@ -108,8 +120,8 @@ class DeferredResets(ImmediateResets):
         "training loop right before the step, then layer(rows, remapped=True) inside it."
       )
 
-  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
-    if not self._built():
+  def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
+    if not self._built():  # (`block`: tables in TPU memory have no row blocks)
       return
     self._last_given[table.name] = self._remaps + 1
     since = tf.fill(tf.shape(rows), tf.constant(self._remaps + 1, tf.int64))
@@ -152,7 +164,7 @@ class DeferredResets(ImmediateResets):
     self._copy_out()  # the host copies were stale: TPU memory holds every update since
     for name, rows in due.items():
       table = self._tables[name]
-      self._write(table, rows, resets.fresh_rows(table, rows))
+      self._write(table, rows, resets.fresh_rows(table, rows), None)
       self._waiting[name].remove(rows)
     self._copy_in()
 
@@ -184,8 +196,8 @@ class RoutedResets(ImmediateResets):
     for side in self._distinct:
       side.check_training_remap()
 
-  def reset(self, table: TableConfig, rows: tf.Tensor) -> None:
-    self._by_table[table.name].reset(table, rows)
+  def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
+    self._by_table[table.name].reset(table, rows, block)
 
   def end_step(self) -> None:
     for side in self._distinct:

@@ -1,17 +1,24 @@
-"""`ShardedIdMap`: one managed table's map split over the parameter-server tasks.
+"""`ShardedIdMap`: one managed table's map split with the table's rows over parameter servers.
 
-Under `ParameterServerStrategy` no worker holds the map: shard k lives on a ps task, holds the
-keys whose 64-bit FarmHash fingerprint is k modulo the number of shards (int64 keys hashed as
-their decimal string), and gives them rows from its own contiguous range of the table's rows.
-Each shard is a whole `IdMap` (its local row 0 stands for the out-of-vocabulary row 0), so a
-shard follows exactly the rules of docs/managed-ids.md on its part of every step's key stream.
+Under `ParameterServerStrategy` the table is a list of row blocks (one unless a
+`variable_partitioner` cuts it), each on a ps task. The map has one part (*shard*) per block,
+created on that block's ps task: shard k holds the keys whose 64-bit FarmHash fingerprint is k
+modulo the number of blocks (int64 keys hashed as their decimal string) and gives them rows of
+its own block only. A shard's whole step (count, admit, evict, and the reset of the rows it
+gives) therefore reads and writes only its own ps task. Each shard is a whole `IdMap` (its local
+row 0 stands for the out-of-vocabulary row 0), so a shard follows exactly the rules of
+docs/managed-ids.md on its part of every step's key stream.
 
-Workers train concurrently: one step of a shard (count, admit, evict) runs on the shard's ps as
-one function call inside the shard's `tf.CriticalSection`, so two workers' steps of a shard never
-interleave and a key never gets two rows, nor a row two keys. Steps of different shards run in
-parallel. Which worker's step a shard takes first is not chosen by anyone, so under concurrent
-training the map depends on that order; with steps run one at a time it depends on the key
-stream only.
+The split depends on the number of blocks, not of ps tasks: a checkpoint restores under any
+number of ps tasks whose partitioner cuts the table into as many blocks (each key keeps its row,
+on the block the table's rows were restored to); under another number of blocks a key's shard
+would change while its row could not, and the restore is refused (`checkpoint.py`).
+
+Workers train concurrently: one step of a shard runs on the shard's ps as one function call
+inside the shard's `tf.CriticalSection`, so two workers' steps of a shard never interleave and a
+key never gets two rows, nor a row two keys. Steps of different shards run in parallel. Which
+worker's step a shard takes first is not chosen by anyone, so under concurrent training the map
+depends on that order; with steps run one at a time it depends on the key stream only.
 """
 
 from __future__ import annotations
@@ -22,86 +29,58 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset
 from tpu_embedding.managed_ids.spec import ManagedIds
 
-Reset = Callable[[tf.Tensor], None]
 
-
-def new_map(spec: ManagedIds, table_name: str, capacity: int) -> IdMap | ShardedIdMap:
-  """The map of a managed table created now: sharded over the ps tasks under PSS."""
+def new_map(
+  spec: ManagedIds, table_name: str, capacity: int, table: Callable[[], Any]
+) -> KeyRowMap:
+  """The map of a managed table created now: under PSS split with the rows of `table()` (the
+  table's variable, created by this call if it does not exist yet)."""
   if Distribution.current() is not Distribution.PARAMETER_SERVERS:
     return IdMap(spec, table_name, capacity)
-  return ShardedIdMap(spec, table_name, capacity, len(parameter_server_devices()))
+  return ShardedIdMap(spec, table_name, table())
 
 
-def parameter_server_devices() -> list[str]:
-  """The CPU of each ps task of the cluster this process is connected to."""
-  return [d.name for d in tf.config.list_logical_devices("CPU") if "/job:ps/" in d.name]
-
-
-def remap_and_reset(
-  id_map: IdMap | ShardedIdMap, keys: tf.Tensor, training: bool, reset: Optional[Reset]
-) -> tf.Tensor:
-  """Rows of `keys` after one step of `id_map` (with `training`), the rows given to new keys
-  reset by `reset` before anything reads them (for a sharded map, within the shard's step)."""
-  if isinstance(id_map, ShardedIdMap):
-    return id_map.remap(keys, training, reset)[0]
-  rows, fresh = id_map.remap(keys, training)
-  if reset is not None:
-    reset(fresh)
-  return rows
-
-
-def serving_tables(id_map: IdMap | ShardedIdMap) -> Any:
-  """The hash tables a serving lookup of `id_map` reads (a SavedModel must hold them)."""
-  if isinstance(id_map, ShardedIdMap):
-    return [shard.rows_of_keys for shard in id_map.shards]
-  return id_map.rows_of_keys
-
-
-def row_ranges(capacity: int, num_shards: int) -> list[tuple[int, int]]:
-  """[first, end) of the rows each shard gives: rows 1..capacity-1 cut in contiguous ranges,
-  the first `(capacity - 1) % num_shards` ranges one row longer."""
-  size, extra = divmod(capacity - 1, num_shards)
-  ranges, first = [], 1
-  for k in range(num_shards):
-    end = first + size + (k < extra)
-    ranges.append((first, end))
-    first = end
-  return ranges
+def key_row_ranges(row_starts: list[int]) -> list[tuple[int, int]]:
+  """[first, end) of the rows each shard gives: its block's rows, row 0 left out."""
+  return [(max(start, 1), end) for start, end in zip(row_starts, row_starts[1:])]
 
 
 class ShardedIdMap(tf.Module):
-  """The map of one managed table under PSS: `num_shards` `IdMap`s, one per ps task."""
+  """The map of one managed table under PSS: one `IdMap` per row block of the table, on the
+  block's ps task, giving that block's rows."""
 
-  def __init__(self, spec: ManagedIds, table_name: str, capacity: int, num_shards: int):
+  def __init__(self, spec: ManagedIds, table_name: str, table: Any):
     super().__init__()
+    blocks = sharded.shards(table)
+    capacity = int(table.shape[0])
     spec.check_capacity(table_name, capacity)
-    if capacity - 1 < num_shards:
+    ranges = key_row_ranges(sharded.row_starts(table))
+    if ranges[0][0] >= ranges[0][1]:
       raise ValueError(
-        f"Table {table_name!r}: its managed-id map is split over {num_shards} parameter servers, "
-        f"each giving rows of its own, so it needs vocabulary_size >= {num_shards + 1}; got "
-        f"{capacity}."
+        f"Table {table_name!r}: its managed-id map gives each row block of the table rows of "
+        f"its own, but the strategy's variable_partitioner cut the table into {len(blocks)} "
+        "blocks and the first holds only row 0 (the out-of-vocabulary row). Cut it into fewer "
+        "blocks, or give it more rows."
       )
     self.spec, self.table_name, self.capacity = spec, table_name, capacity
     strategy = tf.distribute.get_strategy()
-    ranges = row_ranges(capacity, num_shards)
+    shards, locks = [], []
     with tf.init_scope():
-      # Created one after another, PSS puts these on consecutive ps tasks; each shard's state
-      # is then created beside its own (colocated, hence never partitioned).
-      self.first_rows = [
-        tf.Variable(first, dtype=tf.int64, trainable=False, name="first_row") for first, _ in ranges
-      ]
-      shards, locks = [], []
-      for anchor, (first, end) in zip(self.first_rows, ranges):
-        with strategy.extended.colocate_vars_with(anchor), tf.device(anchor.device):
+      for block, (first, end) in zip(blocks, ranges):
+        # Beside the block (colocated, hence never partitioned nor sent to another ps).
+        with strategy.extended.colocate_vars_with(block), tf.device(block.device):
           shards.append(IdMap(spec, table_name, end - first + 1))
           locks.append(
             tf.CriticalSection(name="map_lock", shared_name=f"map_lock_{uuid.uuid4().hex}")
           )
     self.shards = shards
+    self._devices = tuple(block.device for block in blocks)
     self._offsets = tuple(first - 1 for first, _ in ranges)
     self._locks = self._no_dependency(locks)
 
@@ -112,6 +91,11 @@ class ShardedIdMap(tf.Module):
   @property
   def num_shards(self) -> int:
     return len(self.shards)
+
+  @property
+  def devices(self) -> tuple[str, ...]:
+    """Where each shard lives and runs its steps: the ps task of its row block."""
+    return self._devices
 
   def shard_of(self, keys: tf.Tensor) -> tf.Tensor:
     """The shard holding each key: FarmHash64 of the key (int64: its decimal string) mod shards."""
@@ -142,13 +126,18 @@ class ShardedIdMap(tf.Module):
     rows = tf.concat([self._global(k, p[1]) for k, p in enumerate(parts)], 0)
     return keys, rows, tf.concat([p[2] for p in parts], 0)  # shards' ranges ascend
 
+  def serving_tables(self) -> list[Any]:
+    """Every shard's hash table (a serving lookup routes each key to its shard's)."""
+    return [table for shard in self.shards for table in shard.serving_tables()]
+
   def remap(
     self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
   ) -> tuple[tf.Tensor, tf.Tensor]:
     """(row of each key, rows given to new keys this step); one step of every shard.
 
     `reset(rows)` writes fresh values into rows given to new keys; it runs inside the shard's
-    critical section, so no other worker can look a new key up before its row is reset.
+    critical section on the shard's ps (the rows are its block's), so no other worker can look
+    a new key up before its row is reset.
     """
     if not training:
       return self.lookup(keys), tf.zeros([0], tf.int64)
@@ -156,11 +145,10 @@ class ShardedIdMap(tf.Module):
 
     def step(k: int, shard: IdMap, part: tf.Tensor) -> tf.Tensor:
       def locked(part: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        local, new_local = shard.remap(part, True)
-        new_rows = self._global(k, new_local)
-        if reset is not None:
-          reset(new_rows)
-        return self._global(k, local), new_rows
+        # The reset writes this shard's block only, on this ps.
+        global_reset = None if reset is None else lambda local: reset(self._global(k, local), k)
+        local, new_local = shard.remap(part, True, global_reset)
+        return self._global(k, local), self._global(k, new_local)
 
       # As one function call, whose outputs exist only once all its writes are done, so the
       # lock covers every write. The table's own shard locks guard its rows too (not
@@ -184,8 +172,8 @@ class ShardedIdMap(tf.Module):
     positions = tf.dynamic_partition(tf.range(tf.size(keys)), shard_of, self.num_shards)
     parts = tf.dynamic_partition(keys, shard_of, self.num_shards)
     results = []
-    for k, (anchor, shard, part) in enumerate(zip(self.first_rows, self.shards, parts)):
-      with tf.device(anchor.device) if on_ps else contextlib.nullcontext():
+    for k, (device, shard, part) in enumerate(zip(self._devices, self.shards, parts)):
+      with tf.device(device) if on_ps else contextlib.nullcontext():
         results.append(fn(k, shard, part))
     return tf.dynamic_stitch(positions, results)
 

@@ -10,16 +10,28 @@ import tensorflow as tf
 from tpu_embedding import config as config_lib
 from tpu_embedding import tf_internals
 from tpu_embedding.managed_ids import sharded_map
-from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.spec import ManagedIds
 
-ResetRows = Callable[[config_lib.TableConfig, tf.Tensor], None]
+# Resets rows of a table given to new keys (`row_resets.ImmediateResets.reset`).
+ResetRows = Callable[[config_lib.TableConfig, tf.Tensor, Optional[int]], None]
+# {table name: {"parameters"/slot name: variable}}, the tables created if not yet.
+VariablesByTable = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
 class ManagedTables(tf.Module):
-  """{table name: IdMap} for the tables named in a layer's `managed_ids`."""
+  """{table name: its map} for the tables named in a layer's `managed_ids`.
 
-  def __init__(self, managed_ids: Mapping[Any, ManagedIds], config: config_lib.EmbeddingConfig):
+  Under `ParameterServerStrategy` each map is split with its table's row blocks, so the tables
+  are created (`variables_by_table()`) with the maps.
+  """
+
+  def __init__(
+    self,
+    managed_ids: Mapping[Any, ManagedIds],
+    config: config_lib.EmbeddingConfig,
+    variables_by_table: VariablesByTable,
+  ):
     super().__init__()
     if not isinstance(managed_ids, Mapping):
       raise TypeError(
@@ -39,7 +51,12 @@ class ManagedTables(tf.Module):
         raise TypeError(
           f"managed_ids[{name!r}] is a {type(spec).__name__}; expected tpu_embedding.ManagedIds."
         )
-      maps[table.name] = sharded_map.new_map(spec, table.name, table.vocabulary_size)
+      maps[table.name] = sharded_map.new_map(
+        spec,
+        table.name,
+        table.vocabulary_size,
+        functools.partial(_parameters, variables_by_table, table.name),
+      )
     self.maps = maps
     self._tables = {t.name: t for t in config.tables}
 
@@ -48,7 +65,7 @@ class ManagedTables(tf.Module):
     config: config_lib.EmbeddingConfig,
     features: Any,
     training: bool,
-    reset_rows: Optional[ResetRows] = None,
+    reset_rows: ResetRows,
   ) -> Any:
     """`features` with each managed table's raw keys replaced by rows (int64).
 
@@ -69,17 +86,19 @@ class ManagedTables(tf.Module):
     leaves = [ids for _, ids in pairs]
     for name, parts in streams.items():
       sizes = [tf.size(keys) for _, keys in parts]
-      reset = None
-      if training and reset_rows is not None:
-        reset = functools.partial(reset_rows, self._tables[name])
       keys = tf.concat([k for _, k in parts], 0)
-      rows = sharded_map.remap_and_reset(self.maps[name], keys, training, reset)
+      reset = functools.partial(reset_rows, self._tables[name])
+      rows, _ = self.maps[name].remap(keys, training, reset)
       for (index, _), part in zip(parts, tf.split(rows, tf.stack(sizes))):
         leaves[index] = _with_rows(leaves[index], part)
     return tf.nest.pack_sequence_as(features, leaves)
 
 
-def _keys_of(feature: config_lib.Feature, ids: Any, id_map: IdMap) -> tf.Tensor:
+def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
+  return variables_by_table()[name]["parameters"]
+
+
+def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
   """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
   if isinstance(ids, tf.SparseTensor):
     values = ids.values
