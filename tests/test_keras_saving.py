@@ -1,12 +1,18 @@
 """Legacy HDF5 files of the Keras 3 layers (`tpu_embedding.keras.saving`): they hold and restore
 every table and slot (`.keras` files are tested with each layer)."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tpu_embedding
 from tpu_embedding.keras import DistributedEmbedding, PartialTPUEmbedding, TPUEmbedding
+
+from child_process import run_python
+from managed_ids_reference import ReferenceMap
 
 E = tf.tpu.experimental.embedding
 IDS = {"f": np.arange(8, dtype=np.int32).reshape(8, 1)}
@@ -82,3 +88,137 @@ def test_a_truncated_keras_file_fails_in_keras_before_any_variable_changes(tmp_p
     target.load_weights(path)
   for value, variable in zip(before, target.variables):
     np.testing.assert_array_equal(variable.numpy(), value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Managed-ids maps: settings in the layer's config, keys/rows/counts with the tables
+
+
+def managed_model(layer_class, string_keys=True):
+  """A model whose table "small" takes int64 keys and "large" string (or int64) keys."""
+  small = E.TableConfig(5, 2, name="small", optimizer=E.Adagrad(0.3))
+  large = E.TableConfig(7, 2, name="large", optimizer=E.Adagrad(0.3))
+  features = {"a": E.FeatureConfig(small, name="a"), "b": E.FeatureConfig(large, name="b")}
+  key_dtype = tf.string if string_keys else tf.int64
+  managed = {
+    "small": tpu_embedding.ManagedIds(eviction="lru"),
+    large: tpu_embedding.ManagedIds(key_dtype=key_dtype, min_count=2, lfu_half_life_steps=3),
+  }
+  inputs = {
+    "a": keras.Input((), dtype="int64", name="a"),
+    "b": keras.Input((), dtype=key_dtype.name, name="b"),
+  }
+  layer = layer_class(features, managed_ids=managed)
+  out = layer(inputs)
+  return keras.Model(inputs, keras.layers.Concatenate()([out["a"], out["b"]])), layer
+
+
+def managed_stream(string_keys, steps=10):
+  rng = np.random.default_rng(7)
+  for _ in range(steps):
+    a = [int(k) for k in rng.integers(0, 9, size=3) * 2**33 - 5]
+    b = [int(k) for k in rng.integers(0, 12, size=3)]
+    yield a, [f"item{k}".encode() for k in b] if string_keys else [k * 10**12 for k in b]
+
+
+def as_features(a, b):
+  return {"a": tf.constant(a, tf.int64), "b": tf.constant(b)}
+
+
+RELOAD_MANAGED = """
+import json, os, sys
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import keras, numpy as np, tensorflow as tf
+import tpu_embedding.keras
+probe = json.loads(sys.argv[1])
+model = keras.models.load_model(sys.argv[2])
+(layer,) = [x for x in model.layers if hasattr(x, "managed_ids")]
+def keys(values):
+  return tf.constant([v.encode() if isinstance(v, str) else v for v in values])
+def plain(values):
+  return [v.decode() if isinstance(v, bytes) else v for v in values.numpy().tolist()]
+out = {"config": {t: m.spec.to_config() for t, m in layer.managed_ids.items()}}
+for table, id_map in layer.managed_ids.items():
+  out[table] = {
+    "export": [plain(t) for t in id_map.export()],
+    "lookup": plain(id_map.lookup(keys(probe[table]))),
+    "variables": {s: v.numpy().tolist() for s, v in layer.variables_by_table[table].items()},
+  }
+n = min(len(probe["small"]), len(probe["large"]))
+features = {"a": keys(probe["small"][:n]), "b": keys(probe["large"][:n])}
+out["embeddings"] = model(features, training=False).numpy().tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(
+  "layer_class, suffix, string_keys",
+  [(TPUEmbedding, "keras", True), (PartialTPUEmbedding, "keras", True)]
+  + [(DistributedEmbedding, "keras", True), (TPUEmbedding, "h5", False)]
+  + [(PartialTPUEmbedding, "h5", False), (DistributedEmbedding, "h5", False)],
+)
+def test_model_file_keeps_managed_maps_tables_and_slots_in_a_fresh_process(
+  layer_class, suffix, string_keys, tmp_path
+):
+  """The reloaded layer gives the same keys the same rows (the NumPy reference map), and holds
+  the saving process's tables and slots: the same embeddings for the same keys."""
+  model, layer = managed_model(layer_class, string_keys)
+  reference = {
+    "small": ReferenceMap(5, eviction="lru"),
+    "large": ReferenceMap(7, min_count=2, half_life=3),
+  }
+  for a, b in managed_stream(string_keys):
+    reference["small"].train(a)
+    reference["large"].train(b)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(model(as_features(a, b), training=True) * [1.0, 2.0, -1.0, 3.0])
+    tape.gradient(loss, model.trainable_variables)
+  saved = {t: {s: v.numpy() for s, v in layer.variables_by_table[t].items()} for t in reference}
+  assert saved["large"]["accumulators"].max() > 0.1 and len(reference["large"].row_of) == 6
+  model.save(tmp_path / f"m.{suffix}")
+  unseen = b"never" if string_keys else 123
+  probe = {t: [unseen if t == "large" else 99, *ref.row_of] for t, ref in reference.items()}
+  argv = ["-c", json.dumps(plain(probe)), str(tmp_path / f"m.{suffix}")]
+  output = run_python(f"import sys\nsys.argv = {argv!r}\n" + RELOAD_MANAGED, timeout=300)
+  got = json.loads(output.split("RESULT")[-1])
+  assert got["config"]["large"]["min_count"] == 2
+  assert got["config"]["large"]["key_dtype"] == ("string" if string_keys else "int64")
+  for table, ref in reference.items():
+    keys, rows, counts = ref.export()
+    exported = sorted(zip(*got[table]["export"]))
+    assert exported == sorted(zip(plain(keys), rows, counts)), table
+    assert got[table]["lookup"] == ref.lookup(probe[table]), table
+    assert got[table]["lookup"][0] == 0  # an unseen key reads the out-of-vocabulary row
+    for slot, value in saved[table].items():
+      np.testing.assert_array_equal(got[table]["variables"][slot], value, err_msg=slot)
+  n = min(len(probe["small"]), len(probe["large"]))
+  expected = np.concatenate(
+    [saved[t]["parameters"][ref.lookup(probe[t][:n])] for t, ref in reference.items()], 1
+  )
+  np.testing.assert_array_equal(got["embeddings"], expected)
+
+
+def plain(value):
+  """`value` with bytes as str, for JSON."""
+  if isinstance(value, dict):
+    return {k: plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain(v) for v in value]
+  return value.decode() if isinstance(value, bytes) else value
+
+
+@pytest.mark.parametrize("layer_class", LAYERS)
+def test_h5_file_of_string_key_maps_is_refused_naming_the_layer_and_keras_format(
+  layer_class, tmp_path
+):
+  """h5py holds no strings: refused when Keras asks for the config, with nothing stored (Keras
+  has already created the file by then: it is left empty of weights)."""
+  model, layer = managed_model(layer_class, string_keys=True)
+  for a, b in managed_stream(True, steps=3):
+    model(as_features(a, b), training=True)
+  with pytest.raises(ValueError, match=rf"Layer '{layer.name}'.*\['large'\].*\.keras"):
+    model.save(tmp_path / "m.h5")
+  import h5py
+
+  with h5py.File(tmp_path / "m.h5", "r") as f:
+    assert "model_weights" not in f

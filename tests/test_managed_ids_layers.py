@@ -1,6 +1,7 @@
 """managed_ids on PartialTPUEmbedding and the Keras 3 layers: the same maps and tables as
 TPUEmbedding for the same stream; checkpoints interchangeable."""
 
+import json
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -91,7 +92,39 @@ def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):
     assert [t.numpy().tolist() for t in layer.managed_ids[name].export()] == trained[name][0]
 
 
-def test_keras3_file_refuses_managed_ids():
-  layer = LAYERS["keras.TPUEmbedding"]()
-  with pytest.raises(ValueError, match="managed_ids, which a .keras file does not hold"):
-    layer.get_config()
+# ManagedIds's defaults, as a config gives them.
+SETTINGS = dict(ttl_steps=None, lfu_half_life_steps=1000, candidate_capacity=None)
+SETTINGS.update(reset_every_steps=1, min_count=1)
+
+
+@pytest.mark.parametrize("kind", ["keras.TPUEmbedding", "keras.PartialTPUEmbedding"])
+def test_keras3_config_holds_managed_ids_as_json_and_rebuilds_them(kind):
+  """The settings travel in the config (a .keras file's JSON); keys, rows and counts travel with
+  the weights (tests/test_keras_saving.py reloads them in a fresh process)."""
+  layer = LAYERS[kind]()
+  config = json.loads(json.dumps(layer.get_config()))
+  assert config["managed_ids"] == {
+    "small": dict(SETTINGS, key_dtype="int64", eviction="lru"),
+    "large": dict(SETTINGS, key_dtype="string", eviction="lfu", min_count=2),
+  }
+  rebuilt = type(layer).from_config(config)
+  assert {t: m.spec for t, m in rebuilt.managed_ids.items()} == _managed()
+
+
+def test_keras3_config_names_a_table_given_as_its_table_config():
+  features = _features()
+  spec = tpu_embedding.ManagedIds(eviction="ttl", ttl_steps=4)
+  layer = keras3.TPUEmbedding(features, E.Adagrad(0.3), managed_ids={features["b"].table: spec})
+  config = layer.get_config()
+  expected = dict(SETTINGS, key_dtype="int64", eviction="ttl", ttl_steps=4)
+  assert config["managed_ids"] == {"large": expected}
+  assert keras3.TPUEmbedding.from_config(config).managed_ids["large"].spec == spec
+
+
+def test_managed_ids_config_with_unknown_settings_is_refused_naming_them():
+  config = dict(SETTINGS, key_dtype="int64", eviction="lfu")
+  assert tpu_embedding.ManagedIds.from_config(config) == tpu_embedding.ManagedIds()
+  with pytest.raises(ValueError, match=r"unknown settings \['eviction_policy'\]"):
+    tpu_embedding.ManagedIds.from_config(dict(config, eviction_policy="lfu"))
+  with pytest.raises(ValueError, match="key_dtype='float32'"):
+    tpu_embedding.ManagedIds.from_config(dict(config, key_dtype="float32"))

@@ -19,11 +19,12 @@ import tf_keras
 import weight_files_scenario as scenario
 
 import tpu_embedding
-from tpu_embedding import hardware
+from tpu_embedding import hardware, weight_files
 from tpu_embedding import keras as tpu_keras
 
 import tpu_harness
 from child_process import run_python
+from managed_ids_reference import ReferenceMap
 
 E = tf.tpu.experimental.embedding
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -298,13 +299,47 @@ def test_keras3_save_weights_holds_the_managed_ids_map(tmp_path):
     np.testing.assert_array_equal(after[key], value, err_msg=key)
 
 
-@pytest.mark.parametrize("name", ["k.keras", "k.h5"])
-def test_keras3_model_save_refuses_managed_ids_by_name(name, tmp_path):
-  model, layer = _keras3_managed_model()
-  before = scenario.state(layer)
-  with pytest.raises(
-    ValueError, match=rf"Layer '{layer.name}' has managed_ids.*tf.train.Checkpoint"
-  ):
-    model.save(str(tmp_path / name))
-  for key, value in scenario.state(layer).items():
-    np.testing.assert_array_equal(value, before[key], err_msg=key)
+def _string_key_model():
+  table = E.TableConfig(7, 2, name="t")
+  layer = tpu_embedding.TPUEmbedding(
+    {"b": E.FeatureConfig(table, name="b")},
+    E.Adagrad(0.3),
+    managed_ids={"t": tpu_embedding.ManagedIds(key_dtype=tf.string)},
+  )
+  ids = tf_keras.Input((1,), dtype="string", name="b")
+  return tf_keras.Model({"b": ids}, layer({"b": ids})["b"]), layer
+
+
+@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras"])
+def test_string_keys_of_any_bytes_travel_in_the_name_keyed_formats(name, tmp_path):
+  """Keras's stores take numbers only (and h5py's strings no NUL byte): string keys are stored
+  as their bytes and lengths, an embedded NUL and the empty key included."""
+  keys = [b"x", b"y\x00", b"", b"x", b"y"]
+  model, layer = _string_key_model()
+  with tf.GradientTape() as tape:
+    out = model({"b": tf.constant([[k] for k in keys])}, training=True)
+  tape.gradient(out, model.trainable_variables)
+  reference = ReferenceMap(7)
+  reference.train(keys)
+  path = str(tmp_path / name)
+  model.save_weights(path) if name.endswith(".weights.h5") else model.save(path)
+  other, other_layer = _string_key_model()
+  other.load_weights(path)
+  exported = [t.numpy().tolist() for t in other_layer.managed_ids["t"].export()]
+  assert sorted(zip(*exported)) == sorted(zip(*reference.export()))
+  probe = [b"y\x00", b"y", b"", b"never"]
+  assert other_layer.managed_ids["t"].lookup(tf.constant(probe)).numpy().tolist() == (
+    reference.lookup(probe)
+  )
+
+
+def test_stored_strings_whose_lengths_disagree_with_their_bytes_are_refused():
+  keys = tf.Variable([b"ab", b"", b"c\x00"])
+  store = {}
+  weight_files.save_variables(store, {"managed:t:0": keys})
+  assert store["managed:t:0"].tolist() == list(b"abc\x00")
+  assert store["managed:t:0:lengths"].tolist() == [2, 0, 2]
+  store["managed:t:0:lengths"] = np.array([2, 0, 3])
+  with pytest.raises(ValueError, match=r"'managed:t:0' holds 4 bytes .* add up to 5"):
+    weight_files.load_variables(store, {"managed:t:0": keys}, "layer")
+  assert keys.numpy().tolist() == [b"ab", b"", b"c\x00"]

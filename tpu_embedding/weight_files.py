@@ -123,27 +123,59 @@ def stored_variables(tables: Mapping[str, tf.Variable], maps: Mapping[str, Any])
   return stored
 
 
+# A string variable (a map's keys with key_dtype=tf.string) is stored as two arrays, since Keras's
+# stores hold numbers only: its strings' bytes one after the other under its key, and each
+# string's length under the key with this suffix.
+STRING_LENGTHS = ":lengths"
+
+
 def save_variables(store: Any, stored: Mapping[str, tf.Variable]) -> None:
   for key, variable in stored.items():
-    store[key] = variable.numpy()
+    value = variable.numpy()
+    if variable.dtype == tf.string:
+      strings = value.ravel().tolist()
+      store[key + STRING_LENGTHS] = np.array([len(s) for s in strings], np.int64)
+      value = np.frombuffer(b"".join(strings), np.uint8)
+    store[key] = value
 
 
 def load_variables(store: Any, stored: Mapping[str, tf.Variable], layer: str) -> None:
   """Assigns every variable of `stored` from `store`, after checking that all are there and fit."""
   values = []
   for key, variable in stored.items():
-    if key not in store.keys():
+    wanted = [key + STRING_LENGTHS, key] if variable.dtype == tf.string else [key]
+    # The keys' view, not a list of them: an HDF5 store's view finds a piece `<key>/<i>` by path.
+    missing = [k for k in wanted if k not in store.keys()]
+    if missing:
       raise ValueError(
-        f"Layer {layer!r}: the Keras file holds no {key!r} (it holds {sorted(store.keys())}): "
+        f"Layer {layer!r}: the Keras file holds no {missing[0]!r} (it holds "
+        f"{sorted(store.keys())}): "
         "it was saved from another layer, or on another path (a TPU's tables are stored as "
         "the pieces TensorFlow splits them into). Nothing was changed in this layer."
       )
-    value = np.asarray(store[key])
+    value = np.asarray(store[wanted[0]])
     if list(value.shape) != variable.shape.as_list():
       raise ValueError(
-        f"Layer {layer!r}: {key!r} has shape {list(value.shape)} in the Keras file; the layer "
-        f"expects {variable.shape.as_list()}. Nothing was changed in this layer."
+        f"Layer {layer!r}: {wanted[0]!r} has shape {list(value.shape)} in the Keras file; the "
+        f"layer expects {variable.shape.as_list()}. Nothing was changed in this layer."
       )
+    if variable.dtype == tf.string:
+      value = _strings(np.asarray(store[key]), value, f"Layer {layer!r}: {key!r}")
     values.append((variable, value))
   for variable, value in values:
     variable.assign(value)
+
+
+def _strings(data: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
+  """The strings `save_variables` stored as their bytes `data` and their `lengths`."""
+  if data.dtype != np.uint8 or data.ndim != 1 or lengths.min(initial=0) < 0:
+    raise ValueError(f"{what} is not a list of strings in the Keras file. Nothing was changed.")
+  if int(lengths.sum()) != data.size:
+    raise ValueError(
+      f"{what} holds {data.size} bytes in the Keras file, but its lengths add up to "
+      f"{int(lengths.sum())}. Nothing was changed in this layer."
+    )
+  ends = np.cumsum(lengths.ravel())
+  raw = data.tobytes()
+  strings = [raw[end - n : end] for end, n in zip(ends.tolist(), lengths.ravel().tolist())]
+  return np.array(strings, dtype=object).reshape(lengths.shape)

@@ -11,6 +11,8 @@ saved at its current value. A table's initializer is kept when it is a Keras ini
 any other gives the default one to a layer rebuilt from config alone (`load_model` then
 assigns the saved values anyway). The hardware arguments (`embedding_feature`,
 `sparse_core_embedding_config`) are not saved: the machine that loads the file decides.
+Managed-ids maps: their settings are saved in the config (`ManagedIds.to_config`, by table
+name), their keys, rows and counts with the tables; the legacy HDF5 format takes int64 keys only.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any, Mapping
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import global_state
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs, weight_files
+from tpu_embedding.managed_ids import ManagedIds
 
 E = tf.tpu.experimental.embedding
 _FEATURE_KEY = "tpu_embedding_feature"
@@ -41,19 +45,19 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
   _arguments: dict
 
   def get_config(self) -> dict:
-    if getattr(self, "managed_ids", None):  # a rebuilt layer would lose its key -> row maps
-      raise ValueError(
-        f"Layer {self.name!r} has managed_ids, which a .keras file does not hold yet: save and "
-        "restore it with tf.train.Checkpoint (the maps are saved with the tables), or export "
-        "it with tf.saved_model.save / tpu_embedding.serving.export_for_serving."
-      )
     config = super().get_config()
     config.update(feature_config=serialize_feature_config(self._config), **self._arguments)
+    if in_legacy_h5_save():
+      refuse_string_maps_in_h5(self.name, self.managed_ids)
+    if self.managed_ids:  # the maps' settings; their keys, rows and counts are stored as weights
+      config["managed_ids"] = serialize_managed_ids(self.managed_ids)
     return config
 
   @classmethod
   def from_config(cls, config: dict) -> Any:
     config = dict(config)
+    if config.get("managed_ids") is not None:
+      config["managed_ids"] = deserialize_managed_ids(config["managed_ids"])
     return cls(deserialize_feature_config(config.pop("feature_config")), **config)
 
   @property
@@ -67,10 +71,35 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
     `trainable_weights + non_trainable_weights` by position, hold and restore them (on TPU
     V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`).
     """
+    stored = weight_files.stored_variables(
+      self.table_weights(self.variables_by_table), numeric_maps(self.managed_ids)
+    )
     return super().non_trainable_weights + [
       TableVariable(variable, name.replace(":", "_").replace("/", "_"))
-      for name, variable in self.table_weights(self.variables_by_table).items()
+      for name, variable in stored.items()
     ]
+
+
+def numeric_maps(maps: Mapping[str, Any]) -> dict:
+  """The maps of `maps` whose keys are numbers: those a legacy HDF5 file can hold, whose
+  datasets take no strings (`refuse_string_maps_in_h5` refuses the others there)."""
+  return {table: id_map for table, id_map in maps.items() if id_map.key_dtype != tf.string}
+
+
+def in_legacy_h5_save() -> bool:
+  """Whether Keras 3 is writing a legacy HDF5 file (`model.save("m.h5")`): it asks for configs
+  under this flag (Keras has no public way to tell)."""
+  return bool(global_state.get_global_attribute("use_legacy_config", False))
+
+
+def refuse_string_maps_in_h5(layer: str, maps: Mapping[str, Any]) -> None:
+  strings = sorted(table for table in maps if table not in numeric_maps(maps))
+  if strings:
+    raise ValueError(
+      f"Layer {layer!r}: the managed-ids maps of tables {strings} have string keys, which a "
+      "legacy HDF5 file (.h5) cannot hold. Save the model as .keras (model.save('m.keras')) "
+      "or its weights as .weights.h5, or use tf.train.Checkpoint."
+    )
 
 
 class TableVariable(keras.Variable):
@@ -93,6 +122,16 @@ class TableVariable(keras.Variable):
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
+
+
+def serialize_managed_ids(maps: Mapping[str, Any]) -> dict:
+  """{table name: its `ManagedIds` settings as JSON-able values} of a layer's maps."""
+  return {table: id_map.spec.to_config() for table, id_map in maps.items()}
+
+
+def deserialize_managed_ids(serialized: Mapping[str, Any]) -> dict:
+  """The `managed_ids` argument `serialize_managed_ids` describes (tables by name)."""
+  return {table: ManagedIds.from_config(spec) for table, spec in serialized.items()}
 
 
 def serialize_feature_config(config: config_lib.EmbeddingConfig) -> dict:

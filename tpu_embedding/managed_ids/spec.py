@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
@@ -62,6 +62,23 @@ class ManagedIds:
         f"ManagedIds(ttl_steps={self.ttl_steps!r}) is only used with eviction='ttl' (got "
         f"eviction={self.eviction!r})."
       )
+
+  def to_config(self) -> dict:
+    """These settings as JSON-able values (the key dtype by name), for a Keras layer's config."""
+    config = dataclasses.asdict(self)
+    config["key_dtype"] = self.key_dtype.name
+    return config
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any]) -> ManagedIds:
+    """The settings `to_config` gave, checked again as the constructor checks them."""
+    fields = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+      raise ValueError(
+        f"ManagedIds config has unknown settings {unknown}; expected some of {sorted(fields)}."
+      )
+    return cls(**config)
 
   def check_capacity(self, table_name: str, vocabulary_size: int) -> None:
     """Refuses a table too small to hold the out-of-vocabulary row and one key."""
