@@ -1,12 +1,17 @@
 """Builds the engine's compiled kernels; all other metadata lives in setup.cfg.
 
-The kernels are compiled against the TensorFlow installed in the build environment (pyproject's
-build requirements, or the target environment with `pip install --no-build-isolation`). A
-machine without a C++ compiler still gets a working package: the engine then runs on TF's own
-ops, slower, and says so once.
+The kernels are compiled against the TensorFlow the package will run under: the one installed
+where it is being installed, found by asking the installing interpreter outside pip's isolated
+build environment (`python -I`), so that a plain `pip install .` into an environment holding TF
+2.16 builds for 2.16. Only where that environment has no TensorFlow (`python -m build`, or pip
+installing TF alongside) do they compile against the build environment's (pyproject's pin); they
+then load only under that TF. A machine without a C++ compiler still gets a working package: the
+engine then runs on TF's own ops, slower, and says so once.
 """
 
+import json
 import pathlib
+import subprocess
 import sys
 
 import setuptools
@@ -17,21 +22,21 @@ class BuildTensorFlowKernels(build_ext.build_ext):
   """Compiles each extension as a TF op library with the installed TF's flags."""
 
   def build_extension(self, ext):
-    import tensorflow as tf
-
+    version, compile_flags, link_flags = _target_tensorflow()
+    print(f"compiling {ext.name} against TensorFlow {version}", file=sys.stderr)
     ext.include_dirs.append(".")  # "tpu_embedding/engine/cc/kernels.h"
-    ext.extra_compile_args = tf.sysconfig.get_compile_flags() + [
+    ext.extra_compile_args = compile_flags + [
       "-O3",
       "-g0",
       "-fno-math-errno",
       "-ffp-contract=off",
       "-Wno-deprecated-declarations",
     ]
-    ext.extra_link_args = tf.sysconfig.get_link_flags()
+    ext.extra_link_args = link_flags
     try:
       super().build_extension(ext)
       # The kernels load only under this TF (tpu_embedding/engine/native.py reads this record).
-      _record(self.get_ext_fullpath(ext.name)).write_text(tf.__version__ + "\n")
+      _record(self.get_ext_fullpath(ext.name)).write_text(version + "\n")
     except Exception as e:  # any compiler or linker failure
       print(
         f"WARNING: could not compile {ext.name} ({e}); tpu_embedding will use TF ops, "
@@ -47,6 +52,29 @@ class BuildTensorFlowKernels(build_ext.build_ext):
       inplace, built = self._get_inplace_equivalent(build_py, ext)
       if _record(built).exists():
         self.copy_file(str(_record(built)), str(_record(inplace)))
+
+
+_PROBE = (
+  "import json, tensorflow as tf; print(json.dumps([tf.__version__, "
+  "tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))"
+)
+
+
+def _target_tensorflow() -> tuple[str, list[str], list[str]]:
+  """(version, compile flags, link flags) of the TF of the environment being installed into.
+
+  pip runs this script with that environment's interpreter but hides its site-packages behind
+  PYTHONPATH; `-I` ignores PYTHONPATH, so the child sees them. If it finds no TF there, the
+  build environment's own TF (this process's) is used."""
+  child = subprocess.run(
+    [sys.executable, "-I", "-c", _PROBE], capture_output=True, text=True, check=False
+  )
+  if child.returncode == 0:
+    version, compile_flags, link_flags = json.loads(child.stdout.strip().splitlines()[-1])
+    return version, compile_flags, link_flags
+  import tensorflow as tf
+
+  return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
 
 
 def _record(library: str) -> pathlib.Path:

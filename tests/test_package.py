@@ -4,12 +4,15 @@ Each import runs in a fresh interpreter and reads `sys.modules`. TensorFlow itse
 Keras 3 (for `tf.keras`), so "no Keras 3" means no Keras 3 module beyond those TensorFlow loads.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tpu_embedding import tf_versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,6 +36,10 @@ def loaded_after(statement: str) -> dict:
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(
+  not tf_versions.supports_keras(importlib.metadata.version("keras")),
+  reason="tpu_embedding.keras refuses this Keras (tests/test_tf_versions.py)",
+)
 def test_keras3_layers_and_the_package_do_not_import_tf_keras():
   loaded = loaded_after(
     "import tpu_embedding\n"

@@ -113,10 +113,40 @@ def test_sparse_core_where_this_tf_can_restore_it(monkeypatch):
     TPUEmbedding(config, optimizer="sgd")
 
 
+@pytest.mark.skipif(not tf_internals.HAS_SPARSE_CORE, reason="TF 2.15 has no SparseCore")
 def test_sparse_core_helpers():
+  from tensorflow.python.tpu import tpu_embedding_v3_utils
+
   padded = tf.reshape(tf.range(12.0), [3, 4])
   np.testing.assert_array_equal(
     tf_internals.remove_sparse_core_padding(padded, (2, 3)).numpy(), padded.numpy()[:2, :3]
   )
   assert list(tf_internals.sparse_core_layouts(b"").tables) == []
-  assert tf_internals.SPARSE_CORE_LAYOUTS_KEY == "_sparse_core_table_layouts"
+  assert tf_internals.SPARSE_CORE_LAYOUTS_KEY == (
+    tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+  )
+
+
+def test_sparse_core_exists_from_tf_2_16():
+  assert tf_internals.HAS_SPARSE_CORE == (MINOR >= (2, 16))
+  assert tf_internals.HAS_SPARSE_CORE == hasattr(emb, "TPUEmbeddingV2")
+
+
+@pytest.mark.skipif(tf_internals.HAS_SPARSE_CORE, reason="this TF reads SparseCore layouts")
+def test_without_sparse_core_a_checkpoint_of_stacked_tables_is_refused_unchanged(tmp_path):
+  # A checkpoint that a SparseCore layer of a later TF wrote holds its layouts under this name;
+  # TF 2.15 cannot parse them, so it cannot tell which tables are stacked: the restore stops.
+  def layer(value):
+    table = emb.TableConfig(4, 2, name="t", initializer=tf.constant_initializer(value))
+    built = TPUEmbedding({"f": emb.FeatureConfig(table)}, optimizer="sgd")
+    built({"f": tf.constant([0], tf.int64)})
+    return built
+
+  sparse_core_layer = tf.Module()
+  setattr(sparse_core_layer, tf_internals.SPARSE_CORE_LAYOUTS_KEY, tf.Variable(b"layouts"))
+  path = tf.train.Checkpoint(layer=layer(1.0), other=sparse_core_layer).write(str(tmp_path / "c"))
+  receiver = layer(2.0)
+  with pytest.raises(tf_internals.NoSparseCore, match=f"TensorFlow {tf.__version__} has no Sp"):
+    tf.train.Checkpoint(layer=receiver).restore(path)
+  table = next(iter(receiver.embedding_tables.values()))
+  np.testing.assert_array_equal(table.numpy(), np.full((4, 2), 2.0))

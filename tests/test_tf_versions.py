@@ -4,6 +4,8 @@ Run by the version matrix (.ci/matrix) under every supported TF: the first test 
 whose minor version the adapters do not list, before a moved internal could fail elsewhere.
 """
 
+import importlib.metadata
+
 import pytest
 import tensorflow as tf
 
@@ -69,3 +71,40 @@ def test_importing_an_adapter_under_an_unchecked_tensorflow_fails(adapter):
     timeout=180,
   )
   assert out.startswith("REFUSED ") and "2.99.0" in out, out
+
+
+@pytest.mark.parametrize(
+  "version, supported",
+  [("2.15.0", False), ("3.14.2", False), ("3.15.1", True), ("3.16.0", True), ("4.0.0", True)],
+)
+def test_the_keras_layers_need_keras_3_15(version, supported):
+  assert tf_versions.supports_keras(version) == supported
+  if supported:
+    tf_versions.require_keras(version)
+    return
+  with pytest.raises(tf_versions.UnsupportedKeras) as refused:
+    tf_versions.require_keras(version)
+  assert f"this is Keras {version}" in str(refused.value)
+  assert "needs Keras 3.15 or later" in str(refused.value)
+  assert "tpu_embedding.TPUEmbedding" in str(refused.value)  # what to use instead
+
+
+@pytest.mark.parametrize("reported", [None, "2.15.0"])
+def test_importing_the_keras_layers_under_an_older_keras_fails(reported):
+  # In a fresh interpreter: the installed Keras (TF 2.15's is Keras 2), or one that reports 2.15.
+  out = run_python(
+    "import keras\n"
+    + (f"keras.__version__ = {reported!r}\n" if reported else "")
+    + "from tpu_embedding import tf_versions\n"
+    "try:\n"
+    "  import tpu_embedding.keras\n"
+    "  print('IMPORTED', keras.__version__)\n"
+    "except tf_versions.UnsupportedKeras as e:\n"
+    "  print('REFUSED', e)\n",
+    timeout=180,
+  )
+  version = reported or importlib.metadata.version("keras")
+  if tf_versions.supports_keras(version):
+    assert out.startswith("IMPORTED "), out
+  else:
+    assert out.startswith("REFUSED ") and f"this is Keras {version}" in out, out

@@ -107,7 +107,10 @@ def needs_relayout(path: str, mid_level: tf.Module) -> bool:
 
 
 def stacked_tables_in(path: str) -> set[str]:
-  """The names of the tables that the checkpoint at `path` holds stacked by SparseCore."""
+  """The names of the tables that the checkpoint at `path` holds stacked by SparseCore.
+
+  Raises `tf_internals.NoSparseCore` under a TF without SparseCore (2.15) if the checkpoint
+  holds any: that TF cannot read which tables they are, so a restore must stop."""
   reader = tf.train.load_checkpoint(path)
   found = set()
   for key in reader.get_variable_to_shape_map():

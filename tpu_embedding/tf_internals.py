@@ -6,10 +6,12 @@ Checked against the TF versions in `tf_versions.CHECKED_AGAINST`; importing this
 another TF raises `tf_versions.UncheckedTensorFlow`. The mid-level objects' variables and the
 restore machinery have their own adapters (`tf_mid_level`, `tf_restore`).
 
-What differs between the checked versions: TF 2.16 and 2.17 have no mid-level
-`CustomOptimizer` (`CUSTOM_OPTIMIZER` is None there); TF 2.16 has no SparseCore checkpoint
-adapter, without which the SparseCore path cannot restore its stacked tables safely
-(`SPARSE_CORE_CHECKPOINTS` is None, and the path is refused there).
+What differs between the checked versions: TF 2.15 to 2.17 have no mid-level
+`CustomOptimizer` (`CUSTOM_OPTIMIZER` is None there); TF 2.15 and 2.16 have no SparseCore
+checkpoint adapter, without which the SparseCore path cannot restore its stacked tables safely
+(`SPARSE_CORE_CHECKPOINTS` is None, and the path is refused there); TF 2.15 has no SparseCore at
+all (`HAS_SPARSE_CORE` is False: no `TPUEmbeddingV2`, no layouts to read, so a checkpoint holding
+SparseCore-stacked tables is refused rather than read).
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from typing import Any, Callable, Optional
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
-from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
 from tensorflow.python.eager import context, record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.saved_model import save_context
-from tensorflow.python.tpu import tpu_embedding_v3_utils
 from tensorflow.python.trackable import autotrackable, trackable_utils
 from tensorflow.python.util import nest
 
@@ -32,9 +32,15 @@ from tpu_embedding import tf_versions
 
 tf_versions.require_checked(__name__)
 
+try:  # TF 2.16 on: SparseCore (TPUEmbeddingV2), its table layouts and TF's functions undoing them.
+  from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+  from tensorflow.python.tpu import tpu_embedding_v3_utils
+except ImportError:  # TF 2.15
+  sparse_core_layout_pb2 = tpu_embedding_v3_utils = None
+HAS_SPARSE_CORE = tpu_embedding_v3_utils is not None
 try:  # TF 2.17 on: converts checkpoints between per-table and SparseCore's stacked layouts.
   from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as SPARSE_CORE_CHECKPOINTS
-except ImportError:  # TF 2.16
+except ImportError:  # TF 2.15, 2.16
   SPARSE_CORE_CHECKPOINTS = None
 
 _embedding = tf.tpu.experimental.embedding
@@ -122,11 +128,23 @@ def slot_initializers(optimizer: Any) -> list[Callable]:
 # ---------------------------------------------------------------------------------------------
 # SparseCore's layouts and checkpoints.
 
-SPARSE_CORE_LAYOUTS_KEY = tpu_embedding_v3_utils.SPARSECORE_LAYOUTS_CHECKPOINT_KEY
+# The name under which a SparseCore layer saves its layouts: TF's constant (the same string on
+# every checked version; TF 2.15 has no SparseCore, but may meet a checkpoint a later TF wrote).
+SPARSE_CORE_LAYOUTS_KEY = "_sparse_core_table_layouts"
+
+
+class NoSparseCore(ValueError):
+  """This TensorFlow cannot read SparseCore's table layouts (TF 2.15)."""
 
 
 def sparse_core_layouts(serialized: bytes) -> Any:
   """The `SparseCoreTableLayouts` proto a SparseCore checkpoint stores under its layouts key."""
+  if not HAS_SPARSE_CORE:
+    raise NoSparseCore(
+      f"The checkpoint holds tables stacked by SparseCore (TPUEmbeddingV2, written under "
+      f"TensorFlow 2.16 or later); TensorFlow {tf.__version__} has no SparseCore and cannot read "
+      "their layouts. Restore it under TensorFlow 2.17 or later. Nothing was changed."
+    )
   layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
   layouts.ParseFromString(serialized)
   return layouts

@@ -3,8 +3,15 @@
 
 The same layers as `tpu_embedding.TPUEmbedding` / `PartialTPUEmbedding` (tf-keras), sharing
 their configuration, hardware dispatch, TPU backends and CPU engine; importing this package
-never imports tf-keras.
+never imports tf-keras. Refused (`tf_versions.UnsupportedKeras`) under a Keras older than
+`tf_versions.KERAS_MINIMUM`, e.g. the Keras 2 of TF 2.15.
 """
+
+import keras
+
+from tpu_embedding import tf_versions
+
+tf_versions.require_keras(keras.__version__)  # before any module that reads Keras 3 internals
 
 from tpu_embedding.hardware import EmbeddingFeature, ExecutionPath
 from tpu_embedding.keras import config_conversion  # keras-rs's conversion functions, by their names
