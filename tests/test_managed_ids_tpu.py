@@ -409,3 +409,29 @@ def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
   }
   assert loaded == {"movies": 2 * CAPACITY * DIM * 4, "genres": 2 * 5 * 3 * 4}
   assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators
+
+
+def test_v1_training_remap_after_a_restore_before_build_is_refused_until_built(
+  monkeypatch, tmp_path
+):
+  """A restore into an unbuilt layer writes the tables as they are created: rows a remap gave
+  before that would keep the checkpoint's trained values, so such a remap is refused."""
+  strategy, _, saved, variables, _ = _rows_1_and_2_waiting(monkeypatch)
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt"))
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      _features(),
+      optimizer=E.Adagrad(0.3, initial_accumulator_value=ACC),
+      managed_ids={"movies": tpu_embedding.ManagedIds(reset_every_steps=5)},
+    )
+    tf.train.Checkpoint(layer=layer).restore(path)
+    size = int(layer.managed_ids["movies"].size())
+    with pytest.raises(ValueError, match=r"restored.*before the layer is built.*Nothing was"):
+      layer.remap({"movie": tf.constant([101, 102], tf.int64)})
+    assert int(layer.managed_ids["movies"].size()) == size  # nothing changed
+    layer.remap({"movie": tf.constant([101], tf.int64)}, training=False)  # serving is fine
+    layer.build({"movie": tf.TensorShape([BATCH])})
+    layer.remap({"movie": tf.constant([101, 102], tf.int64)})  # built: resets reach the rows
+  np.testing.assert_array_equal(
+    layer.variables_by_table["movies"]["parameters"].numpy(), variables["parameters"].numpy()
+  )

@@ -48,19 +48,31 @@ def _table_slots(optimizer):
   return [v for v in variables if tuple(v.shape) == (CAPACITY, DIM)]
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_v0_resets_the_table_and_the_keras_optimizers_slots(monkeypatch, kind):
+# Every optimizer on TPUEmbedding; two on a PartialTPUEmbedding, whose tables are all replicated
+# on V0 (nothing to shard onto), here trained by the Keras optimizer.
+@pytest.mark.parametrize(
+  "kind,partial",
+  [(kind, False) for kind in OPTIMIZERS] + [("tf_keras-adagrad", True), ("keras3-adam", True)],
+)
+def test_v0_resets_the_table_and_the_keras_optimizers_slots(monkeypatch, kind, partial):
   make_optimizer, slot_start = OPTIMIZERS[kind]
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
   with strategy.scope():
     optimizer = make_optimizer()
-    layer = tpu_embedding.TPUEmbedding(
-      _features(),
-      optimizer=optimizer,
-      managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru")},
-    )
+    managed = {"movies": tpu_embedding.ManagedIds(eviction="lru")}
+    if partial:
+      layer = tpu_embedding.PartialTPUEmbedding(
+        _features(),
+        optimizer=optimizer,
+        size_threshold=None,
+        table_updates="keras",
+        managed_ids=managed,
+      )
+      assert layer.side("movies") == "replicated"
+    else:
+      layer = tpu_embedding.TPUEmbedding(_features(), optimizer=optimizer, managed_ids=managed)
+      assert layer.execution_path is hardware.ExecutionPath.TPU_V0
     layer.build({"movie": tf.TensorShape([BATCH])})
-  assert layer.execution_path is hardware.ExecutionPath.TPU_V0
   table = layer.variables_by_table["movies"]["parameters"]
 
   @tf.function
@@ -153,10 +165,14 @@ def test_v0_slots_that_cannot_be_told_apart_are_refused_before_the_map_changes(m
   np.testing.assert_array_equal(table.numpy(), INIT + 50.0)
 
 
-def test_cpu_tables_trained_by_keras_reset_the_keras_optimizers_slots_too():
-  """Off TPU with table_updates="keras" the slots live in the Keras optimizer as on V0."""
+@pytest.mark.parametrize(
+  "layer_class", [tpu_embedding.TPUEmbedding, tpu_embedding.PartialTPUEmbedding]
+)
+def test_cpu_tables_trained_by_keras_reset_the_keras_optimizers_slots_too(layer_class):
+  """Off TPU with table_updates="keras" the slots live in the Keras optimizer as on V0 (a
+  `PartialTPUEmbedding` keeps this small table on its replicated side)."""
   optimizer = tf_keras.optimizers.Adagrad(0.3, ACC)
-  layer = tpu_embedding.TPUEmbedding(
+  layer = layer_class(
     _features(),
     optimizer=optimizer,
     table_updates="keras",

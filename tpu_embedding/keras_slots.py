@@ -15,6 +15,8 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
+
 # Keras 3's names for the tf-keras slot names that differ.
 _KERAS3_NAMES = {"m": "momentum", "v": "velocity"}
 
@@ -39,7 +41,9 @@ def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -
   else:
     wanted = {f"{name}/{variable.name}": name for name in names}
   found = {}
-  for candidate in optimizer.variables:
+  # tf-keras gathers the slots of a sharded variable's blocks into one ShardedVariable; each
+  # block's own slot is named after the block.
+  for candidate in (block for each in optimizer.variables for block in _blocks(each)):
     scoped = candidate.name
     name = next((n for w, n in wanted.items() if scoped == w or scoped.endswith("/" + w)), None)
     if name is None or candidate.shape != variable.shape:
@@ -52,3 +56,10 @@ def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -
       )
     found[name] = candidate
   return found
+
+
+def _blocks(variable: Any) -> list:
+  """The row blocks of a sharded variable; any other variable is its only block."""
+  if isinstance(variable, tf_internals.ShardedVariable):
+    return list(variable.variables)
+  return [variable]

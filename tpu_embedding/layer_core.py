@@ -276,7 +276,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
-      self._row_resets.apply()  # no reset may wait for a row the restored map gives away
+      self._row_resets.restoring()
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -169,10 +169,12 @@ class PartialTPUEmbeddingCore(
         batch_size=None,
         sparse_core_embedding_config=None,
         table_updates=table_updates,
+        user_optimizer=optimizer,  # holds the slots of tables trained by table_updates="keras"
         check_finite=check_finite,
       )
       replicated.build(None)
       self._replicated = replicated.engine
+      self._replicated_backend = self._no_dependency(replicated)  # resets its managed rows
 
     # Maps over all tables, whatever their side: the call remaps before splitting by side.
     self._managed = self._no_dependency(
@@ -197,17 +199,17 @@ class PartialTPUEmbeddingCore(
 
   def _managed_row_resets(self, specs: dict[str, Any]) -> managed_ids_lib.RoutedResets:
     """Each managed table's resets go where its side keeps it: the sharded layer's path, or
-    the replicated engine's variables (written at once)."""
-    sharded = {name: spec for name, spec in specs.items() if self._sides[name] == SHARDED}
+    the replicated side's backend (its engine's variables, or the Keras optimizer's slots with
+    table_updates="keras")."""
     by_table = {}
-    if sharded:
-      on_sharded_side = self._sharded.row_resets_for(sharded)
-      by_table.update({name: on_sharded_side for name in sharded})
-    if len(by_table) < len(specs):
-      replicated = managed_ids_lib.ImmediateResets(
-        managed_ids_lib.write_variables(lambda: self._replicated.variables_by_table)
-      )
-      by_table.update({name: replicated for name in specs if name not in by_table})
+    for side, resets_for in (
+      (SHARDED, lambda chosen: self._sharded.row_resets_for(chosen)),
+      (REPLICATED, lambda chosen: self._replicated_backend.row_resets(chosen)),
+    ):
+      chosen = {name: spec for name, spec in specs.items() if self._sides[name] == side}
+      if chosen:
+        resets = resets_for(chosen)
+        by_table.update({name: resets for name in chosen})
     return managed_ids_lib.RoutedResets(by_table)
 
   def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
@@ -434,7 +436,7 @@ class PartialTPUEmbeddingCore(
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
-      self._row_resets.apply()  # no reset may wait for a row the restored map gives away
+      self._row_resets.restoring()
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

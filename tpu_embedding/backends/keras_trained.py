@@ -3,17 +3,20 @@
 The tables are variables the host writes at once; their slots live in the Keras optimizer the
 model applies, which must therefore be the layer's `optimizer` object: a row given to a new key
 is reset in the table and in each slot that optimizer holds for it, to the initial values of the
-optimizer's mid-level twin (the same values: see `optimizers`).
+optimizer's mid-level twin (the same values: see `optimizers`). Under parameter servers a
+shard of the map resets only its row block: of the table, and of each slot (tf-keras keeps one
+per block).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import keras_slots, optimizer_specs
+from tpu_embedding.engine import sharded
 from tpu_embedding.managed_ids import row_resets
 
 
@@ -31,10 +34,13 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     )
   tables = {table.name: table for table in backend.config.tables}
 
-  def targets(table: config_lib.TableConfig) -> dict[str, Any]:
-    """{"parameters" or mid-level slot name: the variable holding it}: the table, and each
-    slot the Keras optimizer has created for it (under its Keras name)."""
+  def targets(table: config_lib.TableConfig, block: Optional[int]) -> dict[str, Any]:
+    """{"parameters" or mid-level slot name: the variable holding it}: the table (its row
+    `block` under parameter servers), and each slot the Keras optimizer has created for it
+    (under its Keras name; Keras keeps one per block of a sharded table)."""
     variable = backend.variables_by_table[table.name]["parameters"]
+    if block is not None:
+      variable = sharded.shards(variable)[block]
     names = {
       name: optimizer_specs.keras_slot_name(table.optimizer, name)
       for name, _ in config_lib.slot_shapes(table)
@@ -43,8 +49,9 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
 
   def write(table, rows, values, block):
-    del block  # the row block under parameter servers: the writes below take global rows
-    for name, target in targets(table).items():
+    if block is not None:  # all of `rows` lie in this block: written there, on its ps only
+      rows = rows - sharded.row_starts(backend.variables_by_table[table.name]["parameters"])[block]
+    for name, target in targets(table, block).items():
       _write_rows(target, rows, values[name])
 
   def check():
@@ -52,7 +59,10 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     with nothing changed."""
     if backend.is_built():
       for name in managed:
-        targets(tables[name])
+        variable = backend.variables_by_table[name]["parameters"]
+        blocks = range(len(sharded.shards(variable))) if sharded.is_sharded(variable) else [None]
+        for block in blocks:
+          targets(tables[name], block)
 
   return row_resets.ImmediateResets(write, built=backend.is_built, check=check)
 

@@ -59,11 +59,26 @@ class ImmediateResets:
     self._write = write
     self._built = built  # before the tables exist, rows need no reset: they will be fresh
     self._check = check
+    self._restored_unbuilt = False  # a restore will fill the tables as it creates them
 
   def check_training_remap(self) -> None:
     """Refuses, before any map changes, a training remap this path could not reset rows for
-    (`check` raises)."""
+    (`check` raises, or a restore waits for the tables)."""
+    if self._restored_unbuilt and not self._built():
+      raise ValueError(
+        "A checkpoint was restored into this layer with managed_ids before its tables exist "
+        "(before the layer is built): the restore writes them as they are created, so a row a "
+        "training remap gave now would keep the checkpoint's values instead of fresh ones. "
+        "Build the layer (layer.build(...) or one call) before the first training remap; a "
+        "remap with training=False is allowed. Nothing was changed."
+      )
     self._check()
+
+  def restoring(self) -> None:
+    """A checkpoint restore begins: resets still waiting are written first (none may wait for
+    a row the restored map gives away); before the tables exist, the restore is remembered."""
+    self.apply()
+    self._restored_unbuilt = not self._built()
 
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     """`rows` of `table` (all in row block `block`, if given) were just given to new keys."""
@@ -127,6 +142,7 @@ class DeferredResets(ImmediateResets):
         "tf.function or a tf.data pipeline. Call rows = layer.remap(features) in the Python "
         "training loop right before the step, then layer(rows, remapped=True) inside it."
       )
+    super().check_training_remap()
 
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     if not self._built():  # (`block`: tables in TPU memory have no row blocks)
@@ -214,6 +230,10 @@ class RoutedResets(ImmediateResets):
   def apply(self) -> None:
     for side in self._distinct:
       side.apply()
+
+  def restoring(self) -> None:
+    for side in self._distinct:
+      side.restoring()
 
   def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
     for side in self._distinct:
