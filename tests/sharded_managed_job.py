@@ -19,6 +19,11 @@ the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map spl
 * `two_ps` (2 ps again): restores `ckpt_one_ps` (`restored_two_ps.npz`); a layer whose
   partitioner cuts the table into 3 blocks (its map in 3 shards, `three_blocks.npz`) is refused
   it, nothing changed (`refused_3.json`).
+* `keras_trained` (2 ps): a table trained by a tf-keras Adagrad (`table_updates="keras"`):
+  `KERAS_STEPS` steps on the workers fill both shards; the table and the accumulator blocks,
+  the map and their devices are written before (`keras_before.npz`) and after
+  (`keras_after.npz`) one training remap on the coordinator that gives rows to new keys.
+  A Keras 3 optimizer in its place is refused at construction (`keras3_refused.json`).
 """
 
 import json
@@ -42,6 +47,8 @@ SEQUENCE, SEQUENCE_BATCH, SEQUENCE_KEYS, MORE = 12, 16, 40, 6
 SEQUENCE_CAPACITY = 13  # 12 rows for keys: 6 per shard
 SEQUENCE_SPEC = dict(eviction="lfu", min_count=2, lfu_half_life_steps=4)
 INITIAL = 0.25
+# keras_trained: tf-keras Adagrad's learning rate and initial accumulator value
+KERAS_STEPS, KERAS_LEARNING_RATE, KERAS_ACCUMULATOR = 4, 0.5, 0.1
 
 
 def universe() -> np.ndarray:
@@ -237,7 +244,86 @@ def two_ps(cluster, out):
     json.dump(refusal(cut_in_3, os.path.join(out, "ckpt_one_ps")), f)
 
 
+def keras_batches() -> list[np.ndarray]:
+  """`KERAS_STEPS` training batches over 30 keys (more than both shards' 12 rows), then the 6
+  new keys of the remap."""
+  keys = np.random.default_rng(11).integers(-(2**50), 2**50, size=60)
+  return [keys[i * 8 : i * 8 + 12] for i in range(KERAS_STEPS - 1)] + [keys[:30], keys[30:36]]
+
+
+def keras_state(layer, optimizer) -> dict:
+  """The map, the table and the accumulator's blocks, and where each block lives."""
+  keys, rows, _ = layer.managed_ids["t"].export()
+  table = layer.variables_by_table["t"]["parameters"]
+  slots = [
+    v
+    for each in optimizer.variables
+    for v in getattr(each, "variables", [each])
+    if "accumulator" in v.name and v.shape.rank == 2
+  ]
+  return {
+    "keys": keys.numpy(),
+    "rows": rows.numpy(),
+    "table": table.numpy(),
+    "accumulator": np.concatenate([v.numpy() for v in slots]),
+    "table_devices": np.array([v.device for v in table.variables]),
+    "slot_devices": np.array([v.device for v in slots]),
+    "shard_devices": np.array(layer.managed_ids["t"].devices),
+  }
+
+
+def keras_trained(cluster, out):
+  import keras  # noqa: PLC0415 (Keras 3, only for its refusal)
+  import tf_keras  # noqa: PLC0415
+
+  strategy = strategy_of(cluster)
+
+  def layer_with(optimizer):
+    table = E.TableConfig(
+      SEQUENCE_CAPACITY, 2, initializer=tf.constant_initializer(INITIAL), combiner="sum", name="t"
+    )
+    layer = tpu_embedding.TPUEmbedding(
+      {"f": E.FeatureConfig(table, name="f")},
+      optimizer,
+      table_updates="keras",
+      managed_ids={"t": tpu_embedding.ManagedIds(eviction="lru")},
+    )
+    layer.build(None)
+    return layer
+
+  with strategy.scope():
+    try:
+      layer_with(keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR))
+      message = "built"
+    except ValueError as e:
+      message = str(e)
+    optimizer = tf_keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR)
+    layer = layer_with(optimizer)
+    optimizer.build(layer.trainable_variables)
+  with open(os.path.join(out, "keras3_refused.json"), "w") as f:
+    json.dump({"message": message}, f)
+
+  def step(keys):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer({"f": keys})["f"])
+    variables = layer.trainable_variables
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  @tf.function
+  def run(keys):
+    strategy.run(step, args=(keys,))
+
+  coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+  *steps, new_keys = keras_batches()
+  for keys in steps:
+    coordinator.schedule(run, args=(tf.constant(keys),))
+    coordinator.join()
+  np.savez(os.path.join(out, "keras_before.npz"), **keras_state(layer, optimizer))
+  layer.remap({"f": tf.constant(new_keys)})  # a training remap: rows given, and reset
+  np.savez(os.path.join(out, "keras_after.npz"), **keras_state(layer, optimizer))
+
+
 if __name__ == "__main__":
-  {"concurrent": concurrent, "sequential": sequential, "one_ps": one_ps, "two_ps": two_ps}[
-    sys.argv[1]
-  ](json.loads(sys.argv[2]), *sys.argv[3:])
+  phases = {"concurrent": concurrent, "sequential": sequential, "one_ps": one_ps}
+  phases.update(two_ps=two_ps, keras_trained=keras_trained)
+  phases[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])

@@ -41,6 +41,7 @@ def results(tmp_path_factory):
     with loopback.cluster(num_ps=1, num_workers=1) as one:
       _run(one, "one_ps", out)
     _run(cluster, "two_ps", out)
+    _run(cluster, "keras_trained", out)
   return out
 
 
@@ -226,3 +227,72 @@ def test_the_export_serves_raw_keys_through_the_sharded_map(results):
   expected = table[[row for _, row in known] + [0, 0]]
   out = run_python(_SERVE.format(path=str(results / "export"), probe=probe), timeout=300)
   np.testing.assert_allclose(json.loads(out.splitlines()[-1]), expected, rtol=1e-6)
+
+
+def _keras_reference():
+  """(table, accumulator) before and after the remap of `keras_trained`, and the rows that remap
+  gave: each shard's reference map fed its part of the stream, a given row reset to the
+  initializer and the initial accumulator, then tf-keras Adagrad on the step's summed gradient
+  (each occurrence adds 1 to its row's gradient)."""
+  spans = row_ranges(job_lib.SEQUENCE_CAPACITY)
+  maps = [ReferenceMap(len(span) + 1, "lru") for span in spans]
+  table = np.full([job_lib.SEQUENCE_CAPACITY, 2], job_lib.INITIAL, np.float32)
+  accumulator = np.full_like(table, job_lib.KERAS_ACCUMULATOR)
+
+  def remap(batch):
+    batch, rows, given = batch.tolist(), [0] * len(batch), []
+    owner = shard_of(batch)
+    for k, (reference, span) in enumerate(zip(maps, spans)):
+      positions = [i for i, o in enumerate(owner) if o == k]
+      local, fresh = reference.train([batch[i] for i in positions])
+      for i, row in zip(positions, local):
+        rows[i] = row + span.start - 1 if row else 0
+      given += [row + span.start - 1 for row in fresh]
+    table[given], accumulator[given] = job_lib.INITIAL, job_lib.KERAS_ACCUMULATOR
+    return rows, sorted(given)
+
+  *steps, new_keys = job_lib.keras_batches()
+  for batch in steps:
+    rows, _ = remap(batch)
+    gradient = np.bincount(rows, minlength=len(table)).astype(np.float32)[:, None] * np.ones(2)
+    touched = gradient[:, 0] > 0
+    accumulator[touched] += np.square(gradient[touched])
+    table[touched] -= (
+      np.float32(job_lib.KERAS_LEARNING_RATE)
+      * gradient[touched]
+      / np.sqrt(accumulator[touched] + np.float32(1e-7))
+    )
+  before = table.copy(), accumulator.copy()
+  _, given = remap(new_keys)
+  return before, (table, accumulator), given
+
+
+def test_keras_trained_rows_given_to_new_keys_are_reset_with_their_slots_on_their_ps(results):
+  """table_updates="keras" with a tf-keras Adagrad: the remap's rows, trained before, read the
+  initializer again and their accumulator rows its initial value; nothing else changed; each
+  block of the table and of the accumulator, and the map shard giving its rows, on one ps."""
+  before, after = _load(results, "keras_before.npz"), _load(results, "keras_after.npz")
+  want_before, want_after, given = _keras_reference()
+  assert {row < len(row_ranges(job_lib.SEQUENCE_CAPACITY)[0]) + 1 for row in given} == {
+    True,
+    False,
+  }  # both blocks gave rows
+  assert all(want_before[1][row, 0] > job_lib.KERAS_ACCUMULATOR for row in given)  # trained
+  for got, want in ((before, want_before), (after, want_after)):
+    np.testing.assert_allclose(got["table"], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got["accumulator"], want[1], rtol=1e-5)
+  changed = np.flatnonzero((before["table"] != after["table"]).any(axis=1)).tolist()
+  assert changed == given
+  for state in (before, after):
+    blocks = state["table_devices"].tolist()
+    assert sorted(blocks) == PS_TASKS
+    assert state["slot_devices"].tolist() == blocks
+    assert state["shard_devices"].tolist() == blocks
+
+
+def test_a_keras3_optimizer_training_a_managed_table_under_parameter_servers_is_refused(results):
+  with open(results / "keras3_refused.json") as f:
+    message = json.load(f)["message"]
+  assert "Layer 'tpu_embedding': the managed tables ['t'] are trained by the Keras 3" in message
+  assert "ParameterServerStrategy" in message
+  assert "Use a tf_keras.optimizers" in message

@@ -35,7 +35,7 @@ def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -
         except KeyError:  # slots not created for this variable yet
           pass
     return found
-  if type(optimizer).__module__.split(".")[0] == "keras":
+  if is_keras3(optimizer):
     prefix = variable.name.replace("/", "_").replace(":", "_")
     wanted = {f"{prefix}_{_KERAS3_NAMES.get(name, name)}": name for name in names}
   else:
@@ -56,6 +56,11 @@ def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -
       )
     found[name] = candidate
   return found
+
+
+def is_keras3(optimizer: Any) -> bool:
+  """Whether `optimizer` is a Keras 3 optimizer (its class defined in the `keras` package)."""
+  return type(optimizer).__module__.split(".")[0] == "keras"
 
 
 def _blocks(variable: Any) -> list:

@@ -22,6 +22,7 @@ from tpu_embedding import (
 )
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
+from tpu_embedding.backends import keras_trained
 from tpu_embedding.engine import serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -106,6 +107,10 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     )
     self._row_resets = None
     if self._managed is not None:
+      if self._backend.table_updates == "keras":
+        keras_trained.refuse_keras3_under_parameter_servers(
+          self.name, optimizer, managed_ids_lib.specs(self._managed)
+        )
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
       self._row_resets = self.row_resets_for(managed_ids_lib.specs(self._managed))
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers

@@ -5,18 +5,19 @@ model applies, which must therefore be the layer's `optimizer` object: a row giv
 is reset in the table and in each slot that optimizer holds for it, to the initial values of the
 optimizer's mid-level twin (the same values: see `optimizers`). Under parameter servers a
 shard of the map resets only its row block: of the table, and of each slot (tf-keras keeps one
-per block).
+per block). Keras 3 optimizers are refused there: they keep one slot for a whole sharded table.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import keras_slots, optimizer_specs
 from tpu_embedding.engine import sharded
+from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids import row_resets
 
 
@@ -65,6 +66,27 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
           targets(tables[name], block)
 
   return row_resets.ImmediateResets(write, built=backend.is_built, check=check)
+
+
+def refuse_keras3_under_parameter_servers(
+  layer_name: str, optimizer: Any, managed: Iterable[str]
+) -> None:
+  """Refuses a Keras 3 `optimizer` training the managed tables `managed` (names) of a layer
+  created under `ParameterServerStrategy`: Keras 3 does not support that strategy, keeps one
+  slot for a whole sharded table rather than one per row block, so a map shard could not reset
+  its rows' slots on its own ps task."""
+  names = sorted(managed)
+  if not names or Distribution.current() is not Distribution.PARAMETER_SERVERS:
+    return
+  if keras_slots.is_keras3(optimizer):
+    raise ValueError(
+      f"Layer {layer_name!r}: the managed tables {names} are trained by the Keras 3 optimizer "
+      f"{type(optimizer).__name__} (table_updates='keras') under ParameterServerStrategy, "
+      "which is not supported: a row given to a new key must be reset in each optimizer slot "
+      "block by block on its ps task, and only tf-keras optimizers keep one slot per block. "
+      "Use a tf_keras.optimizers (or tf_keras.optimizers.legacy) optimizer, or leave "
+      "table_updates at 'engine' with a mid-level optimizer (tf.tpu.experimental.embedding)."
+    )
 
 
 def _write_rows(variable: Any, rows: tf.Tensor, value: tf.Tensor) -> None:
