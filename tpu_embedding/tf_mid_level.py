@@ -24,9 +24,14 @@ upgrade that moves either fails there rather than in a user's model.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.tpu import tpu_embedding_v2, tpu_embedding_v3
+from tensorflow.python.tpu import tpu_embedding_v2
 
 from tpu_embedding import tf_versions
+
+try:  # TF 2.16 on: SparseCore's sharded variables.
+  from tensorflow.python.tpu import tpu_embedding_v3
+except ImportError:  # TF 2.15 has no SparseCore, so no table is split per device.
+  tpu_embedding_v3 = None
 
 CHECKED_AGAINST = tf_versions.CHECKED_AGAINST
 tf_versions.require_checked(__name__)
@@ -53,6 +58,8 @@ def plain_variables(variable: tf.Variable) -> list[tf.Variable]:
   shards, or on every other path the variable itself."""
   if isinstance(variable, tpu_embedding_v2.TPUEmbeddingVariable):
     return list(variable.variables)
-  if isinstance(variable, tpu_embedding_v3.TPUEmbeddingShardedVariable):
+  if tpu_embedding_v3 is not None and isinstance(
+    variable, tpu_embedding_v3.TPUEmbeddingShardedVariable
+  ):
     return list(variable.values)
   return [variable]
