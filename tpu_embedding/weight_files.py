@@ -29,8 +29,6 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import checkpoint_names, hardware, tf_mid_level
-from tpu_embedding.managed_ids import IdMap
-from tpu_embedding.managed_ids.sharded_map import ShardedIdMap
 
 # Paths whose tables TF's TPU classes hold, where Keras lists none of them itself.
 IN_TPU_MEMORY = (hardware.ExecutionPath.TPU_V1, hardware.ExecutionPath.TPU_V2)
@@ -82,7 +80,8 @@ class TablesInKerasFiles:
     each managed-ids map finds its keys again in the variables just assigned."""
     for engine in self._engines_in_tpu_memory():
       tf_mid_level.load_into_tpu(engine)
-    reindex_maps(self.managed_ids or {})
+    for id_map in (self.managed_ids or {}).values():
+      id_map.reindex()
 
   def _engines_in_tpu_memory(self) -> list[tf.Module]:
     """TF's built V1 objects behind this layer (its own, or its sharded side's)."""
@@ -92,25 +91,6 @@ class TablesInKerasFiles:
       for layer in layers
       if getattr(layer, "execution_path", None) is hardware.ExecutionPath.TPU_V1 and layer.built
     ]
-
-
-def reindex_maps(maps: Mapping[str, Any]) -> None:
-  """`reindex` of every map of `maps` ({table name: map}), shard by shard."""
-  for id_map in maps.values():
-    for shard in id_map.shards if isinstance(id_map, ShardedIdMap) else [id_map]:
-      reindex(shard)
-
-
-def reindex(id_map: IdMap) -> None:
-  """Makes `id_map`'s hash tables agree with its variables after Keras assigned them from a
-  file, which holds the variables (each row's key, count, last step) but no hash table: every
-  key the variables give a row finds it again; keys still waiting for admission (`min_count`)
-  start counting anew."""
-  keys, rows, _ = id_map.export()
-  for table in (id_map.rows_of_keys, id_map.candidates):
-    if table is not None:
-      table.remove(table.export()[0])
-  id_map.rows_of_keys.insert(keys, rows)
 
 
 def stored_variables(tables: Mapping[str, tf.Variable], maps: Mapping[str, Any]) -> dict:

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
+from tpu_embedding.backends import keras_trained
 from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.managed_ids import row_resets
 
@@ -24,8 +25,10 @@ class Backend(abc.ABC):
   path: hardware.ExecutionPath
   table_updates: str  # one of conversion.TABLE_UPDATES; "engine" needs the gradient trap
 
-  def __init__(self, config: config_lib.EmbeddingConfig):
+  def __init__(self, config: config_lib.EmbeddingConfig, keras_optimizer: Any = None):
     self.config = config
+    # The user's optimizer: with table_updates="keras" it trains the tables and holds their slots.
+    self._keras_optimizer = keras_optimizer
 
   _engine: tf.Module  # set by each backend's constructor
 
@@ -99,7 +102,10 @@ class Backend(abc.ABC):
 
   def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
     """How rows given to new keys of the `managed` tables ({table name: ManagedIds}) reach this
-    path's memory: by default written at once into `variables_by_table`, between steps."""
+    path's memory: by default written at once into `variables_by_table`, between steps, and into
+    the Keras optimizer's slots where it trains the tables (`keras_trained`)."""
+    if self.table_updates == "keras":
+      return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
     return row_resets.ImmediateResets(row_resets.write_variables(lambda: self.variables_by_table))
 
   def flush(self) -> None:

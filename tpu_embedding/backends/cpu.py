@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
-from tpu_embedding.backends import keras_trained
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import EmbeddingEngine
 
@@ -27,9 +26,8 @@ class CpuBackend(Backend):
     check_finite: bool = False,
     user_optimizer: Any = None,
   ):
-    super().__init__(config)
+    super().__init__(config, user_optimizer)
     self.table_updates = table_updates
-    self._keras_optimizer = user_optimizer  # trains the tables with table_updates="keras"
     self._engine = EmbeddingEngine(
       config, pipelining=pipelining, table_updates=table_updates, check_finite=check_finite
     )
@@ -57,9 +55,3 @@ class CpuBackend(Backend):
 
   def flush(self) -> None:
     self._engine.flush()
-
-  def row_resets(self, managed: Mapping[str, Any]):
-    """As every path's, except that Keras-trained tables' slots live in the Keras optimizer."""
-    if self.table_updates == "keras":
-      return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
-    return super().row_resets(managed)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
-from tpu_embedding.backends import conversion, keras_trained
+from tpu_embedding.backends import conversion
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.managed_ids import row_resets
 
 
 class TpuV0Backend(Backend):
@@ -26,9 +25,8 @@ class TpuV0Backend(Backend):
   table_updates = "keras"
 
   def __init__(self, config: config_lib.EmbeddingConfig, user_optimizer: Any = None):
-    super().__init__(config)
+    super().__init__(config, user_optimizer)
     converted = conversion.for_tpu_v0(config, user_optimizer)
-    self._keras_optimizer = user_optimizer
     self._engine = tf.tpu.experimental.embedding.TPUEmbeddingV0(converted.feature_config, None)
 
   def create_tables(self, per_replica_input_shapes):
@@ -49,10 +47,6 @@ class TpuV0Backend(Backend):
   @property
   def trainable_tables(self) -> list[tf.Variable]:
     return list(self._engine.embedding_tables.values())
-
-  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
-    """Written at once, slots in the Keras optimizer included (`keras_trained`)."""
-    return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
 
 
 def _as_other_paths_give(feature: config_lib.Feature, ids: Any, out: tf.Tensor) -> tf.Tensor:

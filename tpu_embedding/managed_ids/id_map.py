@@ -78,6 +78,16 @@ class IdMap(tf.Module):
     """The hash table a serving lookup reads (a SavedModel must hold it)."""
     return [self.rows_of_keys]
 
+  def reindex(self) -> None:
+    """Makes the hash tables agree with the variables after something assigned them (Keras
+    loading a weight file, which holds the variables but no hash table): every key the variables
+    give a row finds it again; keys still waiting for admission (`min_count`) count anew."""
+    keys, rows, _ = self.export()
+    for table in (self.rows_of_keys, self.candidates):
+      if table is not None:
+        table.remove(table.export()[0])
+    self.rows_of_keys.insert(keys, rows)
+
   # -------------------------------------------------------------------------------------------
   # One training step
 

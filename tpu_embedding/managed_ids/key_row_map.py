@@ -48,3 +48,6 @@ class KeyRowMap(Protocol):
 
   def serving_tables(self) -> list[Any]:
     """The hash tables a serving lookup reads (a SavedModel must hold them)."""
+
+  def reindex(self) -> None:
+    """Rebuilds the hash tables from the map's variables, once something else assigned them."""

@@ -130,6 +130,11 @@ class ShardedIdMap(tf.Module):
     """Every shard's hash table (a serving lookup routes each key to its shard's)."""
     return [table for shard in self.shards for table in shard.serving_tables()]
 
+  def reindex(self) -> None:
+    """Every shard's `IdMap.reindex`."""
+    for shard in self.shards:
+      shard.reindex()
+
   def remap(
     self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
   ) -> tuple[tf.Tensor, tf.Tensor]:
