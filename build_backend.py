@@ -44,14 +44,16 @@ def installed_tensorflow() -> Optional[tuple[str, list[str], list[str]]]:
   return version, compile_flags, link_flags
 
 
-def _tensorflow_to_build_with() -> list[str]:
+def tensorflow_to_build_with() -> list[str]:
+  """What a wheel's build environment needs beyond pyproject's: a TensorFlow where the target
+  has none."""
   return [] if installed_tensorflow() else [NEWEST_TENSORFLOW]
 
 
 def get_requires_for_build_wheel(config_settings=None) -> list[str]:
-  return build_meta.get_requires_for_build_wheel(config_settings) + _tensorflow_to_build_with()
+  return build_meta.get_requires_for_build_wheel(config_settings) + tensorflow_to_build_with()
 
 
 def get_requires_for_build_editable(config_settings=None) -> list[str]:
   requires = build_meta.get_requires_for_build_editable(config_settings)
-  return requires + _tensorflow_to_build_with()
+  return requires + tensorflow_to_build_with()
