@@ -216,7 +216,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       features,
       weights,
       compiled=static,
-      gathered_on_cpu=frozenset() if static else self._gathered_on_cpu(plain),
+      gathered_on_cpu=frozenset() if static else self._gathered_on_cpu(),
     )
     if self._check_finite:
       step = finite.check_weights(step)
@@ -253,12 +253,10 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
         finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream), joined)
     return tf.nest.pack_sequence_as(features, flat)
 
-  def _gathered_on_cpu(self, plain: bool) -> frozenset:
-    """Tables whose lookup in this call may be left to refuse out-of-range ids itself
-    (`lookup.exporting`): looked up per occurrence (nothing can record it), off any strategy."""
-    if (not plain and tf_internals.could_possibly_record()) or (
-      self._distribution is not Distribution.LOCAL
-    ):
+  def _gathered_on_cpu(self) -> frozenset:
+    """Tables whose lookup in this call may leave out-of-range ids to its gather to refuse
+    (`lookup.exporting`, whose lookups are plain: per occurrence, no trap)."""
+    if self._distribution is not Distribution.LOCAL:
       return frozenset()
     return lookup.gathered_on_cpu({table: self.parameters(table) for table in self._config.tables})
 
