@@ -45,26 +45,40 @@ def digest(path):
     return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.mark.parametrize("kind", sorted(scenario.LAYERS))
-def test_every_format_restores_the_trained_tables_in_a_fresh_process(kind, tmp_path):
-  model, layer = scenario.build(kind)
-  model.fit(scenario.ids(kind), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
-  paths = []
-  for name, save in SAVES.items():
-    paths.append(str(tmp_path / name))
-    save(model, paths[-1])
-  layer.flush()  # the tables as a checkpoint would hold them, every update applied
-  trained = scenario.state(layer)
-  assert trained["small/accumulators"].max() > 0.2 and trained["large/accumulators"].max() > 0.2
-  prediction = model.predict(scenario.ids(kind), verbose=0)
-
-  out = tmp_path / "reloaded.npz"
+@pytest.fixture(scope="module")
+def reloaded_in_a_fresh_process(tmp_path_factory) -> dict:
+  """Every kind of layer trained here and saved in every format, then all of them reloaded in
+  one fresh process: {kind: (trained state, prediction, what the fresh process read back)}."""
+  saved, runs = {}, []
+  for kind in sorted(scenario.LAYERS):
+    directory = tmp_path_factory.mktemp(kind)
+    model, layer = scenario.build(kind)
+    model.fit(scenario.ids(kind), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
+    paths = []
+    for name, save in SAVES.items():
+      paths.append(str(directory / name))
+      save(model, paths[-1])
+    layer.flush()  # the tables as a checkpoint would hold them, every update applied
+    out = directory / "reloaded.npz"
+    saved[kind] = (scenario.state(layer), model.predict(scenario.ids(kind), verbose=0), out)
+    runs.append((kind, str(out), paths))
   run_python(
-    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s; "
-    f"s.main({kind!r}, {str(out)!r}, {paths!r})",
+    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s\n"
+    f"for kind, out, paths in {runs!r}:\n  s.main(kind, out, paths)",
     timeout=600,
   )
-  reloaded = np.load(out)
+  return {
+    kind: (trained, prediction, dict(np.load(out)))
+    for kind, (trained, prediction, out) in saved.items()
+  }
+
+
+@pytest.mark.parametrize("kind", sorted(scenario.LAYERS))
+def test_every_format_restores_the_trained_tables_in_a_fresh_process(
+  kind, reloaded_in_a_fresh_process
+):
+  trained, prediction, reloaded = reloaded_in_a_fresh_process[kind]
+  assert trained["small/accumulators"].max() > 0.2 and trained["large/accumulators"].max() > 0.2
   for i, name in enumerate(SAVES):
     for key, value in trained.items():
       assert not np.array_equal(reloaded[f"{i}:before:{key}"], value), (name, key)
