@@ -10,7 +10,7 @@ DEMO_DIR ?= demo_output
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
-$(STAMP): setup.cfg setup.py pyproject.toml constraints.txt tpu_embedding/engine/cc/*
+$(STAMP): setup.cfg setup.py build_backend.py pyproject.toml constraints.txt tpu_embedding/engine/cc/*
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt setuptools wheel tensorflow
 	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test,examples]'

@@ -2,20 +2,21 @@
 
 The kernels are compiled against the TensorFlow the package will run under: the one installed
 where it is being installed, found by asking the installing interpreter outside pip's isolated
-build environment (`python -I`), so that a plain `pip install .` into an environment holding TF
-2.16 builds for 2.16. Only where that environment has no TensorFlow (`python -m build`, or pip
-installing TF alongside) do they compile against the build environment's (pyproject's pin); they
-then load only under that TF. A machine without a C++ compiler still gets a working package: the
-engine then runs on TF's own ops, slower, and says so once.
+build environment (`build_backend.installed_tensorflow`), so that a plain `pip install .` into an
+environment holding TF 2.16 builds for 2.16. Only where that environment has no TensorFlow
+(`python -m build`, or pip installing TF alongside) do they compile against the build
+environment's, which the build backend then asks for (the newest supported TF); they then load
+only under that TF. A machine without a C++ compiler still gets a working package: the engine
+then runs on TF's own ops, slower, and says so once.
 """
 
-import json
 import pathlib
-import subprocess
 import sys
 
 import setuptools
 from setuptools.command import build_ext
+
+from build_backend import installed_tensorflow
 
 
 class BuildTensorFlowKernels(build_ext.build_ext):
@@ -54,24 +55,12 @@ class BuildTensorFlowKernels(build_ext.build_ext):
         self.copy_file(str(_record(built)), str(_record(inplace)))
 
 
-_PROBE = (
-  "import json, tensorflow as tf; print(json.dumps([tf.__version__, "
-  "tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))"
-)
-
-
 def _target_tensorflow() -> tuple[str, list[str], list[str]]:
-  """(version, compile flags, link flags) of the TF of the environment being installed into.
-
-  pip runs this script with that environment's interpreter but hides its site-packages behind
-  PYTHONPATH; `-I` ignores PYTHONPATH, so the child sees them. If it finds no TF there, the
-  build environment's own TF (this process's) is used."""
-  child = subprocess.run(
-    [sys.executable, "-I", "-c", _PROBE], capture_output=True, text=True, check=False
-  )
-  if child.returncode == 0:
-    version, compile_flags, link_flags = json.loads(child.stdout.strip().splitlines()[-1])
-    return version, compile_flags, link_flags
+  """(version, compile flags, link flags) of the TF of the environment being installed into, or
+  where it has none, of the build environment's own TF (this process's)."""
+  installed = installed_tensorflow()
+  if installed is not None:
+    return installed
   import tensorflow as tf
 
   return tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()

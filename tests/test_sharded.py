@@ -15,6 +15,10 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
+
+from tpu_embedding import tf_internals
+from tpu_embedding.engine import sharded
 
 import loopback
 import sharded_job
@@ -169,3 +173,18 @@ def test_a_killed_ps_fails_the_job_and_a_restart_resumes_from_the_checkpoint(clu
   reference = _load(trained, "reference.npz")
   for name in ("sgd/parameters", "adagrad/accumulators"):
     np.testing.assert_array_equal(resumed[name], reference[name], err_msg=name)
+
+
+def test_in_block_gives_the_row_block_and_the_rows_counted_from_its_first_row():
+  blocks = [tf.Variable(tf.zeros([n, 2])) for n in (3, 2, 4)]  # rows [0, 3), [3, 5), [5, 9)
+  table = tf_internals.ShardedVariable(blocks)
+  block, rows = sharded.in_block(table, tf.constant([5, 8, 6], tf.int64), 2)
+  assert block is blocks[2]
+  np.testing.assert_array_equal(rows.numpy(), [0, 3, 1])
+  block, rows = sharded.in_block(table, tf.constant([4, 3], tf.int64), 1)
+  assert block is blocks[1]
+  np.testing.assert_array_equal(rows.numpy(), [1, 0])
+  whole = tf.Variable(tf.zeros([4, 2]))  # a whole table: itself, rows as they are
+  block, rows = sharded.in_block(whole, tf.constant([3, 1], tf.int64), None)
+  assert block is whole
+  np.testing.assert_array_equal(rows.numpy(), [3, 1])

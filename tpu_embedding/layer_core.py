@@ -8,7 +8,7 @@ imports no Keras, so neither flavour pulls in the other.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import tensorflow as tf
 
@@ -285,15 +285,24 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
-    if tf.executing_eagerly():
-      # A checkpoint or a SavedModel (a plain tf.saved_model.save too) holds the tables with
-      # every held-back update and every waiting reset of managed rows applied.
-      self.flush()
-    children = super()._trackable_children(save_type, **kwargs)
-    if save_type == "checkpoint":
-      children.pop(TRAP_NAME, None)  # a SavedModel keeps it: its traced functions capture it
-    children.pop("_keras_trained_tables", None)
-    return children
+    return saved_children(self, super()._trackable_children, TRAP_NAME, save_type, **kwargs)
+
+
+def saved_children(
+  layer: Any, base_children: Callable[..., dict], trap_name: str, save_type: str, **kwargs
+) -> dict:
+  """The trackable children a checkpoint or a SavedModel (a plain tf.saved_model.save too)
+  holds of `layer` (both flavours of both layers), from its Keras base's (`base_children`):
+  taken after a flush, so the tables hold every held-back update and every waiting reset of
+  managed rows; without the alias of the Keras-trained tables, and in a checkpoint without
+  the gradient trap `trap_name` (a SavedModel keeps it: its traced functions capture it)."""
+  if tf.executing_eagerly():
+    layer.flush()
+  children = base_children(save_type, **kwargs)
+  if save_type == "checkpoint":
+    children.pop(trap_name, None)
+  children.pop("_keras_trained_tables", None)
+  return children
 
 
 def add_gradient_trap(layer: Any, name: str) -> None:

@@ -41,7 +41,12 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
 from tpu_embedding.engine import joint_step
-from tpu_embedding.layer_core import RefusesCopies, TPUEmbeddingCore, add_gradient_trap
+from tpu_embedding.layer_core import (
+  RefusesCopies,
+  TPUEmbeddingCore,
+  add_gradient_trap,
+  saved_children,
+)
 from tpu_embedding.placement import REPLICATED, SHARDED, Placement, TablePlacement
 
 __all__ = [
@@ -440,15 +445,9 @@ class PartialTPUEmbeddingCore(
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
-    if tf.executing_eagerly():
-      # A checkpoint or a SavedModel (a plain tf.saved_model.save too) holds the tables with
-      # every held-back update and every waiting reset of managed rows applied.
-      self.flush()
-    children = super()._trackable_children(save_type, **kwargs)
+    children = saved_children(self, super()._trackable_children, _TRAP_NAME, save_type, **kwargs)
     if save_type != "checkpoint":
       return children
-    children.pop(_TRAP_NAME, None)
-    children.pop("_keras_trained_tables", None)
     children.pop("_replicated", None)
     sharded = children.pop("_sharded", None)
     if sharded is not None and self._sharded.execution_path is not hardware.ExecutionPath.CPU:

@@ -14,14 +14,16 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tpu_embedding import checkpoint_names, tf_internals
+from tpu_embedding import checkpoint_names, tf_internals, tf_mid_level
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
 
 def stacked_value(variable: Any) -> tf.Tensor:
   """The whole stacked variable: its per-device shards in device order, one after another."""
-  return tf.concat([tf.convert_to_tensor(shard) for shard in _shards(variable)], axis=0)
+  return tf.concat(
+    [tf.convert_to_tensor(shard) for shard in tf_mid_level.plain_variables(variable)], axis=0
+  )
 
 
 def logical_table(stacked: tf.Tensor, layout: Any) -> tf.Tensor:
@@ -46,7 +48,7 @@ def write_logical_rows(
   placements: dict[tuple[int, ...], list[tuple[tf.Tensor, tf.Tensor]]] = {}
   dim = int(layout.unsharded_shape[1])
   for name, value in values.items():
-    shards = _shards(variables[name])
+    shards = tf_mid_level.plain_variables(variables[name])
     sizes = tuple(int(shard.shape[0]) for shard in shards)
     if sizes not in placements:
       placements[sizes] = row_placement(layout, rows, sizes)
@@ -76,11 +78,6 @@ def row_placement(
     mine = tf.where(tf.equal(shard_of, index))[:, 0]
     placement.append((mine, tf.gather(stacked_row, mine) - starts[index]))
   return placement
-
-
-def _shards(variable: Any) -> list[Any]:
-  """A stacked variable's per-device shards in device order (itself if it has none)."""
-  return list(getattr(variable, "values", None) or [variable])
 
 
 def logical_tables(

@@ -50,8 +50,8 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
 
   def write(table, rows, values, block):
-    if block is not None:  # all of `rows` lie in this block: written there, on its ps only
-      rows = rows - sharded.row_starts(backend.variables_by_table[table.name]["parameters"])[block]
+    # All of `rows` lie in `block`: written there, on its ps only.
+    _, rows = sharded.in_block(backend.variables_by_table[table.name]["parameters"], rows, block)
     for name, target in targets(table, block).items():
       _write_rows(target, rows, values[name])
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
@@ -55,6 +55,15 @@ def row_starts(variable: ShardedVariable) -> list[int]:
   for shard in shards(variable):
     starts.append(starts[-1] + shard.shape[0])
   return starts
+
+
+def in_block(variable: Any, rows: tf.Tensor, block: Optional[int]) -> tuple[Any, tf.Tensor]:
+  """(the variable holding row block `block` of `variable`, `rows` counted from that block's
+  first row), all of `rows` lying in that block; `variable` and `rows` as they are where
+  `block` is None (a whole table)."""
+  if block is None:
+    return variable, rows
+  return shards(variable)[block], rows - row_starts(variable)[block]
 
 
 def colocated_with(parameters: tf.Variable, on_parameter_servers: bool):

@@ -36,12 +36,8 @@ def write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, A
     for name, value in values.items():
       if name not in variables:
         continue
-      variable = variables[name]
-      if block is not None:  # slots are cut into the table's blocks (`sharded.create_slots`)
-        start = sharded.row_starts(variable)[block]
-        variable, rows_here = sharded.shards(variable)[block], rows - start
-      else:
-        rows_here = rows
+      # Slots are cut into the table's blocks (`sharded.create_slots`).
+      variable, rows_here = sharded.in_block(variables[name], rows, block)
       variable.scatter_update(tf.IndexedSlices(value, rows_here))
 
   return write
