@@ -23,7 +23,8 @@ the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map spl
   `KERAS_STEPS` steps on the workers fill both shards; the table and the accumulator blocks,
   the map and their devices are written before (`keras_before.npz`) and after
   (`keras_after.npz`) one training remap on the coordinator that gives rows to new keys.
-  A Keras 3 optimizer in its place is refused at construction (`keras3_refused.json`).
+  A Keras 3 optimizer in its place is refused at construction, before any variable is created
+  (`keras3_refused.json`). Then `second_cluster` (below), last in the same process.
 """
 
 import json
@@ -291,9 +292,17 @@ def keras_trained(cluster, out):
     layer.build(None)
     return layer
 
+  created = []  # every variable the refused layer creates (none: refused before its tables)
+
+  def record(next_creator, **kwargs):
+    created.append(next_creator(**kwargs))
+    return created[-1]
+
   with strategy.scope():
+    keras3 = keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR)
     try:
-      layer_with(keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR))
+      with tf.variable_creator_scope(record):
+        layer_with(keras3)
       message = "built"
     except ValueError as e:
       message = str(e)
@@ -301,7 +310,7 @@ def keras_trained(cluster, out):
     layer = layer_with(optimizer)
     optimizer.build(layer.trainable_variables)
   with open(os.path.join(out, "keras3_refused.json"), "w") as f:
-    json.dump({"message": message}, f)
+    json.dump({"message": message, "created": [v.name for v in created]}, f)
 
   def step(keys):
     with tf.GradientTape() as tape:
@@ -323,7 +332,27 @@ def keras_trained(cluster, out):
   np.savez(os.path.join(out, "keras_after.npz"), **keras_state(layer, optimizer))
 
 
+def second_cluster(cluster, out):
+  """A layer under a strategy of another cluster, made in the process that trained the first
+  (`second_cluster.npz`): ps 0 and worker 0 alone, a cluster of their own to TF (its tasks
+  get new contexts, knowing no function the first cluster's steps made)."""
+  strategy = strategy_of({"worker": cluster["worker"][:1], "ps": cluster["ps"][:1]}, blocks=1)
+  with strategy.scope():
+    layer = make_layer(SEQUENCE_CAPACITY, eviction="lru")
+  train(strategy, layer, keras_batches()[:1])
+  keys, rows, _ = layer.managed_ids["t"].export()
+  table = layer.variables_by_table["t"]["parameters"].numpy()
+  np.savez(
+    os.path.join(out, "second_cluster.npz"), keys=keys.numpy(), rows=rows.numpy(), table=table
+  )
+
+
 if __name__ == "__main__":
   phases = {"concurrent": concurrent, "sequential": sequential, "one_ps": one_ps}
   phases.update(two_ps=two_ps, keras_trained=keras_trained)
-  phases[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])
+  phase, cluster = sys.argv[1], json.loads(sys.argv[2])
+  phases[phase](cluster, *sys.argv[3:])
+  if (
+    phase == "keras_trained"
+  ):  # last in its process: the first strategy no longer reaches its tasks
+    second_cluster(cluster, *sys.argv[3:])
