@@ -131,6 +131,8 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
+    if self._row_resets is not None:
+      self._row_resets.tables_created()
     if self._backend.table_updates == "engine":
       add_gradient_trap(self, TRAP_NAME)
     else:
