@@ -232,10 +232,10 @@ def run_memory(rows: int, batch: int) -> dict:
 def _index_bound(rows: int, batch: int) -> int:
   """Most bytes of one map's eviction index under LFU/LRU (engine/cc/managed_ids.cc): a pool of
   `pool` entries of 24 B, compacted beyond twice that; `pool` = rows / 16 within [1024, 65536]
-  (at most `rows`), or 2 * wanted + seen rows when a step wants more; the rows given last step
-  (8 B each). TTL adds 8 B per row freed below the free-row cursor."""
+  (at most `rows`), or 2 * wanted + seen rows when a step wants more. TTL adds 8 B per row
+  freed below the free-row cursor."""
   pool = max(min(rows, max(1024, min(rows // 16, 1 << 16))), 3 * batch)
-  return 2 * pool * 24 + 8 * batch
+  return 2 * pool * 24
 
 
 def _rss_bytes() -> int:

@@ -50,7 +50,7 @@ def test_map_follows_reference(policy, min_count, string, traced, engine_path):
     step = tf.function(id_map.remap, reduce_retracing=True)
     graph = step.get_concrete_function(tf.TensorSpec([None], id_map.key_dtype), True).graph
     ops = {op.type for op in graph.get_operations()}
-    assert ("TpuEmbeddingManagedRowsToGive" in ops) == (engine_path == "native")
+    assert ("TpuEmbeddingManagedRemap" in ops) == (engine_path == "native")
   admitted = 0
   for keys in _stream(seed=min_count + 10 * string, steps=30, string=string):
     rows, fresh = step(tf.constant(keys), True)

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tpu_embedding.engine import native, updates
 from tpu_embedding.engine.state import TableState
+from tpu_embedding.managed_ids import IdMap, ManagedIds
 
 import child_process
 
@@ -93,34 +94,37 @@ def test_dedup_lookup_and_row_gradients_match_numpy(with_samples, with_gains):
 
 @pytest.mark.parametrize("eviction", ["lfu", "lru"])
 @pytest.mark.parametrize("wanted", [0, 3, 40, 500])
-def test_managed_rows_to_give_match_numpy(eviction, wanted):
-  """Free rows ascending, then victims by (aged count, last seen, row) or (last seen, row)."""
+def test_managed_remap_gives_rows_in_numpy_order(eviction, wanted, engine_path):
+  """The kernel's step on a map whose variables were written directly (its index is built from
+  them): free rows ascending, then victims by (aged count, last seen, row) or (last seen, row),
+  never a row whose key is in the batch."""
   rng = np.random.default_rng(wanted)
   capacity, step, half_life = 300, 50, 7
-  last = rng.integers(-1, step + 1, capacity)  # -1 free; == step: seen now, never a victim
+  last = rng.integers(-1, step, capacity)  # -1: free
   counts = rng.integers(0, 6, capacity) << rng.integers(0, 3, capacity)  # many equal counts
   index = np.arange(capacity)
+  used = index[(last >= 0) & (index > 0)]
+  in_batch = rng.choice(used, 30, replace=False)  # seen now: never victims
   free = index[(last < 0) & (index > 0)]
-  victims = index[(last >= 0) & (last < step) & (index > 0)]
+  victims = np.setdiff1d(used, in_batch)
   aged = counts[victims] >> np.minimum(step // half_life - last[victims] // half_life, 62)
   if eviction == "lru":
     aged = np.zeros_like(aged)
   victims = victims[np.lexsort((victims, last[victims], aged))]
   want = np.concatenate([free, victims])[:wanted]
-  index = native.managed_index(f"test_index_{eviction}_{wanted}")  # new: built from the variables
-  got = native.managed_rows_to_give(
-    index,
-    tf.Variable(last.astype(np.int32)),
-    tf.Variable(counts.astype(np.int32)),
-    step,
-    wanted,
-    tf.zeros([0], tf.int64),
-    tf.zeros([0], tf.int64),
-    eviction,
-    half_life,
-  )
-  native.destroy_managed_index(f"test_index_{eviction}_{wanted}")
-  np.testing.assert_array_equal(got.numpy(), want)
+
+  spec = ManagedIds(eviction=eviction, lfu_half_life_steps=half_life)
+  id_map = IdMap(spec, "t", capacity)
+  id_map.keys.assign(1000 + index)
+  id_map.last_seen.assign(last.astype(np.int32))
+  id_map.counts.assign(counts.astype(np.int32))
+  id_map.step.assign(step - 1)
+  id_map.rows_of_keys.insert(tf.constant(1000 + used), tf.constant(used))
+  new_keys = -1 - np.arange(wanted)
+  rows, given = id_map.remap(tf.constant(np.concatenate([1000 + in_batch, new_keys])), True)
+  np.testing.assert_array_equal(given.numpy(), want)
+  np.testing.assert_array_equal(rows.numpy()[:30], in_batch)
+  np.testing.assert_array_equal(rows.numpy()[30:], np.pad(want, (0, wanted - len(want))))
   assert 0 < len(free) < 40 < len(free) + len(victims) < 500  # every regime was exercised
 
 

@@ -188,35 +188,34 @@ def destroy_managed_index(name: str) -> None:
     tf.raw_ops.DestroyResourceOp(resource=managed_index(name), ignore_lookup_error=True)
 
 
-def managed_next_step(index: tf.Tensor, step: tf.Variable) -> tf.Tensor:
-  """Adds 1 to a map's step counter, returning the new value; a write of the counter by anything
-  else (a restore) makes the index rebuild itself from the variables at its next use."""
-  return _library().tpu_embedding_managed_next_step(index=index, step=step.handle)
-
-
-def managed_rows_to_give(
+def managed_remap(
   index: tf.Tensor,
-  last_seen: tf.Variable,
-  counts: tf.Variable,
-  step: tf.Tensor,
-  wanted: tf.Tensor,
-  seen: tf.Tensor,
-  freed: tf.Tensor,
+  table: tf.Tensor,
+  candidates: Optional[tf.Tensor],
+  map_variables: Sequence[tf.Variable],
+  ids: tf.Tensor,
   eviction: str,
   half_life: int,
-) -> tf.Tensor:
-  """Up to `wanted` rows of a managed-id map for new keys: free rows ascending, then victims in
-  `eviction` order (the same rows as `IdMap`'s TF ops). `seen`: the rows counted at this step;
-  `freed`: the rows freed at it (TTL). Reads the variables in place, from the map's eviction
-  index (cc/managed_ids.cc)."""
-  return _library().tpu_embedding_managed_rows_to_give(
+  min_count: int,
+  ttl_steps: Optional[int],
+) -> tuple[tf.Tensor, tf.Tensor]:
+  """One training step of a managed-id map in one kernel (cc/managed_ids.cc): (row of each of
+  `ids`, rows given to new keys), the same as `IdMap`'s TF ops. `table` and `candidates` are
+  the handles of its `MutableHashTable`s (candidates None where min_count is 1);
+  `map_variables`: its keys, counts, last_seen and step, updated in place; `index`: its eviction
+  index."""
+  keys, counts, last_seen, step = map_variables
+  return _library().tpu_embedding_managed_remap(
     index=index,
-    last_seen=last_seen.handle,
+    table=table,
+    keys=keys.handle,
     counts=counts.handle,
-    step=tf.cast(step, tf.int64),
-    wanted=tf.cast(wanted, tf.int64),
-    seen=tf.cast(seen, tf.int64),
-    freed=tf.cast(freed, tf.int64),
+    last_seen=last_seen.handle,
+    step=step.handle,
+    ids=ids,
+    candidates=[] if candidates is None else [candidates],
     eviction=eviction,
     half_life=int(half_life),
+    min_count=int(min_count),
+    ttl_steps=int(ttl_steps or 0),
   )

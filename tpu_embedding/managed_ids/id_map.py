@@ -3,18 +3,18 @@
 Its state is TensorFlow's own machinery (a `MutableHashTable` and variables), so the map runs
 eagerly and in `tf.function`, is saved by `tf.train.Checkpoint` and exported in SavedModels.
 No decision depends on a hash table's iteration order: free rows are taken in row order, victims
-by an explicit order, candidates are pruned after a full sort (docs/managed-ids.md). The choice
-of rows for new keys, the one step that would read the whole map, runs in the engine's compiled
-kernel where it can (`native.managed_rows_to_give`, from an eviction index kept between steps
-and rebuilt from the variables whenever something else wrote them), else in TF ops with the
-same result.
+by an explicit order, candidates are pruned after a full sort (docs/managed-ids.md). A training
+step runs in one compiled kernel where it can (`native.managed_remap`: the same hash tables and
+variables, updated in place, its rows picked from an eviction index kept between steps and
+rebuilt from the variables whenever something else wrote them), else in TF ops with the same
+result.
 """
 
 from __future__ import annotations
 
 import uuid
 import weakref
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import tensorflow as tf
 
@@ -108,28 +108,44 @@ class IdMap(tf.Module):
       message=f"Table {self.table_name!r}: its managed-id map has counted 2**31 - 1 training "
       "steps, the most its int32 last-seen steps record; nothing was changed",
     )
-    compiled = native.runs_here([self.last_seen, self.counts, self.step])
-    if compiled:
+    variables = [self.keys, self.counts, self.last_seen, self.step]
+    if native.runs_here(variables):
       with tf.device(self.step.device):
-        step = native.managed_next_step(native.managed_index(self.index_name), self.step)
+        rows, new_rows = native.managed_remap(
+          native.managed_index(self.index_name),
+          self.rows_of_keys.resource_handle,
+          None if self.candidates is None else self.candidates.resource_handle,
+          variables,
+          keys,
+          self.spec.eviction,
+          self.spec.lfu_half_life_steps,
+          self.spec.min_count,
+          self.spec.ttl_steps,
+        )
+      if self.candidates is not None:
+        self._prune_candidates()
     else:
-      step = self.step.assign_add(1)
+      rows, new_rows = self._remap_with_tf_ops(keys)
+    if reset is not None:
+      reset(new_rows)
+    return rows, new_rows
+
+  def _remap_with_tf_ops(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The training step in TF's own ops (no compiled kernels, or a map on another task)."""
+    step = self.step.assign_add(1)
     unique, position = tf.unique(keys, out_idx=tf.int64)
     occurrences = tf.math.unsorted_segment_sum(
       tf.ones_like(position), position, tf.size(unique, tf.int64)
     )
     rows = tf.reshape(self.rows_of_keys.lookup(unique), [-1])
     known = rows > 0
-    seen = tf.boolean_mask(rows, known)
-    self._count_hits(seen, tf.boolean_mask(occurrences, known), step)
-    freed = self._free_expired(step) if self.spec.eviction == "ttl" else tf.zeros([0], tf.int64)
-    places = _Places(step, seen, freed, compiled)
+    self._count_hits(tf.boolean_mask(rows, known), tf.boolean_mask(occurrences, known), step)
+    if self.spec.eviction == "ttl":
+      self._free_expired(step)
     newcomers = tf.where(~known)[:, 0]
     new_rows, admitted = self._admit(
-      tf.gather(unique, newcomers), tf.gather(occurrences, newcomers), places
+      tf.gather(unique, newcomers), tf.gather(occurrences, newcomers), step
     )
-    if reset is not None:
-      reset(new_rows)
     # Keys seen in this step keep their rows (never evicted, never expired by it): only the
     # admitted ones change.
     rows = tf.tensor_scatter_nd_update(rows, tf.gather(newcomers, admitted)[:, None], new_rows)
@@ -140,30 +156,27 @@ class IdMap(tf.Module):
     self.counts.scatter_update(tf.IndexedSlices(_saturated(aged + occurrences), rows))
     self.last_seen.scatter_update(tf.IndexedSlices(_steps(rows, step), rows))
 
-  def _free_expired(self, step: tf.Tensor) -> tf.Tensor:
-    """TTL: rows unseen for `ttl_steps` steps lose their keys (which read row 0 again); returns
-    those rows."""
+  def _free_expired(self, step: tf.Tensor) -> None:
+    """TTL: rows unseen for `ttl_steps` steps lose their keys (which read row 0 again)."""
     last = tf.cast(self.last_seen.read_value(), tf.int64)
     expired = tf.where(self._used_rows(last) & (step - last >= self.spec.ttl_steps))[:, 0]
     self.rows_of_keys.remove(tf.gather(self.keys, expired))
     self.last_seen.scatter_update(
       tf.IndexedSlices(tf.fill(tf.shape(expired), tf.constant(-1, tf.int32)), expired)
     )
-    return expired
 
   def _admit(
-    self, keys: tf.Tensor, occurrences: tf.Tensor, places: _Places
+    self, keys: tf.Tensor, occurrences: tf.Tensor, step: tf.Tensor
   ) -> tuple[tf.Tensor, tf.Tensor]:
     """Gives rows to the eligible ones of `keys` (new keys in first-occurrence order): (the rows,
     the positions in `keys` of the keys given them)."""
-    step = places.step
     if self.candidates is not None:
       totals = tf.reshape(self.candidates.lookup(keys), [-1]) + occurrences
       eligible = totals >= self.spec.min_count
     else:
       totals, eligible = occurrences, tf.ones_like(occurrences, tf.bool)
     chosen_keys, chosen_totals = tf.boolean_mask(keys, eligible), tf.boolean_mask(totals, eligible)
-    rows = self._rows_to_give(tf.size(chosen_keys, tf.int64), places)
+    rows = self._rows_to_give(tf.size(chosen_keys, tf.int64), step)
     placed = tf.size(rows)
     admitted = chosen_keys[:placed]
     previous = tf.gather(self.keys, rows)
@@ -180,23 +193,9 @@ class IdMap(tf.Module):
       self._prune_candidates()
     return rows, tf.where(eligible)[:placed, 0]
 
-  def _rows_to_give(self, wanted: tf.Tensor, places: _Places) -> tf.Tensor:
+  def _rows_to_give(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
     """Up to `wanted` rows: free rows by ascending index, then victims in eviction order among
     rows whose key was not seen in this step."""
-    step = places.step
-    if places.compiled:
-      with tf.device(self.step.device):
-        return native.managed_rows_to_give(
-          native.managed_index(self.index_name),
-          self.last_seen,
-          self.counts,
-          step,
-          wanted,
-          places.seen,
-          places.freed,
-          self.spec.eviction,
-          self.spec.lfu_half_life_steps,
-        )
     last = tf.cast(self.last_seen.read_value(), tf.int64)
     index = tf.range(self.capacity, dtype=tf.int64)
     free = tf.where((last < 0) & (index > 0))[:, 0]
@@ -246,15 +245,6 @@ class IdMap(tf.Module):
   def _used_rows(self, last_seen: tf.Tensor = None) -> tf.Tensor:
     last = self.last_seen.read_value() if last_seen is None else last_seen
     return (last >= 0) & (tf.range(self.capacity, dtype=tf.int64) > 0)
-
-
-class _Places(NamedTuple):
-  """What the choice of rows for new keys needs to know about its step."""
-
-  step: tf.Tensor
-  seen: tf.Tensor  # rows whose keys were counted at this step
-  freed: tf.Tensor  # rows freed at this step (TTL)
-  compiled: bool  # whether the compiled kernel (and its index) chooses
 
 
 def _saturated(counts: tf.Tensor) -> tf.Tensor:

@@ -1,9 +1,15 @@
-// The rows a managed-id map gives to new keys in one step (docs/managed-ids.md, "Placement"),
-// from an eviction index kept between steps, so that a step costs O(batch log pool) rather than
-// a scan of the whole map.
+// One training step of a managed-id map (docs/managed-ids.md) in one kernel: count the batch's
+// keys, age and count the rows they hold, free expired rows (TTL), admit new keys (min_count,
+// through the candidates table), pick their rows from an eviction index kept between steps, and
+// update the map's variables and TF hash tables in place. TF's own ops take ~25 ops a step for
+// this, each paying the executor and streaming its operands; here each key is hashed once and
+// each touched row read and written once, so a step costs O(batch log pool).
 //
-// The index is a cache derived from the map's variables (`last_seen`, `counts`, `step`), which
-// alone are checkpointed. It holds:
+// The key -> row table stays TF's `MutableHashTable` (reached through `LookupInterface`), so
+// checkpoints, serving exports and plain lookups need nothing of this library.
+//
+// The eviction index is a cache derived from the map's variables (`last_seen`, `counts`,
+// `step`), which alone are checkpointed. It holds:
 // - free rows: a cursor over rows in ascending order plus a min-heap of rows freed below it;
 // - a pool: every used row whose eviction key is <= a threshold `T`, in a min-heap (lazily
 //   deleted: an entry whose row's key has changed since it was pushed is dropped when popped).
@@ -12,19 +18,26 @@
 //   without reading the other rows. When the pool runs dry, grows too stale, the LFU epoch
 //   changes (every key halves: the order between unseen rows may change), or the index cannot
 //   vouch for the variables, one scan rebuilds it (at most `pool` entries kept).
+// TTL's expired rows (last seen at or before `step - ttl_steps`) are a prefix of the pool's
+// (last_seen, row) order, so they are popped from it rather than found by a scan.
 // The index vouches for the variables only if every write of the step counter since its last
-// step was its own (`TpuEmbeddingManagedNextStep`): it holds the counter's buffer, so any other
-// write (a checkpoint restore, an assign) gives the variable a new buffer and forces a rebuild.
+// step was its own: it holds the counter's buffer, so any other write (a checkpoint restore, an
+// assign) gives the variable a new buffer and forces a rebuild.
 // The rows given are exactly those of the full ordering (the TF ops' sort): eviction keys end in
 // the row index, so no two are equal.
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
+#include "tensorflow/core/framework/lookup_interface.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tpu_embedding/engine/cc/kernels.h"
@@ -32,6 +45,7 @@
 namespace tpu_embedding {
 namespace {
 
+using ::tensorflow::DataTypeToEnum;
 using ::tensorflow::DT_INT32;
 using ::tensorflow::DT_INT64;
 using ::tensorflow::HandleFromInput;
@@ -39,7 +53,9 @@ using ::tensorflow::LookupOrCreateResource;
 using ::tensorflow::LookupResource;
 using ::tensorflow::ResourceBase;
 using ::tensorflow::ResourceHandleOp;
+using ::tensorflow::tstring;
 using ::tensorflow::Var;
+using ::tensorflow::lookup::LookupInterface;
 using ::tensorflow::shape_inference::InferenceContext;
 
 // One used row and what orders it as a victim; `aged` is 0 for LRU and TTL.
@@ -58,6 +74,7 @@ struct Victim {
 constexpr int64_t kMaxShift = 62;  // as the TF ops: a longer absence ages any count to 0
 constexpr int64_t kMinPool = 1024;
 constexpr int64_t kMaxPool = 1 << 16;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 class ManagedIndex : public ResourceBase {
  public:
@@ -74,7 +91,6 @@ class ManagedIndex : public ResourceBase {
   Victim threshold{0, 0, 0};    // every used row with key <= threshold is in the pool
   bool everything = false;      // the pool held every used row when built (no threshold)
   int64_t pool_size = 0;        // how many entries a rebuild keeps
-  std::vector<int64_t> given;   // rows given last step: their keys are set after this kernel
 };
 
 REGISTER_OP("TpuEmbeddingManagedIndex")
@@ -93,114 +109,61 @@ absl::Status NewIndex(ManagedIndex** index) {
   return absl::OkStatus();
 }
 
-REGISTER_OP("TpuEmbeddingManagedNextStep")
-    .Input("index: resource")
-    .Input("step: resource")
-    .Output("next: int64")
-    .SetIsStateful()
-    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
-    .Doc(R"doc(
-Adds 1 to a managed-id map's int64 step counter and returns the new value. The index stays
-valid only if the counter still holds the buffer this op wrote at the previous step.
-)doc");
-
-class ManagedNextStepOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-
-  void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<ManagedIndex> index;
-    OP_REQUIRES_OK(ctx, LookupOrCreateResource<ManagedIndex>(ctx, HandleFromInput(ctx, 0),
-                                                             &index, NewIndex));
-    ::tensorflow::core::RefCountPtr<Var> step;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &step));
-    ::tensorflow::mutex_lock step_lock(*step->mu());
-    ::tensorflow::mutex_lock index_lock(index->mu);
-    Tensor* current = step->tensor();
-    OP_REQUIRES(ctx, current->dtype() == DT_INT64 && current->NumElements() == 1,
-                InvalidArgument("the step counter must be an int64 scalar"));
-    if (!index->step.SharesBufferWith(*current)) index->valid = false;
-    Tensor next;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
-    next.scalar<int64_t>()() = current->flat<int64_t>()(0) + 1;
-    *current = next;  // a new buffer, never written again: readers of the old one are unaffected
-    index->step = next;
-    ctx->set_output(0, next);
-  }
-};
-
-REGISTER_KERNEL_BUILDER(Name("TpuEmbeddingManagedNextStep").Device(DEVICE_CPU),
-                        ManagedNextStepOp);
-
-REGISTER_OP("TpuEmbeddingManagedRowsToGive")
-    .Input("index: resource")
-    .Input("last_seen: resource")  // int32
-    .Input("counts: resource")     // int32
-    .Input("step: int64")
-    .Input("wanted: int64")
-    .Input("seen: int64")
-    .Input("freed: int64")
-    .Attr("eviction: {'lfu', 'lru', 'ttl'}")
-    .Attr("half_life: int >= 1")
-    .Output("rows: int64")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
-    .Doc(R"doc(
-Up to `wanted` rows of a managed-id map for new keys, at `step` (after the rows `seen` in it
-were counted and the rows `freed` in it were freed). First the free rows (last_seen < 0,
-row > 0) in ascending order, then the rows whose key was not seen at `step`
-(0 <= last_seen < step), ordered for 'lfu' by (count aged to step, last_seen, row), for 'lru'
-and 'ttl' by (last_seen, row). A count is aged by halving it once per `half_life` steps since
-it was last updated (at most 62 times), which was at its row's last_seen. The caller must give
-the returned rows their new keys (last_seen = step) before the next step.
-)doc");
-
 using Rows = absl::Span<const int64_t>;
 
-Rows RowsOf(const Tensor& t) { return Rows(t.flat<int64_t>().data(), t.NumElements()); }
-
-// One call's view of the variables, and the index's maintenance from it.
+// One step's view of the variables, and the index's maintenance from it.
 class Step {
  public:
-  Step(ManagedIndex& x, const Tensor& last_seen, const Tensor& counts, int64_t step,
-       int64_t half_life, bool by_count, int64_t seen_now)
+  Step(ManagedIndex& x, const int32_t* last_seen, const int32_t* counts, int64_t capacity,
+       int64_t step, int64_t half_life, bool by_count, int64_t seen_now)
       : x_(x),
-        last_(last_seen.flat<int32_t>().data()),
-        count_(counts.flat<int32_t>().data()),
+        last_(last_seen),
+        count_(counts),
         step_(step),
-        capacity_(last_seen.NumElements()),
+        capacity_(capacity),
         half_life_(half_life),
         epoch_(by_count ? step / half_life : 0),
         by_count_(by_count),
         seen_now_(seen_now) {}
 
-  // Brings the index up to date with the rows whose keys changed since its last step (given
-  // then, seen or freed now), or rebuilds it.
-  void Update(Rows seen, Rows freed, int64_t wanted) {
+  // Brings the index up to date with the rows seen at this step (the rows given at earlier
+  // steps were pushed when given), or rebuilds it.
+  void Update(Rows seen, int64_t wanted) {
     const bool kept = x_.valid && x_.capacity == capacity_;
     if (!kept) {
       x_.cursor = 1;
       x_.freed.clear();
-    } else {
-      for (const int64_t row : freed) {
-        if (row < x_.cursor) {
-          x_.freed.push_back(row);
-          std::push_heap(x_.freed.begin(), x_.freed.end(), std::greater<int64_t>());
-        }
-      }
     }
     if (!kept || x_.epoch != epoch_) {
       Rebuild(wanted, {});
       return;
     }
-    for (const int64_t row : x_.given) {
-      if (last_[row] == step_ - 1) Push(row);  // else seen now (below) or freed
-    }
     for (const int64_t row : seen) Push(row);
     if (static_cast<int64_t>(x_.pool.size()) > 2 * x_.pool_size) Rebuild(wanted, {});
+  }
+
+  // The used rows last seen at or before `cut`, in (last_seen, row) order; `free` marks each
+  // free in the variables (last_seen -1) before the next one is looked for.
+  std::vector<int64_t> Expired(int64_t cut, const std::function<void(int64_t)>& free) {
+    std::vector<int64_t> rows;
+    while (true) {
+      while (!x_.pool.empty() && x_.pool.front().last_seen <= cut) {
+        const Victim v = Pop();
+        if (Current(v)) {
+          rows.push_back(v.row);
+          free(v.row);
+          if (v.row < x_.cursor) {
+            x_.freed.push_back(v.row);
+            std::push_heap(x_.freed.begin(), x_.freed.end(), std::greater<int64_t>());
+          }
+        }
+      }
+      // Every used row at or below the threshold was in the pool: if the threshold lies past
+      // the cut, no expired row is left outside it.
+      if (x_.everything || x_.threshold.last_seen > cut) break;
+      Rebuild(0, {});
+    }
+    return rows;
   }
 
   std::vector<int64_t> FreeRows(int64_t wanted) {
@@ -240,9 +203,7 @@ class Step {
         rebuilt = true;
         continue;
       }
-      const Victim v = x_.pool.front();
-      std::pop_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
-      x_.pool.pop_back();
+      const Victim v = Pop();
       if (!Current(v)) continue;
       if (v.last_seen >= step_) {
         seen_now.push_back(v);
@@ -255,6 +216,15 @@ class Step {
       std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
     }
     return rows;
+  }
+
+  // A row whose key changed at this step (given to a new key) enters the index.
+  void Push(int64_t row) {
+    if (last_[row] < 0) return;
+    const Victim key = KeyOf(row);
+    if (!x_.everything && x_.threshold < key) return;
+    x_.pool.push_back(key);
+    std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
   }
 
  private:
@@ -272,12 +242,11 @@ class Step {
     return !by_count_ || KeyOf(v.row).aged == v.aged;
   }
 
-  void Push(int64_t row) {
-    if (last_[row] < 0) return;
-    const Victim key = KeyOf(row);
-    if (!x_.everything && x_.threshold < key) return;
-    x_.pool.push_back(key);
-    std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
+  Victim Pop() {
+    const Victim v = x_.pool.front();
+    std::pop_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
+    x_.pool.pop_back();
+    return v;
   }
 
   // One scan of the variables: the pool's smallest keys (rows in `taken` left out).
@@ -316,67 +285,310 @@ class Step {
   const int64_t seen_now_;
 };
 
-class ManagedRowsToGiveOp : public OpKernel {
+REGISTER_OP("TpuEmbeddingManagedRemap")
+    .Input("index: resource")
+    .Input("table: resource")
+    .Input("keys: resource")
+    .Input("counts: resource")     // int32
+    .Input("last_seen: resource")  // int32
+    .Input("step: resource")       // int64
+    .Input("ids: key_dtype")
+    .Input("candidates: num_candidates * resource")
+    .Attr("key_dtype: {int64, string}")
+    .Attr("num_candidates: int >= 0")
+    .Attr("eviction: {'lfu', 'lru', 'ttl'}")
+    .Attr("half_life: int >= 1")
+    .Attr("min_count: int >= 1")
+    .Attr("ttl_steps: int >= 0")
+    .Output("rows: int64")
+    .Output("given: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(6));
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+One training step of a managed-id map: `rows` of `ids` (0 for keys left without a row) and the
+rows `given` to new keys, in the order of their keys' first occurrence. Adds 1 to the int64
+`step`; counts each key holding a row in `table` (its count aged by halving once per
+`half_life` steps since its row's last_seen, at most 62 times, plus its occurrences;
+saturating at 2**31 - 1; last_seen = step); for 'ttl', frees the rows last seen at or before
+step - ttl_steps (their keys leave `table`). New keys whose occurrences (plus their count in
+the one `candidates` table when min_count > 1) reach `min_count` get rows in order: first the
+free rows (last_seen < 0, row > 0) ascending, then rows whose key was not seen at this step,
+by (count aged to step, last_seen, row) for 'lfu', by (last_seen, row) for 'lru' and 'ttl'. A
+given row's previous key leaves `table`; the new key, its count and last_seen are written;
+new keys left without a row are counted in `candidates` (the caller prunes it).
+)doc");
+
+// Keys as the unique-key map holds them: views of the batch's own keys.
+int64_t View(int64_t key) { return key; }
+absl::string_view View(const tstring& key) { return absl::string_view(key.data(), key.size()); }
+
+// Locks several variables in a fixed (address) order, as TF's own ops do, and releases them.
+class VariableLocks {
  public:
-  explicit ManagedRowsToGiveOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit VariableLocks(std::vector<::tensorflow::mutex*> mutexes)
+      : mutexes_(std::move(mutexes)) {
+    std::sort(mutexes_.begin(), mutexes_.end());
+    mutexes_.erase(std::unique(mutexes_.begin(), mutexes_.end()), mutexes_.end());
+    for (::tensorflow::mutex* mu : mutexes_) mu->lock();
+  }
+  ~VariableLocks() {
+    for (auto it = mutexes_.rbegin(); it != mutexes_.rend(); ++it) (*it)->unlock();
+  }
+
+ private:
+  std::vector<::tensorflow::mutex*> mutexes_;
+};
+
+// The variable's buffer, made this variable's own before it is written in place: a tensor
+// read from it earlier may still share it (TF's own sparse updates copy it likewise).
+template <typename T>
+absl::Status Writable(OpKernelContext* ctx, Var* var, Tensor** out) {
+  Tensor* tensor = var->tensor();
+  if (!tensor->RefCountIsOne()) {
+    Tensor copy;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
+    std::copy_n(tensor->flat<T>().data(), tensor->NumElements(), copy.flat<T>().data());
+    *tensor = copy;
+  }
+  *out = tensor;
+  return absl::OkStatus();
+}
+
+template <typename K>
+class ManagedRemapOp : public OpKernel {
+ public:
+  explicit ManagedRemapOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string eviction;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("eviction", &eviction));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("half_life", &half_life_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("min_count", &min_count_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ttl_steps", &ttl_steps_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_candidates", &num_candidates_));
     by_count_ = eviction == "lfu";
+    ttl_ = eviction == "ttl";
+    OP_REQUIRES(ctx, !ttl_ || ttl_steps_ >= 1,
+                InvalidArgument("eviction 'ttl' needs ttl_steps >= 1"));
+    OP_REQUIRES(ctx, num_candidates_ == (min_count_ > 1 ? 1 : 0),
+                InvalidArgument("a candidates table is needed exactly when min_count > 1"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::core::RefCountPtr<ManagedIndex> index;
     OP_REQUIRES_OK(ctx, LookupOrCreateResource<ManagedIndex>(ctx, HandleFromInput(ctx, 0),
                                                              &index, NewIndex));
-    ::tensorflow::core::RefCountPtr<Var> last_var, count_var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &last_var));
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &count_var));
-    ::tensorflow::tf_shared_lock last_lock(*last_var->mu());
-    ::tensorflow::tf_shared_lock count_lock(*count_var->mu());
-    ::tensorflow::mutex_lock index_lock(index->mu);
-    const Tensor& last_seen = *last_var->tensor();
-    const Tensor& counts = *count_var->tensor();
-    OP_REQUIRES(ctx,
-                last_seen.dtype() == DT_INT32 && counts.dtype() == DT_INT32 &&
-                    last_seen.dims() == 1 && counts.shape() == last_seen.shape(),
-                InvalidArgument("last_seen and counts must be int32 vectors of one length, got ",
-                                last_seen.shape().DebugString(), " and ",
-                                counts.shape().DebugString()));
-    for (int input = 3; input < 5; ++input) {
-      OP_REQUIRES(ctx, ctx->input(input).NumElements() == 1,
-                  InvalidArgument("step and wanted must be scalars"));
+    ::tensorflow::core::RefCountPtr<LookupInterface> table, candidates;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &table));
+    if (num_candidates_ > 0) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 7), &candidates));
     }
-    const int64_t capacity = last_seen.NumElements();
-    for (int input = 5; input < 7; ++input) {
-      for (const int64_t row : RowsOf(ctx->input(input))) {
-        OP_REQUIRES(ctx, 0 < row && row < capacity,
-                    InvalidArgument("row ", row, " is not in [1, ", capacity, ")"));
+    for (LookupInterface* t : {table.get(), candidates.get()}) {
+      if (t == nullptr) continue;
+      OP_REQUIRES(ctx,
+                  t->key_dtype() == DataTypeToEnum<K>::value && t->value_dtype() == DT_INT64,
+                  InvalidArgument("the map's hash tables must map ",
+                                  ::tensorflow::DataTypeString(DataTypeToEnum<K>::value),
+                                  " keys to int64"));
+    }
+    ::tensorflow::core::RefCountPtr<Var> vars[4];  // keys, counts, last_seen, step
+    for (int i = 0; i < 4; ++i) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2 + i), &vars[i]));
+    }
+    VariableLocks locks({vars[0]->mu(), vars[1]->mu(), vars[2]->mu(), vars[3]->mu()});
+    ::tensorflow::mutex_lock index_lock(index->mu);
+    Tensor* step_var = vars[3]->tensor();
+    const int64_t capacity = vars[0]->tensor()->NumElements();
+    OP_REQUIRES(ctx, step_var->dtype() == DT_INT64 && step_var->NumElements() == 1,
+                InvalidArgument("the step counter must be an int64 scalar"));
+    OP_REQUIRES(ctx,
+                vars[0]->tensor()->dtype() == DataTypeToEnum<K>::value &&
+                    vars[0]->tensor()->dims() == 1,
+                InvalidArgument("keys must be a vector of the key dtype"));
+    for (int i = 1; i < 3; ++i) {
+      OP_REQUIRES(ctx,
+                  vars[i]->tensor()->dtype() == DT_INT32 &&
+                      vars[i]->tensor()->shape() == vars[0]->tensor()->shape(),
+                  InvalidArgument("counts and last_seen must be int32 vectors as long as keys, "
+                                  "got ", vars[i]->tensor()->shape().DebugString()));
+    }
+    const int64_t step = step_var->flat<int64_t>()(0) + 1;
+    OP_REQUIRES(ctx, step <= kInt32Max,
+                InvalidArgument("the map's int32 last_seen cannot record step ", step));
+
+    // The batch's distinct keys in first-occurrence order, and what the table holds for them.
+    const auto ids = ctx->input(6).flat<K>();
+    const int64_t n = ids.size();
+    std::vector<int64_t> position(n), first, occurrences;
+    {
+      absl::flat_hash_map<decltype(View(ids(0))), int64_t> slot;
+      slot.reserve(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const auto [it, added] = slot.try_emplace(View(ids(i)), first.size());
+        if (added) {
+          first.push_back(i);
+          occurrences.push_back(0);
+        }
+        ++occurrences[it->second];
+        position[i] = it->second;
       }
     }
-    const int64_t wanted = std::max<int64_t>(ctx->input(4).flat<int64_t>()(0), 0);
-    const Rows seen = RowsOf(ctx->input(5));
-    Step step(*index, last_seen, counts, ctx->input(3).flat<int64_t>()(0), half_life_, by_count_,
-              seen.size());
-    step.Update(seen, RowsOf(ctx->input(6)), wanted);
-    std::vector<int64_t> rows = step.FreeRows(wanted);
-    const std::vector<int64_t> victims = step.Victims(wanted - static_cast<int64_t>(rows.size()));
-    rows.insert(rows.end(), victims.begin(), victims.end());
-    index->given = rows;
+    const int64_t distinct = first.size();
+    Tensor unique_keys, found, zero;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
+                                           &unique_keys));
+    for (int64_t u = 0; u < distinct; ++u) unique_keys.flat<K>()(u) = ids(first[u]);
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({distinct}), &found));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &zero));
+    zero.scalar<int64_t>()() = 0;
+    OP_REQUIRES_OK(ctx, table->Find(ctx, unique_keys, &found, zero));
+    int64_t* row_of = found.flat<int64_t>().data();  // becomes each distinct key's row
+    std::vector<int64_t> seen, newcomers;
+    for (int64_t u = 0; u < distinct; ++u) {
+      OP_REQUIRES(ctx, 0 <= row_of[u] && row_of[u] < capacity,
+                  InvalidArgument("the map's hash table gives row ", row_of[u],
+                                  " outside [0, ", capacity, ")"));
+      (row_of[u] > 0 ? seen : newcomers).push_back(u);
+    }
+    // Admission: a newcomer's total is its occurrences plus its candidate count.
+    std::vector<int64_t> totals(newcomers.size());
+    for (size_t j = 0; j < newcomers.size(); ++j) totals[j] = occurrences[newcomers[j]];
+    if (candidates) {
+      Tensor keys, counted;
+      OP_REQUIRES_OK(ctx, Gather(ctx, unique_keys, newcomers, &keys));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({keys.NumElements()}),
+                                             &counted));
+      OP_REQUIRES_OK(ctx, candidates->Find(ctx, keys, &counted, zero));
+      for (size_t j = 0; j < newcomers.size(); ++j) totals[j] += counted.flat<int64_t>()(j);
+    }
+    std::vector<int64_t> eligible, waiting;  // positions in `newcomers`
+    for (size_t j = 0; j < newcomers.size(); ++j) {
+      (totals[j] >= min_count_ ? eligible : waiting).push_back(j);
+    }
 
+    // Everything is checked: from here on the step writes the variables.
+    Tensor* vars_now[3];
+    OP_REQUIRES_OK(ctx, Writable<K>(ctx, vars[0].get(), &vars_now[0]));
+    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, vars[1].get(), &vars_now[1]));
+    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, vars[2].get(), &vars_now[2]));
+    K* keys = vars_now[0]->flat<K>().data();
+    int32_t* counts = vars_now[1]->flat<int32_t>().data();
+    int32_t* last = vars_now[2]->flat<int32_t>().data();
+    if (!index->step.SharesBufferWith(*step_var)) index->valid = false;
+    Tensor next;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
+    next.scalar<int64_t>()() = step;
+    *step_var = next;  // a new buffer, never written again: readers of the old one keep theirs
+    index->step = next;
+
+    const int64_t epoch = step / half_life_;
+    std::vector<int64_t> seen_rows(seen.size());
+    for (size_t j = 0; j < seen.size(); ++j) {
+      const int64_t row = row_of[seen[j]];
+      const int64_t aged =
+          int64_t{counts[row]} >> std::min(epoch - last[row] / half_life_, kMaxShift);
+      counts[row] = static_cast<int32_t>(std::min(aged + occurrences[seen[j]], kInt32Max));
+      last[row] = static_cast<int32_t>(step);
+      seen_rows[j] = row;
+    }
+    const int64_t wanted = eligible.size();
+    Step index_step(*index, last, counts, capacity, step, half_life_, by_count_, seen.size());
+    index_step.Update(seen_rows, wanted);
+    std::vector<int64_t> leaving;  // rows whose keys leave the table
+    if (ttl_) {
+      leaving = index_step.Expired(step - ttl_steps_, [last](int64_t row) { last[row] = -1; });
+    }
+    std::vector<int64_t> given = index_step.FreeRows(wanted);
+    const std::vector<int64_t> victims =
+        index_step.Victims(wanted - static_cast<int64_t>(given.size()));
+    given.insert(given.end(), victims.begin(), victims.end());
+    leaving.insert(leaving.end(), victims.begin(), victims.end());
+    Tensor old_keys;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value,
+                                           TensorShape({static_cast<int64_t>(leaving.size())}),
+                                           &old_keys));
+    for (size_t j = 0; j < leaving.size(); ++j) old_keys.flat<K>()(j) = keys[leaving[j]];
+
+    const int64_t placed = given.size();
+    std::vector<int64_t> admitted(placed);  // distinct-key positions
+    for (int64_t j = 0; j < placed; ++j) {
+      const int64_t u = newcomers[eligible[j]], row = given[j];
+      admitted[j] = u;
+      keys[row] = ids(first[u]);
+      counts[row] = static_cast<int32_t>(std::min(totals[eligible[j]], kInt32Max));
+      last[row] = static_cast<int32_t>(step);
+      row_of[u] = row;
+      index_step.Push(row);
+    }
+    for (int64_t j = placed; j < wanted; ++j) waiting.push_back(eligible[j]);
+
+    Tensor new_keys, rows_tensor;
+    absl::Status status = Gather(ctx, unique_keys, admitted, &new_keys);
+    if (status.ok()) status = Output(ctx, 1, given, &rows_tensor);
+    if (status.ok()) status = table->Remove(ctx, old_keys);
+    if (status.ok()) status = table->Insert(ctx, new_keys, rows_tensor);
+    if (status.ok() && candidates) status = Count(ctx, *candidates, unique_keys, newcomers,
+                                                  waiting, totals, new_keys);
+    if (!status.ok()) {
+      index->valid = false;  // the variables and tables may disagree with it
+      ctx->SetStatus(status);
+      return;
+    }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(rows.size())}),
-                                             &out));
-    std::copy(rows.begin(), rows.end(), out->flat<int64_t>().data());
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(6).shape(), &out));
+    int64_t* rows = out->flat<int64_t>().data();
+    for (int64_t i = 0; i < n; ++i) rows[i] = row_of[position[i]];
   }
 
  private:
-  int64_t half_life_ = 1;
-  bool by_count_ = false;
+  // `keys[at[j]]` for each j.
+  static absl::Status Gather(OpKernelContext* ctx, const Tensor& keys,
+                             const std::vector<int64_t>& at, Tensor* out) {
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        DataTypeToEnum<K>::value, TensorShape({static_cast<int64_t>(at.size())}), out));
+    for (size_t j = 0; j < at.size(); ++j) out->flat<K>()(j) = keys.flat<K>()(at[j]);
+    return absl::OkStatus();
+  }
+
+  static absl::Status Output(OpKernelContext* ctx, int index, const std::vector<int64_t>& rows,
+                             Tensor* copy) {
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(
+        index, TensorShape({static_cast<int64_t>(rows.size())}), &out));
+    std::copy(rows.begin(), rows.end(), out->flat<int64_t>().data());
+    *copy = *out;
+    return absl::OkStatus();
+  }
+
+  // Admitted keys leave the candidates; the others wait there with their totals.
+  static absl::Status Count(OpKernelContext* ctx, LookupInterface& candidates,
+                            const Tensor& unique_keys, const std::vector<int64_t>& newcomers,
+                            const std::vector<int64_t>& waiting,
+                            const std::vector<int64_t>& totals, const Tensor& admitted) {
+    TF_RETURN_IF_ERROR(candidates.Remove(ctx, admitted));
+    std::vector<int64_t> at(waiting.size());
+    Tensor keys, counts;
+    for (size_t j = 0; j < waiting.size(); ++j) at[j] = newcomers[waiting[j]];
+    TF_RETURN_IF_ERROR(Gather(ctx, unique_keys, at, &keys));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DT_INT64, TensorShape({static_cast<int64_t>(at.size())}), &counts));
+    for (size_t j = 0; j < waiting.size(); ++j) counts.flat<int64_t>()(j) = totals[waiting[j]];
+    return candidates.Insert(ctx, keys, counts);
+  }
+
+  int64_t half_life_ = 1, min_count_ = 1, ttl_steps_ = 0;
+  int num_candidates_ = 0;
+  bool by_count_ = false, ttl_ = false;
 };
 
-REGISTER_KERNEL_BUILDER(Name("TpuEmbeddingManagedRowsToGive").Device(DEVICE_CPU),
-                        ManagedRowsToGiveOp);
+REGISTER_KERNEL_BUILDER(
+    Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU).TypeConstraint<int64_t>("key_dtype"),
+    ManagedRemapOp<int64_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU).TypeConstraint<tstring>("key_dtype"),
+    ManagedRemapOp<tstring>);
 
 }  // namespace
 }  // namespace tpu_embedding
