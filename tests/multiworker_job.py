@@ -1,6 +1,8 @@
-"""One process of the multi-worker test: trains a fixed set of global batches, writes the table.
+"""One process of the multi-worker test: trains a fixed set of global batches, writes the table
+(`plain.npy`); then, under the same strategy, the managed-ids run of `multiworker_managed_job`
+(`managed_ids.npy`). A process makes one MultiWorkerMirroredStrategy, so both share it.
 
-Run as `python multiworker_job.py OUT.npy` with TF_CONFIG set for MultiWorkerMirroredStrategy,
+Run as `python multiworker_job.py OUT_DIR` with TF_CONFIG set for MultiWorkerMirroredStrategy,
 or without TF_CONFIG for the single-process reference run on the same global batches.
 """
 
@@ -16,6 +18,8 @@ import tf_keras  # noqa: E402
 
 import tpu_embedding  # noqa: E402
 
+import multiworker_managed_job  # noqa: E402  (this script's folder)
+
 E = tf.tpu.experimental.embedding
 GLOBAL_BATCH = 8
 
@@ -27,9 +31,7 @@ def strategy_of_this_process() -> tf.distribute.Strategy:
   return tf.distribute.get_strategy()
 
 
-def main(out_path: str) -> None:
-  multi_worker = "TF_CONFIG" in os.environ
-  strategy = strategy_of_this_process()
+def train(strategy: tf.distribute.Strategy, out_path: str) -> None:
   rng = np.random.default_rng(3)
   values = rng.normal(size=(9, 2)).astype(np.float32)
   bags = [rng.integers(0, 9, size=(GLOBAL_BATCH, 3)) for _ in range(3)]
@@ -66,7 +68,13 @@ def main(out_path: str) -> None:
   for ids in dist:
     run(ids)
   np.save(out_path, layer.embedding_tables[table].numpy())
-  if multi_worker:
+
+
+def main(out_dir: str) -> None:
+  strategy = strategy_of_this_process()
+  train(strategy, os.path.join(out_dir, "plain.npy"))
+  multiworker_managed_job.train(strategy, os.path.join(out_dir, "managed_ids.npy"))
+  if "TF_CONFIG" in os.environ:
     print(json.dumps({"task": json.loads(os.environ["TF_CONFIG"])["task"]}))
 
 

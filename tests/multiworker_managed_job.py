@@ -1,29 +1,18 @@
-"""One process of the multi-worker managed-ids test: every worker remaps each global batch with
-its own copy of the map (outside strategy.run), trains its half; writes the table and the rows
-of every key seen.
-
-Run as `python multiworker_managed_job.py OUT.npy` with TF_CONFIG set for
-MultiWorkerMirroredStrategy, or without TF_CONFIG for the single-process reference.
+"""The managed-ids part of a multi-worker test process (`multiworker_job.py` runs it under its
+strategy): every worker remaps each global batch with its own copy of the map (outside
+strategy.run), trains its half; writes the table and the rows of every key seen.
 """
 
-import os
-import sys
+import numpy as np
+import tensorflow as tf
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import tpu_embedding  # noqa: E402
-
-from multiworker_job import strategy_of_this_process  # noqa: E402  (this script's folder)
+import tpu_embedding
 
 E = tf.tpu.experimental.embedding
 GLOBAL_BATCH = 8
 
 
-def main(out_path: str) -> None:
-  strategy = strategy_of_this_process()
+def train(strategy: tf.distribute.Strategy, out_path: str) -> None:
   rng = np.random.default_rng(4)
   universe = rng.integers(-(2**62), 2**62, size=10)
   batches = [universe[rng.integers(0, 10, size=GLOBAL_BATCH)] for _ in range(6)]
@@ -57,7 +46,3 @@ def main(out_path: str) -> None:
     run(share(rows), share(tf.constant(upstream)))
   probe = layer.managed_ids["t"].lookup(tf.constant(universe)).numpy()
   np.save(out_path, np.concatenate([layer.embedding_tables[table].numpy().ravel(), probe]))
-
-
-if __name__ == "__main__":
-  main(sys.argv[1])

@@ -1,7 +1,10 @@
 """Tables row-sharded over ps tasks: the coordinator side of `test_sharded.py`.
 
 Run as `python sharded_job.py PHASE CLUSTER_JSON DIR`, where CLUSTER_JSON is the cluster spec
-of processes already running (`LocalCluster`) and DIR is shared between the phases:
+of processes already running (`LocalCluster`) and DIR is shared between the phases. The phases
+`train`, `hammer` and `worker_fault` share one strategy, so one process runs them in turn
+(`two_shards PID`); each other phase connects its own: a process's coordinator cannot run
+functions on the cluster again once it has connected a second strategy.
 
 * `train`: tables sharded in 2 (FixedShardsPartitioner) over the ps tasks, `STEPS` steps
   scheduled on the workers by a `ClusterCoordinator`; writes the tables and slots
@@ -146,8 +149,7 @@ def shard_counts(layer) -> list:
   ]
 
 
-def train(cluster, out):
-  strategy = sharded_strategy(cluster, 2)
+def train(strategy, out):
   with strategy.scope():
     layer = make_layer()
   worker_step = run_sharded(strategy, layer, STEPS)
@@ -215,9 +217,8 @@ def whole(cluster, out):
     json.dump(devices, f)
 
 
-def worker_fault(cluster, out, pid):
+def worker_fault(strategy, out, pid):
   """SGD steps; after the first `MORE`, worker process `pid` is SIGKILLed and the rest run."""
-  strategy = sharded_strategy(cluster, 2)
   with strategy.scope():
     layer = make_layer()
   run_sharded(strategy, layer, MORE)
@@ -258,9 +259,8 @@ def resume(cluster, out):
   np.savez(os.path.join(out, "resumed.npz"), **state(layer))
 
 
-def hammer(cluster, out):
+def hammer(strategy, out):
   """Both workers update every row of one wide SGD table at once, `HAMMER_STEPS` times."""
-  strategy = sharded_strategy(cluster, 2)
   with strategy.scope():
     table = E.TableConfig(
       vocabulary_size=HAMMER_ROWS,
@@ -288,13 +288,19 @@ def hammer(cluster, out):
   np.save(os.path.join(out, "hammer.npy"), layer.variables_by_table["rows"]["parameters"].numpy())
 
 
+def two_shards(cluster, out, worker_pid):
+  """`train`, `hammer`, then `worker_fault` (which ends the process), under one strategy."""
+  strategy = sharded_strategy(cluster, 2)
+  train(strategy, out)
+  hammer(strategy, out)
+  worker_fault(strategy, out, worker_pid)
+
+
 if __name__ == "__main__":
   {
-    "train": train,
+    "two_shards": two_shards,
     "restore": restore,
     "whole": whole,
-    "hammer": hammer,
-    "worker_fault": worker_fault,
     "ps_fault": ps_fault,
     "resume": resume,
   }[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])

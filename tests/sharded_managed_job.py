@@ -2,13 +2,17 @@
 
 Run as `python sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running `LocalCluster`;
 the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map split with them.
+Two processes run the phases: `two_ps_cluster` (2 ps, 2 workers) runs `concurrent`,
+`sequential` and `keras_trained` under one strategy, writes `SEQUENTIAL_DONE` after
+`sequential`, and runs `two_ps` once a line on its stdin says `one_ps` (1 ps, 1 worker, its own
+process, run meanwhile) has written `ckpt_one_ps`; then `second_cluster`, last.
 
 * `concurrent`: `STEPS` steps scheduled at once on both workers; consecutive batches share half
   their keys, so the two workers keep meeting the same new keys at the same time. Writes the map's
   export and every shard's, the rows of all keys and the table (`concurrent.npz`).
 * `sequential`: `SEQUENCE` steps run one at a time (each joined before the next), with eviction
   and min_count 2; writes the map, every shard's export and the table (`sequential.npz`), then a
-  checkpoint (`ckpt`); a new layer under a new strategy restores it (`restored.npz`); a layer
+  checkpoint (`ckpt`); a new layer restores it (`restored.npz`); a layer
   without managed ids' checkpoint is refused, and so is `ckpt` by a layer without strategy (one
   whole map) (`refused.json`); the restored layer is exported for serving (`export/`). Then
   the same steps again on a new layer through `layer.remap` on the coordinator, the steps taking
@@ -16,7 +20,7 @@ the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map spl
 * `one_ps` (a cluster of 1 ps, 1 worker): restores `ckpt` (written under 2 ps), both blocks and
   map shards now on the one ps (`restored_one_ps.npz`); trains `MORE` steps (`continued.npz`)
   and writes `ckpt_one_ps`.
-* `two_ps` (2 ps again): restores `ckpt_one_ps` (`restored_two_ps.npz`); a layer whose
+* `two_ps` (2 ps again): a new layer restores `ckpt_one_ps` (`restored_two_ps.npz`); a layer whose
   partitioner cuts the table into 3 blocks (its map in 3 shards, `three_blocks.npz`) is refused
   it, nothing changed (`refused_3.json`).
 * `keras_trained` (2 ps): a table trained by a tf-keras Adagrad (`table_updates="keras"`):
@@ -24,7 +28,8 @@ the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map spl
   the map and their devices are written before (`keras_before.npz`) and after
   (`keras_after.npz`) one training remap on the coordinator that gives rows to new keys.
   A Keras 3 optimizer in its place is refused at construction, before any variable is created
-  (`keras3_refused.json`). Then `second_cluster` (below), last in the same process.
+  (`keras3_refused.json`).
+* `second_cluster`: see its docstring; last in the `two_ps_cluster` process.
 """
 
 import json
@@ -48,6 +53,7 @@ SEQUENCE, SEQUENCE_BATCH, SEQUENCE_KEYS, MORE = 12, 16, 40, 6
 SEQUENCE_CAPACITY = 13  # 12 rows for keys: 6 per shard
 SEQUENCE_SPEC = dict(eviction="lfu", min_count=2, lfu_half_life_steps=4)
 INITIAL = 0.25
+SEQUENTIAL_DONE = "sequential.done"  # the marker file of `two_ps_cluster`: `ckpt` is written
 # keras_trained: tf-keras Adagrad's learning rate and initial accumulator value
 KERAS_STEPS, KERAS_LEARNING_RATE, KERAS_ACCUMULATOR = 4, 0.5, 0.1
 
@@ -148,8 +154,7 @@ def refusal(layer, path) -> dict:
   return {"message": message, "unchanged": all(np.array_equal(before[k], after[k]) for k in before)}
 
 
-def concurrent(cluster, out):
-  strategy = strategy_of(cluster)
+def concurrent(strategy, out):
   with strategy.scope():
     layer = make_layer(CONCURRENT_CAPACITY, eviction="lru", lfu_half_life_steps=10_000)
   coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -162,8 +167,7 @@ def concurrent(cluster, out):
   np.savez(os.path.join(out, "concurrent.npz"), **result)
 
 
-def sequential(cluster, out):
-  strategy = strategy_of(cluster)
+def sequential(strategy, out):
   with strategy.scope():
     layer = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
   train(strategy, layer, sequence_batches()[:SEQUENCE])
@@ -219,25 +223,27 @@ def sequential(cluster, out):
   np.savez(os.path.join(out, "remapped.npz"), **state(remapping))
 
 
-def restore(cluster, out, checkpoint: str, name: str):
-  """(strategy, layer) with `checkpoint` restored under a new strategy; its state in `name`."""
-  strategy = strategy_of(cluster)
+def restore(strategy, out, checkpoint: str, name: str):
+  """A new layer under `strategy` with `checkpoint` restored; its state in `name`."""
   with strategy.scope():
     layer = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
   tf.train.Checkpoint(layer=layer).read(os.path.join(out, checkpoint)).assert_consumed()
   np.savez(os.path.join(out, name), **state(layer))
-  return strategy, layer
+  return layer
 
 
 def one_ps(cluster, out):
-  strategy, layer = restore(cluster, out, "ckpt", "restored_one_ps.npz")
+  strategy = strategy_of(cluster)
+  layer = restore(strategy, out, "ckpt", "restored_one_ps.npz")
   train(strategy, layer, sequence_batches()[SEQUENCE:])
   np.savez(os.path.join(out, "continued.npz"), **state(layer))
   tf.train.Checkpoint(layer=layer).write(os.path.join(out, "ckpt_one_ps"))
 
 
-def two_ps(cluster, out):
-  restore(cluster, out, "ckpt_one_ps", "restored_two_ps.npz")
+def two_ps(strategy, cluster, out):
+  """Last in its process: the strategy cutting the table into 3 blocks runs no function on the
+  workers."""
+  restore(strategy, out, "ckpt_one_ps", "restored_two_ps.npz")
   with strategy_of(cluster, blocks=3).scope():
     cut_in_3 = make_layer(SEQUENCE_CAPACITY, **SEQUENCE_SPEC)
   np.savez(os.path.join(out, "three_blocks.npz"), **state(cut_in_3))
@@ -273,11 +279,9 @@ def keras_state(layer, optimizer) -> dict:
   }
 
 
-def keras_trained(cluster, out):
+def keras_trained(strategy, out):
   import keras  # noqa: PLC0415 (Keras 3, only for its refusal)
   import tf_keras  # noqa: PLC0415
-
-  strategy = strategy_of(cluster)
 
   def layer_with(optimizer):
     table = E.TableConfig(
@@ -288,6 +292,7 @@ def keras_trained(cluster, out):
       optimizer,
       table_updates="keras",
       managed_ids={"t": tpu_embedding.ManagedIds(eviction="lru")},
+      name="tpu_embedding",  # the default name, though the phases before made layers
     )
     layer.build(None)
     return layer
@@ -347,12 +352,20 @@ def second_cluster(cluster, out):
   )
 
 
+def two_ps_cluster(cluster, out):
+  """Every phase of the 2-ps cluster, under one strategy (see the module docstring)."""
+  strategy = strategy_of(cluster)
+  concurrent(strategy, out)
+  sequential(strategy, out)
+  with open(os.path.join(out, SEQUENTIAL_DONE), "w"):
+    pass
+  keras_trained(strategy, out)
+  if not sys.stdin.readline():  # the test went away before `one_ps` was done
+    sys.exit("no word that ckpt_one_ps is written")
+  two_ps(strategy, cluster, out)
+  second_cluster(cluster, out)  # last: connecting another cluster replaces this one
+
+
 if __name__ == "__main__":
-  phases = {"concurrent": concurrent, "sequential": sequential, "one_ps": one_ps}
-  phases.update(two_ps=two_ps, keras_trained=keras_trained)
-  phase, cluster = sys.argv[1], json.loads(sys.argv[2])
-  phases[phase](cluster, *sys.argv[3:])
-  if (
-    phase == "keras_trained"
-  ):  # last in its process: the first strategy no longer reaches its tasks
-    second_cluster(cluster, *sys.argv[3:])
+  phases = {"two_ps_cluster": two_ps_cluster, "one_ps": one_ps}
+  phases[sys.argv[1]](json.loads(sys.argv[2]), *sys.argv[3:])

@@ -44,10 +44,11 @@ HOSTILE_SPARSE = {  # name: (indices, values, dense_shape, what the refusal says
 }
 
 _CHILD = """
-import json, sys
+import json, os, sys
 import tensorflow as tf
 sys.path.insert(0, {tests!r})
 from test_inputs import HOSTILE_SPARSE, layer
+from tpu_embedding.engine import native
 
 def run(mode, indices, values, shape):
   model = layer()
@@ -68,29 +69,34 @@ def run(mode, indices, values, shape):
         as_sparse(*tensors))
   return call(*tensors)
 
-for name, (indices, values, shape, _) in HOSTILE_SPARSE.items():
-  for mode in ("eager", "eager_tape", "traced_tape", "signature", "signature_tape"):
-    if name == "indices_without_values" and not mode.startswith("signature"):
-      continue  # the SparseTensor constructor itself refuses it
-    print(json.dumps([name, mode]), flush=True)  # the last line shows where an abort happened
-    try:
-      run(mode, indices, values, shape)
-      print(json.dumps("accepted"), flush=True)
-    except (ValueError, tf.errors.InvalidArgumentError) as e:
-      print(json.dumps(str(e)), flush=True)
+for path, switch in (("native", "1"), ("tf_ops", "0")):  # the engine's two paths
+  os.environ[native.ENV_SWITCH] = switch
+  for name, (indices, values, shape, _) in HOSTILE_SPARSE.items():
+    for mode in ("eager", "eager_tape", "traced_tape", "signature", "signature_tape"):
+      if name == "indices_without_values" and not mode.startswith("signature"):
+        continue  # the SparseTensor constructor itself refuses it
+      # the last line shows where an abort happened
+      print(json.dumps([path, name, mode]), flush=True)
+      try:
+        run(mode, indices, values, shape)
+        print(json.dumps("accepted"), flush=True)
+      except (ValueError, tf.errors.InvalidArgumentError) as e:
+        print(json.dumps(str(e)), flush=True)
 """
 
 
-def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting(engine_path):
+def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting():
+  """On both engine paths, in one child (each path as the `engine_path` fixture sets it)."""
   stdout = child_process.run_python(
     _CHILD.format(tests=os.path.join(child_process.ROOT, "tests")), 300
   )
   lines = [json.loads(line) for line in stdout.splitlines()]
   results = dict(zip(map(tuple, lines[::2]), lines[1::2]))
-  assert len(results) == 4 * 5 + 2
-  for (name, mode), message in results.items():
-    assert re.search(r"Feature \\*'f\\*'", message), (name, mode, message)
-    assert HOSTILE_SPARSE[name][3] in message, (name, mode, message)
+  assert len(results) == 2 * (4 * 5 + 2)
+  assert {path for path, _, _ in results} == {"native", "tf_ops"}
+  for (path, name, mode), message in results.items():
+    assert re.search(r"Feature \\*'f\\*'", message), (path, name, mode, message)
+    assert HOSTILE_SPARSE[name][3] in message, (path, name, mode, message)
 
 
 def test_a_refused_sparse_input_changes_no_table(engine_path):

@@ -1,10 +1,11 @@
 """Managed ids under ParameterServerStrategy, with real ps and worker processes on loopback.
 
 One `LocalCluster` (2 ps, 2 workers, each its own process) serves the module, and one of 1 ps
-and 1 worker the restores across ps counts; the coordinator runs in a subprocess
-(`sharded_managed_job.py`). The table is cut into 2 row blocks and the map split with them by key
-hash, each shard giving rows of its own block: every expectation is worked out here from the
-batches, each shard against the plain-Python reference map fed that shard's part of the stream.
+and 1 worker the restores across ps counts; each has its coordinator in a subprocess
+(`sharded_managed_job.py`), the small cluster's started and run while the other's runs. The
+table is cut into 2 row blocks and the map split with them by key hash, each shard giving rows
+of its own block: every expectation is worked out here from the batches, each shard against the
+plain-Python reference map fed that shard's part of the stream.
 """
 
 import collections
@@ -12,6 +13,8 @@ import json
 import pathlib
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -26,22 +29,48 @@ JOB = pathlib.Path(__file__).with_name("sharded_managed_job.py")
 PS_TASKS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)]
 
 
-def _run(cluster, phase: str, out) -> None:
-  argv = [sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)]
-  result = subprocess.run(cluster.command(argv), capture_output=True, text=True, timeout=400)
-  assert result.returncode == 0, result.stderr[-3000:]
+def _argv(cluster, phase: str, out) -> list[str]:
+  return cluster.command([sys.executable, str(JOB), phase, json.dumps(cluster.spec), str(out)])
+
+
+def _failed(process, errors) -> str:
+  errors.seek(0)
+  return f"{process.args[-3]} ({process.returncode}): {errors.read()[-3000:]}"
+
+
+def _wait_for(path: pathlib.Path, process, errors, timeout: float = 400) -> None:
+  """Until `process` has written `path`; fails the test if it exits or runs out of time first."""
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    assert process.poll() is None, _failed(process, errors)
+    assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+    time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   out = tmp_path_factory.mktemp("sharded_managed")
-  with loopback.cluster(num_ps=2, num_workers=2) as cluster:
-    _run(cluster, "concurrent", out)
-    _run(cluster, "sequential", out)
-    with loopback.cluster(num_ps=1, num_workers=1) as one:
-      _run(one, "one_ps", out)
-    _run(cluster, "two_ps", out)
-    _run(cluster, "keras_trained", out)
+  with (
+    loopback.cluster(num_ps=2, num_workers=2) as cluster,
+    tempfile.TemporaryFile("w+") as errors,
+    subprocess.Popen(
+      _argv(cluster, "two_ps_cluster", out), stdin=subprocess.PIPE, stderr=errors, text=True
+    ) as main,
+  ):
+    try:
+      with loopback.cluster(num_ps=1, num_workers=1) as one:
+        _wait_for(out / job_lib.SEQUENTIAL_DONE, main, errors)  # `ckpt` written under 2 ps
+        result = subprocess.run(
+          _argv(one, "one_ps", out), capture_output=True, text=True, timeout=400
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+      main.stdin.write("ckpt_one_ps written\n")
+      main.stdin.close()
+      main.wait(timeout=400)
+      assert main.returncode == 0, _failed(main, errors)
+    finally:
+      if main.poll() is None:
+        main.kill()
   return out
 
 

@@ -48,6 +48,22 @@ def _table_slots(optimizer):
   return [v for v in variables if tuple(v.shape) == (CAPACITY, DIM)]
 
 
+def _train_step(strategy, layer, optimizer):
+  """One replicated Keras step on remapped rows: `optimizer` trains the layer's table."""
+
+  @tf.function
+  def train(rows):
+    def step(rows):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(rows, remapped=True)["movie"] * [[1.0, -2.0]])
+      variables = layer.trainable_variables
+      optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    strategy.run(step, args=(rows,))
+
+  return train
+
+
 # Every optimizer on TPUEmbedding; two on a PartialTPUEmbedding, whose tables are all replicated
 # on V0 (nothing to shard onto), here trained by the Keras optimizer.
 @pytest.mark.parametrize(
@@ -74,17 +90,7 @@ def test_v0_resets_the_table_and_the_keras_optimizers_slots(monkeypatch, kind, p
       assert layer.execution_path is hardware.ExecutionPath.TPU_V0
     layer.build({"movie": tf.TensorShape([BATCH])})
   table = layer.variables_by_table["movies"]["parameters"]
-
-  @tf.function
-  def train(rows):
-    def step(rows):
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(layer(rows, remapped=True)["movie"] * [[1.0, -2.0]])
-      variables = layer.trainable_variables
-      optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-
-    strategy.run(step, args=(rows,))
-
+  train = _train_step(strategy, layer, optimizer)
   reference = ReferenceMap(CAPACITY, "lru")
   rng = np.random.default_rng(0)
   overwritten = 0  # reset rows whose slots held trained values
@@ -205,3 +211,58 @@ def test_cpu_tables_trained_by_keras_need_the_keras_optimizer_object(optimizer):
       table_updates="keras",
       managed_ids={"movies": tpu_embedding.ManagedIds()},
     )
+
+
+class _Holder(tf_keras.Model):
+  """A subclassed model around the layer (tf-keras saves such a model with save_weights)."""
+
+  def __init__(self, layer):
+    super().__init__()
+    self.embedding = layer
+
+  def call(self, inputs):
+    return self.embedding(inputs)
+
+
+def _v0_model(strategy, optimizer):
+  with strategy.scope():
+    layer = tpu_embedding.TPUEmbedding(
+      _features(),
+      optimizer=optimizer,
+      managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru")},
+    )
+    layer.build({"movie": tf.TensorShape([BATCH])})
+    model = _Holder(layer)
+    model.built = True  # tf-keras loads HDF5 weights into built models only
+  assert layer.execution_path is hardware.ExecutionPath.TPU_V0
+  return model, layer
+
+
+def test_v0_table_and_map_travel_in_a_legacy_hdf5_file(monkeypatch, tmp_path):
+  """`save_weights("w.h5")` then `load_weights` into a model built anew: the table and the map
+  (keys, rows, counts against the reference). The table's slots are the Keras optimizer's, which
+  Keras saves with the optimizer (`model.save` of a compiled model), not with the layer."""
+  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
+  optimizer = tf_keras.optimizers.Adagrad(0.3, ACC)
+  model, layer = _v0_model(strategy, optimizer)
+  train = _train_step(strategy, layer, optimizer)
+  reference = ReferenceMap(CAPACITY, "lru")
+  for step in range(3):
+    keys = KEYS[step * 2 : step * 2 + BATCH]
+    with strategy.scope():
+      rows = layer.remap({"movie": tf.constant(keys, tf.int64)})
+      train(rows)
+    reference.train(keys.tolist())
+  trained = layer.variables_by_table["movies"]["parameters"].numpy()
+  assert not np.array_equal(trained, INIT)
+  path = str(tmp_path / "w.h5")
+  model.save_weights(path)
+
+  other, other_layer = _v0_model(strategy, tf_keras.optimizers.Adagrad(0.3, ACC))
+  other.load_weights(path)
+  table = other_layer.variables_by_table["movies"]["parameters"]
+  np.testing.assert_array_equal(table.numpy(), trained)
+  id_map = other_layer.managed_ids["movies"]
+  exported = sorted(zip(*[t.numpy().tolist() for t in id_map.export()]))
+  assert exported == sorted(zip(*reference.export())) and len(exported) == CAPACITY - 1
+  assert id_map.lookup(tf.constant(KEYS)).numpy().tolist() == reference.lookup(KEYS.tolist())

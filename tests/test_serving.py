@@ -187,8 +187,13 @@ LOAD_WITH_TENSORFLOW_ONLY = textwrap.dedent("""
             user_id=ids["user_id"], movie_id=ids["movie_id"])["dot"].numpy(),
     }
     tables = sorted(loaded.embedding_tables)
+    try:  # movie's table has 50 rows
+      loaded.signatures["serving_default"](**dict(ids, movie_id=tf.constant([3, 50], tf.int64)))
+      refused = ""
+    except tf.errors.InvalidArgumentError as e:
+      refused = e.message
     assert not [m for m in sys.modules if m.startswith(("tpu_embedding", "tf_keras"))], sys.modules
-    np.savez(out, tables=np.array(tables), **results)
+    np.savez(out, tables=np.array(tables), refused=np.array(refused), **results)
 """)
 
 
@@ -216,6 +221,13 @@ def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_p
   for name, value in expected.items():
     np.testing.assert_array_equal(served[name], value, err_msg=name)
   assert list(served["tables"]) == ["genre", "movie", "user"]
+  # An id outside its table is refused by the CPU gather (there is no check of our own in an
+  # export's request), which names the id, the table's size, and the feature and table in the
+  # name of the op.
+  refused = str(served["refused"])
+  assert re.search(
+    r"(?s)indices\[1\] = 50 is not in \[0, 50\).*feature_movie\.table_movie/", refused
+  )
   # ... and those are the model's own predictions.
   features = {k[:-3]: tf.constant(v, tf.int64) for k, v in INPUTS.items()}
   np.testing.assert_allclose(expected["serving_default"], model(features).numpy(), rtol=1e-6)

@@ -40,7 +40,7 @@ def job(cluster, tmp_path_factory):
       ),
       capture_output=True,
       text=True,
-      timeout=240,
+      timeout=400,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -49,8 +49,13 @@ def job(cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(job):
-  return job("train")
+def trained(cluster, job):
+  """The phases of the 2-shard strategy, in one process: `train`, `hammer`, then `worker_fault`
+  (the cluster's worker 1 is killed there, and restarted here afterwards)."""
+  try:
+    return job("two_shards", str(cluster.process("worker", 1).pid))
+  finally:
+    loopback.restart(cluster, "worker", 1)
 
 
 def _load(directory: pathlib.Path, name: str) -> dict:
@@ -133,22 +138,17 @@ def test_checkpoints_move_between_shard_counts_and_unsharded_layers(job, trained
     np.testing.assert_array_equal(back[name], value, err_msg=name)
 
 
-def test_two_workers_updating_every_row_at_once_lose_no_update(job):
+def test_two_workers_updating_every_row_at_once_lose_no_update(trained):
   # Without the shard locks, this loses about a quarter of the steps (seen: -13 and -11.5).
-  out = job("hammer")
   np.testing.assert_array_equal(
-    np.load(out / "hammer.npy"),
+    np.load(trained / "hammer.npy"),
     np.full([sharded_job.HAMMER_ROWS, 8], -0.5 * sharded_job.HAMMER_STEPS, np.float32),
   )
 
 
-def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(cluster, job, trained):
-  # Last in this module: the cluster's worker 1 is killed here (and restarted afterwards).
-  try:
-    out = job("worker_fault", str(cluster.process("worker", 1).pid))
-  finally:
-    loopback.restart(cluster, "worker", 1)
-  survived = _load(out, "worker_fault.npz")
+def test_a_killed_worker_is_replaced_by_the_other_and_no_step_is_lost(trained):
+  # The cluster's worker 1 was killed after the first steps of this run (`trained`).
+  survived = _load(trained, "worker_fault.npz")
   reference = _load(trained, "reference.npz")
   for name in ("sgd/parameters", "adagrad/accumulators"):
     np.testing.assert_array_equal(survived[name], reference[name], err_msg=name)

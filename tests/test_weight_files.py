@@ -29,14 +29,14 @@ from managed_ids_reference import ReferenceMap
 E = tf.tpu.experimental.embedding
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
-# The name-keyed formats first: they apply an update pipelining holds back (the HDF5 writer reads
-# the weights as they are; docs/checkpoints-and-serving.md asks for `flush()` before it).
+# The legacy HDF5 formats first: with pipelining, the first save finds an update held back, and
+# must apply it itself (every format does, as a checkpoint save does).
 SAVES = {
-  "w.weights.h5": lambda model, path: model.save_weights(path),
-  "m.keras": lambda model, path: model.save(path),
   "w.h5": lambda model, path: model.save_weights(path),
   "m.h5": lambda model, path: model.save(path),
   "m_h5": lambda model, path: model.save(path, save_format="h5"),
+  "w.weights.h5": lambda model, path: model.save_weights(path),
+  "m.keras": lambda model, path: model.save(path),
 }
 
 
@@ -45,26 +45,40 @@ def digest(path):
     return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.mark.parametrize("kind", sorted(scenario.LAYERS))
-def test_every_format_restores_the_trained_tables_in_a_fresh_process(kind, tmp_path):
-  model, layer = scenario.build(kind)
-  model.fit(scenario.ids(kind), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
-  paths = []
-  for name, save in SAVES.items():
-    paths.append(str(tmp_path / name))
-    save(model, paths[-1])
-  layer.flush()  # the tables as a checkpoint would hold them, every update applied
-  trained = scenario.state(layer)
-  assert trained["small/accumulators"].max() > 0.2 and trained["large/accumulators"].max() > 0.2
-  prediction = model.predict(scenario.ids(kind), verbose=0)
-
-  out = tmp_path / "reloaded.npz"
+@pytest.fixture(scope="module")
+def reloaded_in_a_fresh_process(tmp_path_factory) -> dict:
+  """Every kind of layer trained here and saved in every format, then all of them reloaded in
+  one fresh process: {kind: (trained state, prediction, what the fresh process read back)}."""
+  saved, runs = {}, []
+  for kind in sorted(scenario.LAYERS):
+    directory = tmp_path_factory.mktemp(kind)
+    model, layer = scenario.build(kind)
+    model.fit(scenario.ids(kind), scenario.LABELS, batch_size=4, epochs=2, verbose=0)
+    paths = []
+    for name, save in SAVES.items():
+      paths.append(str(directory / name))
+      save(model, paths[-1])
+    layer.flush()  # the tables as a checkpoint would hold them, every update applied
+    out = directory / "reloaded.npz"
+    saved[kind] = (scenario.state(layer), model.predict(scenario.ids(kind), verbose=0), out)
+    runs.append((kind, str(out), paths))
   run_python(
-    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s; "
-    f"s.main({kind!r}, {str(out)!r}, {paths!r})",
+    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s\n"
+    f"for kind, out, paths in {runs!r}:\n  s.main(kind, out, paths)",
     timeout=600,
   )
-  reloaded = np.load(out)
+  return {
+    kind: (trained, prediction, dict(np.load(out)))
+    for kind, (trained, prediction, out) in saved.items()
+  }
+
+
+@pytest.mark.parametrize("kind", sorted(scenario.LAYERS))
+def test_every_format_restores_the_trained_tables_in_a_fresh_process(
+  kind, reloaded_in_a_fresh_process
+):
+  trained, prediction, reloaded = reloaded_in_a_fresh_process[kind]
+  assert trained["small/accumulators"].max() > 0.2 and trained["large/accumulators"].max() > 0.2
   for i, name in enumerate(SAVES):
     for key, value in trained.items():
       assert not np.array_equal(reloaded[f"{i}:before:{key}"], value), (name, key)
@@ -310,10 +324,11 @@ def _string_key_model():
   return tf_keras.Model({"b": ids}, layer({"b": ids})["b"]), layer
 
 
-@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras"])
-def test_string_keys_of_any_bytes_travel_in_the_name_keyed_formats(name, tmp_path):
+@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras", "w.h5", "m.h5"])
+def test_string_keys_of_any_bytes_travel_in_every_format(name, tmp_path):
   """Keras's stores take numbers only (and h5py's strings no NUL byte): string keys are stored
-  as their bytes and lengths, an embedded NUL and the empty key included."""
+  as their bytes and lengths, an embedded NUL and the empty key included; in the legacy HDF5
+  format as fixed-length byte strings, each ended with a marker byte (`Hdf5Strings`)."""
   keys = [b"x", b"y\x00", b"", b"x", b"y"]
   model, layer = _string_key_model()
   with tf.GradientTape() as tape:
@@ -322,7 +337,7 @@ def test_string_keys_of_any_bytes_travel_in_the_name_keyed_formats(name, tmp_pat
   reference = ReferenceMap(7)
   reference.train(keys)
   path = str(tmp_path / name)
-  model.save_weights(path) if name.endswith(".weights.h5") else model.save(path)
+  model.save_weights(path) if name.startswith("w.") else model.save(path)
   other, other_layer = _string_key_model()
   other.load_weights(path)
   exported = [t.numpy().tolist() for t in other_layer.managed_ids["t"].export()]
@@ -343,3 +358,91 @@ def test_stored_strings_whose_lengths_disagree_with_their_bytes_are_refused():
   with pytest.raises(ValueError, match=r"'managed:t:0' holds 4 bytes .* add up to 5"):
     weight_files.load_variables(store, {"managed:t:0": keys}, "layer")
   assert keys.numpy().tolist() == [b"ab", b"", b"c\x00"]
+
+
+def test_hdf5_strings_this_layer_did_not_write_are_refused_before_anything_changes(tmp_path):
+  """tf-keras assigns a layer's HDF5 weights in order: the keys come first, so a file whose keys
+  lack the marker byte changes no table, slot or map; the file is not changed."""
+  import h5py
+
+  model, layer = _string_key_model()
+  model({"b": tf.constant([[b"x"], [b"y"]])}, training=True)
+  path = str(tmp_path / "w.h5")
+  model.save_weights(path)
+  with h5py.File(path, "r+") as f:
+    group = f[layer.name]
+    (name,) = [n for n in group.attrs["weight_names"] if group[n].dtype.kind == "S"]
+    group[name][...] = np.array([b"x"] * 7, "S1")
+  saved = digest(path)
+  other, other_layer = _string_key_model()
+  other({"b": tf.constant([[b"z"]])}, training=True)
+  before = [v.numpy() for v in other_layer.weights]
+  with pytest.raises(
+    ValueError, match=rf"Layer '{other_layer.name}': 'managed_ids/t/keys:0' .*another layer"
+  ):
+    other.load_weights(path)
+  for variable, value in zip(other_layer.weights, before, strict=True):
+    np.testing.assert_array_equal(variable.numpy(), value)
+  assert other_layer.managed_ids["t"].lookup(tf.constant([b"z", b"x"])).numpy().tolist() == [1, 0]
+  assert digest(path) == saved
+
+
+# ---------------------------------------------------------------------------------------------
+# Managed ids in the legacy HDF5 files: a PartialTPUEmbedding with a map on each side (TPU V0:
+# tests/test_managed_ids_tpu_v0.py).
+
+PARTIAL_KEYS = {"a": [3, -(2**40), 3, 7, 11], "b": [b"x", b"y\x00", b"", b"x", b"zz"]}
+
+
+def _partial_managed_model():
+  """ "small" (replicated) maps int64 keys, "large" (sharded) string keys."""
+  layer = tpu_embedding.PartialTPUEmbedding(
+    scenario._features(),
+    E.Adagrad(0.5),
+    size_threshold=30,
+    managed_ids={
+      "small": tpu_embedding.ManagedIds(),
+      "large": tpu_embedding.ManagedIds(key_dtype=tf.string),
+    },
+  )
+  inputs = {
+    "a": tf_keras.Input((1,), dtype="int64", name="a"),
+    "b": tf_keras.Input((1,), dtype="string", name="b"),
+  }
+  out = layer(inputs)
+  return tf_keras.Model(inputs, tf_keras.layers.Concatenate()([out["a"], out["b"]])), layer
+
+
+@pytest.mark.parametrize("name", ["w.h5", "m.h5"])
+def test_partial_maps_on_both_sides_travel_in_hdf5(name, tmp_path):
+  model, layer = _partial_managed_model()
+  assert layer.side("small") == "replicated" and layer.side("large") == "sharded"
+  reference = {"small": ReferenceMap(20), "large": ReferenceMap(50)}
+  for step in range(3):
+    keys = {f: v[step:] + v[:step] for f, v in PARTIAL_KEYS.items()}
+    with tf.GradientTape() as tape:
+      out = model({f: tf.constant([[k] for k in v]) for f, v in keys.items()}, training=True)
+      loss = tf.reduce_sum(out * [1.0, -2.0, 3.0, 0.5, 1.5])
+    tape.gradient(loss, model.trainable_variables)
+    reference["small"].train(keys["a"])
+    reference["large"].train(keys["b"])
+  trained = {t: {s: v.numpy() for s, v in vs.items()} for t, vs in layer.variables_by_table.items()}
+  assert (
+    trained["large"]["accumulators"].max() > 0.2 and trained["small"]["accumulators"].max() > 0.2
+  )
+  path = str(tmp_path / name)
+  model.save_weights(path) if name.startswith("w.") else model.save(path)
+
+  other, other_layer = _partial_managed_model()
+  other.load_weights(path)
+  for table, ref in reference.items():
+    id_map = other_layer.managed_ids[table]
+    assert sorted(zip(*[t.numpy().tolist() for t in id_map.export()])) == sorted(
+      zip(*ref.export())
+    ), table
+    probe = [*ref.row_of, b"never" if table == "large" else 99]
+    assert id_map.lookup(tf.constant(probe)).numpy().tolist() == ref.lookup(probe), table
+    for slot, value in trained[table].items():
+      np.testing.assert_array_equal(
+        other_layer.variables_by_table[table][slot].numpy(), value, err_msg=f"{table} {slot}"
+      )

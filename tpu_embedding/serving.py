@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import tensorflow as tf
 
 from tpu_embedding import hardware, tf_internals
+from tpu_embedding.engine.lookup import exporting
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -76,7 +77,8 @@ def export_for_serving(
   _refuse_sparse_core(layers)
   for layer in layers:
     layer.flush()  # apply updates still held back by pipelining before reading the tables
-  functions = _concrete_signatures(signatures)
+  with exporting():  # the fewest ops per request (serving on CPU)
+    functions = _concrete_signatures(signatures)
   _check_cpu_only(functions)
 
   owners = _embedding_variables(layers)
@@ -234,7 +236,9 @@ def _concrete_signatures(signatures: Any) -> dict[str, Any]:
         f"Signature {name!r} must be a tf.function with an input_signature "
         "(a list of tf.TensorSpec), so its inputs are known at export."
       )
-    functions[name] = function.get_concrete_function()
+    # Traced afresh, so that the user's function keeps its own traces: one traced for the
+    # export has no gradient trap and may leave the id-range check to a CPU gather.
+    functions[name] = tf_internals.untraced_copy(function).get_concrete_function()
   return functions
 
 

@@ -86,6 +86,11 @@ def in_save_context() -> bool:
   return save_context.in_save_context()
 
 
+def untraced_copy(function: Any) -> Any:
+  """A `tf.function` like `function` (same Python function and options) with no traces yet."""
+  return function._clone(python_function=None)
+
+
 def could_possibly_record() -> bool:
   """Whether a gradient tape may be recording what runs now."""
   return record.could_possibly_record()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -83,11 +84,17 @@ def check_weights_kind(name: str, weights: Any, kind: type) -> None:
     raise TypeError(f"Feature {name!r}: weights must be floating point, got {weights.dtype.name}.")
 
 
-def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
+def check_id_ranges(
+  bags: Sequence[Bags], gathered_on_cpu: AbstractSet[str] = frozenset()
+) -> list[Bags]:
   """`bags`, their ids let through only once all of them are in range.
 
   Graph mode makes one check for the whole step (an unsigned max per feature, so a negative id
   counts as too large); only when it fails does it find which feature and ids are at fault.
+  `gathered_on_cpu`: names of tables whose lookup gathers every id of this step with TF's CPU
+  gather (`lookup.gathered_on_cpu`), which refuses an id outside the table itself; their bags
+  are left to it unless they hold ids it never gathers (past max_sequence_length) or uint64 ids
+  (the gather would print those past 2**63 negative).
   """
   if tf.executing_eagerly():
     for bag in bags:
@@ -100,8 +107,16 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
         offending = offending.numpy().tolist()
         raise ValueError(f"{_range_message(bag)} Offending ids: {offending}.")
     return list(bags)
-  if not bags:
-    return []
+  left_to_gather = [
+    bag.feature.table.name in gathered_on_cpu and bag.truncated_ids is None and not bag.unsigned
+    for bag in bags
+  ]
+  if all(left_to_gather):
+    return list(bags)
+  if any(left_to_gather):
+    to_check = [bag for bag, left in zip(bags, left_to_gather) if not left]
+    checked = iter(check_id_ranges(to_check))
+    return [bag if left else next(checked) for bag, left in zip(bags, left_to_gather)]
   checked = _range_check()(
     [bag.ids for bag in bags],
     [bag.truncated_ids for bag in bags if bag.truncated_ids is not None],
@@ -111,6 +126,12 @@ def check_id_ranges(bags: Sequence[Bags]) -> list[Bags]:
     tf.constant([bag.unsigned for bag in bags]),
   )
   return [dataclasses.replace(bag, ids=ids) for bag, ids in zip(bags, checked)]
+
+
+def gather_scope(feature: Feature) -> str:
+  """The name scope of a feature's gather: what a graph error names when the gather fails."""
+  name = f"feature_{feature.name}.table_{feature.table.name}"
+  return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
 
 
 # One check per strategy: every step that checks the same number of features under it calls the

@@ -204,10 +204,20 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     """
     self.build()
     static = static_path.compiling()  # XLA compiles this step: decided once for both passes
-    plain = trap is None or (self._follows_keras_optimizer and tf_internals.in_save_context())
+    plain = (
+      trap is None
+      or (self._follows_keras_optimizer and tf_internals.in_save_context())
+      or lookup.tracing_an_export()
+    )
     if static:
       self._refuse_under_xla(training=not plain)
-    step = inputs.Step.prepare(self._config, features, weights, compiled=static)
+    step = inputs.Step.prepare(
+      self._config,
+      features,
+      weights,
+      compiled=static,
+      gathered_on_cpu=frozenset() if static else self._gathered_on_cpu(),
+    )
     if self._check_finite:
       step = finite.check_weights(step)
     joined = finite.Joined()  # set if PartialTPUEmbedding's joint step runs the checks
@@ -242,6 +252,13 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       if not plain:
         finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream), joined)
     return tf.nest.pack_sequence_as(features, flat)
+
+  def _gathered_on_cpu(self) -> frozenset:
+    """Tables whose lookup in this call may leave out-of-range ids to its gather to refuse
+    (`lookup.exporting`, whose lookups are plain: per occurrence, no trap)."""
+    if self._distribution is not Distribution.LOCAL:
+      return frozenset()
+    return lookup.gathered_on_cpu({table: self.parameters(table) for table in self._config.tables})
 
   def _register_training_lookup(self, step: inputs.Step) -> Callable[[], frozenset]:
     """Counts this lookup; returns what tells its gradient which forward rows it may reuse.

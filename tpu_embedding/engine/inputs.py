@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 import tensorflow as tf
 
@@ -342,19 +342,21 @@ class Step:
     weights: Any = None,
     subset: bool = False,
     compiled: bool = False,
+    gathered_on_cpu: AbstractSet[str] = frozenset(),
   ) -> "Step":
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
 
     `compiled`: XLA compiles the step, which cannot raise at run time: the id-range check is
     left out (the static path clamps such ids instead), and `SparseTensor` entries outside their
-    `dense_shape` are dropped rather than refused.
+    `dense_shape` are dropped rather than refused. `gathered_on_cpu`: tables whose lookup's
+    own gather refuses an id outside them (`checks.check_id_ranges`).
     """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [
       to_bags(feature, ids, w, compiled)
       for (feature, ids), w in zip(pairs, config_lib.weight_leaves(features, weights, len(pairs)))
     ]
-    return cls(bags if compiled else checks.check_id_ranges(bags))
+    return cls(bags if compiled else checks.check_id_ranges(bags, gathered_on_cpu))
 
   @functools.cached_property
   def tables(self) -> dict[Any, list[Bags]]:

@@ -10,16 +10,18 @@ S @ rows and row gradients = S^T @ activation gradients (SPEC §2.1, §3.2).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import functools
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
 from tpu_embedding import tf_internals
-from tpu_embedding.engine import native, sharded
+from tpu_embedding.engine import checks, native, sharded
 from tpu_embedding.engine.inputs import Bags, Step
 
 Tensor = tf.Tensor
@@ -178,9 +180,49 @@ def look_up(step: Step, read_table: Callable[[Any], Tensor], how: TableLookupFn)
 def serving_lookup(config: Any, tables: Any, features: Any, weights: Any = None) -> Any:
   """Activations of `features` (any subset of `config`'s, in their own structure) read from
   `tables` ({table of `config`: its value}): no gradient trap, nothing to update."""
-  step = Step.prepare(config, features, weights, subset=True)
+  step = Step.prepare(
+    config, features, weights, subset=True, gathered_on_cpu=gathered_on_cpu(tables)
+  )
   found = look_up(step, lambda table: tables[table], per_occurrence)
   return tf.nest.pack_sequence_as(features, found.activations)
+
+
+_EXPORTING = contextvars.ContextVar("exporting", default=False)
+
+
+@contextlib.contextmanager
+def exporting() -> Iterator[None]:
+  """Within it, functions are traced for an export served on CPU (`serving.export_for_serving`),
+  with the fewest ops per request: every op of a check of our own costs a request more than the
+  whole gap to a plain gather. So the layer's lookups have no gradient trap (an export saves no
+  custom gradient: its trap would be an inert identity), and an unsharded table on CPU leaves
+  its id-range check to TF's CPU gather, which refuses an id outside the table itself, naming
+  the id, the table's size and the op (`checks.gather_scope`: the feature and table). Elsewhere
+  the check is kept: a GPU gather returns zeros for such an id, and a sharded table's gather
+  remaps ids first.
+  """
+  token = _EXPORTING.set(True)
+  try:
+    yield
+  finally:
+    _EXPORTING.reset(token)
+
+
+def tracing_an_export() -> bool:
+  return _EXPORTING.get() and not tf.executing_eagerly()
+
+
+def gathered_on_cpu(tables: Any) -> frozenset:
+  """Names of the tables ({TableConfig: variable}) that a per-occurrence lookup traced now may
+  leave to refuse out-of-range ids by itself (see `exporting`): unsharded variables on CPU."""
+  if not tracing_an_export() or tf.distribute.has_strategy():
+    return frozenset()
+  return frozenset(
+    table.name
+    for table, variable in tables.items()
+    if not sharded.is_sharded(variable)
+    and tf.DeviceSpec.from_string(getattr(variable, "device", "") or "").device_type == "CPU"
+  )
 
 
 def per_occurrence(
@@ -191,7 +233,11 @@ def per_occurrence(
   The activations are bit-identical to `deduplicated`'s: the same rows, summed with the same
   gains in the same occurrence order by the same sparse product.
   """
-  activations = [_combine(bag, quantize(sharded.gather(variable, bag.ids), table)) for bag in bags]
+  activations = []
+  for bag in bags:
+    with tf.name_scope(checks.gather_scope(bag.feature)):  # named in the gather's errors
+      rows = sharded.gather(variable, bag.ids)
+    activations.append(_combine(bag, quantize(rows, table)))
   return TableLookup(bags, Kernel.PER_OCCURRENCE), activations
 
 

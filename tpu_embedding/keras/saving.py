@@ -12,7 +12,7 @@ any other gives the default one to a layer rebuilt from config alone (`load_mode
 assigns the saved values anyway). The hardware arguments (`embedding_feature`,
 `sparse_core_embedding_config`) are not saved: the machine that loads the file decides.
 Managed-ids maps: their settings are saved in the config (`ManagedIds.to_config`, by table
-name), their keys, rows and counts with the tables; the legacy HDF5 format takes int64 keys only.
+name), their keys, rows and counts with the tables.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import keras
+import numpy as np
 import tensorflow as tf
-from keras.src.backend.common import global_state
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs, weight_files
@@ -47,8 +47,6 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
   def get_config(self) -> dict:
     config = super().get_config()
     config.update(feature_config=serialize_feature_config(self._config), **self._arguments)
-    if in_legacy_h5_save():
-      refuse_string_maps_in_h5(self.name, self.managed_ids)
     if self.managed_ids:  # the maps' settings; their keys, rows and counts are stored as weights
       config["managed_ids"] = serialize_managed_ids(self.managed_ids)
     return config
@@ -62,44 +60,31 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
 
   @property
   def non_trainable_weights(self) -> list:
-    """Keras's list, then every table and slot as a `TableVariable`.
+    """Keras's list, then every table, slot and managed-ids map variable as a `TableVariable`.
 
     The tables are trained by their own optimizers, never by the model's, so to Keras they
     are non-trainable weights. Listing them here (and not as tracked variables, which `.keras`
     files and checkpoints already hold under their own names) is what makes legacy HDF5 files
     (`model.save("m.h5")`, `save_weights`/`load_weights` with `.h5`), which store a layer's
     `trainable_weights + non_trainable_weights` by position, hold and restore them (on TPU
-    V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`).
+    V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`). Only
+    those read this list: reading it flushes (`flush_before_hdf5`), and a map's string keys
+    are read as fixed-length byte strings (`StringTableVariable`).
     """
+    self.flush_before_hdf5()
     stored = weight_files.stored_variables(
-      self.table_weights(self.variables_by_table), numeric_maps(self.managed_ids)
+      self.table_weights(self.variables_by_table), self.managed_ids or {}
     )
-    return super().non_trainable_weights + [
-      TableVariable(variable, name.replace(":", "_").replace("/", "_"))
-      for name, variable in stored.items()
-    ]
-
-
-def numeric_maps(maps: Mapping[str, Any]) -> dict:
-  """The maps of `maps` whose keys are numbers: those a legacy HDF5 file can hold, whose
-  datasets take no strings (`refuse_string_maps_in_h5` refuses the others there)."""
-  return {table: id_map for table, id_map in maps.items() if id_map.key_dtype != tf.string}
-
-
-def in_legacy_h5_save() -> bool:
-  """Whether Keras 3 is writing a legacy HDF5 file (`model.save("m.h5")`): it asks for configs
-  under this flag (Keras has no public way to tell)."""
-  return bool(global_state.get_global_attribute("use_legacy_config", False))
-
-
-def refuse_string_maps_in_h5(layer: str, maps: Mapping[str, Any]) -> None:
-  strings = sorted(table for table in maps if table not in numeric_maps(maps))
-  if strings:
-    raise ValueError(
-      f"Layer {layer!r}: the managed-ids maps of tables {strings} have string keys, which a "
-      "legacy HDF5 file (.h5) cannot hold. Save the model as .keras (model.save('m.keras')) "
-      "or its weights as .weights.h5, or use tf.train.Checkpoint."
-    )
+    strings, numbers = [], []
+    for name, variable in stored.items():
+      keras_name = name.replace(":", "_").replace("/", "_")
+      if variable.dtype == tf.string:
+        strings.append(StringTableVariable(variable, keras_name, f"Layer {self.name!r}: {name!r}"))
+      else:
+        numbers.append(TableVariable(variable, keras_name))
+    # Strings first: a file whose strings this layer did not write is refused before any table
+    # is assigned (Keras assigns them in this order).
+    return super().non_trainable_weights + strings + numbers
 
 
 class TableVariable(keras.Variable):
@@ -118,6 +103,25 @@ class TableVariable(keras.Variable):
 
   def _initialize_with_initializer(self, initializer: Any) -> None:
     self._initialize(self._engine_variable)
+
+
+class StringTableVariable(TableVariable):
+  """A `TableVariable` over strings (a managed-ids map's keys), read as fixed-length byte
+  strings and assigned from them (`weight_files.strings_for_hdf5`): the legacy HDF5 format
+  stores what NumPy gives for a weight, and h5py takes no NumPy object arrays."""
+
+  def __init__(self, variable: tf.Variable, name: str, label: str):
+    self._label = label  # names the layer and the stored key in errors
+    super().__init__(variable, name)
+
+  def __array__(self, dtype: Any = None) -> np.ndarray:
+    return weight_files.strings_for_hdf5(self._engine_variable.numpy())
+
+  def numpy(self) -> np.ndarray:
+    return self.__array__()
+
+  def assign(self, value: Any) -> None:
+    self._engine_variable.assign(weight_files.strings_from_hdf5(value, self._label))
 
 
 # ---------------------------------------------------------------------------------------------

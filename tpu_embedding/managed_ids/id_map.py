@@ -42,13 +42,15 @@ class IdMap(tf.Module):
       self.candidates = (
         tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
       )
-      self.keys = _variable(tf.fill([capacity], empty), "keys")
+      self.keys = _variable(tf.fill([capacity], empty), table_name, "keys")
       # A row's count was last updated when its key was last seen: its age is
       # `last_seen // lfu_half_life_steps` epochs, so no per-row epoch is stored. Both are
       # int32 (4 bytes a row each): counts saturate at 2**31 - 1, steps stop there.
-      self.counts = _variable(tf.zeros([capacity], tf.int32), "counts")
-      self.last_seen = _variable(tf.fill([capacity], tf.constant(-1, tf.int32)), "last_seen")
-      self.step = _variable(tf.constant(0, tf.int64), "step")
+      self.counts = _variable(tf.zeros([capacity], tf.int32), table_name, "counts")
+      self.last_seen = _variable(
+        tf.fill([capacity], tf.constant(-1, tf.int32)), table_name, "last_seen"
+      )
+      self.step = _variable(tf.constant(0, tf.int64), table_name, "step")
     # The compiled kernel's eviction index: a cache of the variables above, not checkpointed.
     self.index_name = f"tpu_embedding_managed_index_{uuid.uuid4().hex}"
     weakref.finalize(self, _destroy_index, self.index_name).atexit = False
@@ -262,8 +264,10 @@ def _destroy_index(name: str) -> None:
     native.destroy_managed_index(name)
 
 
-def _variable(initial_value: tf.Tensor, name: str) -> tf.Variable:
-  return tf.Variable(initial_value, trainable=False, name=name)
+def _variable(initial_value: tf.Tensor, table_name: str, name: str) -> tf.Variable:
+  # Named after the table: tf-keras's legacy HDF5 files name each weight's dataset after its
+  # variable, so the maps of two tables in one layer need different names.
+  return tf.Variable(initial_value, trainable=False, name=f"managed_ids/{table_name}/{name}")
 
 
 def _tie_breaker(keys: tf.Tensor) -> tf.Tensor:
