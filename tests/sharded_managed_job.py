@@ -5,8 +5,7 @@ the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map spl
 Two processes run the phases: `two_ps_cluster` (2 ps, 2 workers) runs `concurrent`,
 `sequential` and `keras_trained` under one strategy, writes `SEQUENTIAL_DONE` after
 `sequential`, and runs `two_ps` once a line on its stdin says `one_ps` (1 ps, 1 worker, its own
-process, run meanwhile) has written `ckpt_one_ps`. One process holds one cluster's strategy: a
-coordinator that connects to a second cluster cannot run functions on it.
+process, run meanwhile) has written `ckpt_one_ps`; then `second_cluster`, last.
 
 * `concurrent`: `STEPS` steps scheduled at once on both workers; consecutive batches share half
   their keys, so the two workers keep meeting the same new keys at the same time. Writes the map's
@@ -28,7 +27,9 @@ coordinator that connects to a second cluster cannot run functions on it.
   `KERAS_STEPS` steps on the workers fill both shards; the table and the accumulator blocks,
   the map and their devices are written before (`keras_before.npz`) and after
   (`keras_after.npz`) one training remap on the coordinator that gives rows to new keys.
-  A Keras 3 optimizer in its place is refused at construction (`keras3_refused.json`).
+  A Keras 3 optimizer in its place is refused at construction, before any variable is created
+  (`keras3_refused.json`).
+* `second_cluster`: see its docstring; last in the `two_ps_cluster` process.
 """
 
 import json
@@ -296,9 +297,17 @@ def keras_trained(strategy, out):
     layer.build(None)
     return layer
 
+  created = []  # every variable the refused layer creates (none: refused before its tables)
+
+  def record(next_creator, **kwargs):
+    created.append(next_creator(**kwargs))
+    return created[-1]
+
   with strategy.scope():
+    keras3 = keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR)
     try:
-      layer_with(keras.optimizers.Adagrad(KERAS_LEARNING_RATE, KERAS_ACCUMULATOR))
+      with tf.variable_creator_scope(record):
+        layer_with(keras3)
       message = "built"
     except ValueError as e:
       message = str(e)
@@ -306,7 +315,7 @@ def keras_trained(strategy, out):
     layer = layer_with(optimizer)
     optimizer.build(layer.trainable_variables)
   with open(os.path.join(out, "keras3_refused.json"), "w") as f:
-    json.dump({"message": message}, f)
+    json.dump({"message": message, "created": [v.name for v in created]}, f)
 
   def step(keys):
     with tf.GradientTape() as tape:
@@ -328,6 +337,21 @@ def keras_trained(strategy, out):
   np.savez(os.path.join(out, "keras_after.npz"), **keras_state(layer, optimizer))
 
 
+def second_cluster(cluster, out):
+  """A layer under a strategy of another cluster, made in the process that trained the first
+  (`second_cluster.npz`): ps 0 and worker 0 alone, a cluster of their own to TF (its tasks
+  get new contexts, knowing no function the first cluster's steps made)."""
+  strategy = strategy_of({"worker": cluster["worker"][:1], "ps": cluster["ps"][:1]}, blocks=1)
+  with strategy.scope():
+    layer = make_layer(SEQUENCE_CAPACITY, eviction="lru")
+  train(strategy, layer, keras_batches()[:1])
+  keys, rows, _ = layer.managed_ids["t"].export()
+  table = layer.variables_by_table["t"]["parameters"].numpy()
+  np.savez(
+    os.path.join(out, "second_cluster.npz"), keys=keys.numpy(), rows=rows.numpy(), table=table
+  )
+
+
 def two_ps_cluster(cluster, out):
   """Every phase of the 2-ps cluster, under one strategy (see the module docstring)."""
   strategy = strategy_of(cluster)
@@ -339,6 +363,7 @@ def two_ps_cluster(cluster, out):
   if not sys.stdin.readline():  # the test went away before `one_ps` was done
     sys.exit("no word that ckpt_one_ps is written")
   two_ps(strategy, cluster, out)
+  second_cluster(cluster, out)  # last: connecting another cluster replaces this one
 
 
 if __name__ == "__main__":

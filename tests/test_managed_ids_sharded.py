@@ -325,3 +325,26 @@ def test_a_keras3_optimizer_training_a_managed_table_under_parameter_servers_is_
   assert "Layer 'tpu_embedding': the managed tables ['t'] are trained by the Keras 3" in message
   assert "ParameterServerStrategy" in message
   assert "Use a tf_keras.optimizers" in message
+
+
+def test_a_refused_keras3_optimizer_creates_nothing_on_the_ps_tasks(results):
+  with open(results / "keras3_refused.json") as f:
+    refused = json.load(f)
+  assert "trained by the Keras 3" in refused["message"]
+  assert refused["created"] == []  # neither the table's blocks nor the map's shards
+
+
+def test_a_second_cluster_in_the_same_process_trains_a_managed_layer(results):
+  """The layer's step functions are made anew for a strategy on another cluster (the first
+  cluster's, unknown to its tasks, failed its steps before): one step of 12 new keys, each
+  given a row as the reference map gives it and trained once by SGD(0.5)."""
+  out = _load(results, "second_cluster.npz")
+  batch = job_lib.keras_batches()[0].tolist()
+  reference = ReferenceMap(job_lib.SEQUENCE_CAPACITY, "lru")
+  rows, _ = reference.train(batch)
+  keys, want_rows, _ = reference.export()
+  assert out["keys"].tolist() == keys
+  assert out["rows"].tolist() == want_rows
+  table = np.full([job_lib.SEQUENCE_CAPACITY, 2], job_lib.INITIAL, np.float32)
+  np.subtract.at(table, rows, 0.5)
+  np.testing.assert_array_equal(out["table"], table)

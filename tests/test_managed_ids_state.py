@@ -150,3 +150,60 @@ def test_a_signature_calling_the_layer_in_training_mode_still_never_admits(tmp_p
   for _ in range(2):
     np.testing.assert_allclose(serve_loaded(new), np.tile(row0, (len(new), 1)), rtol=1e-6)
     np.testing.assert_allclose(serve_loaded(probe), expected, rtol=1e-6)
+
+
+def _as_plain_objects(path, cast):
+  """A tree of plain trackables holding every value of the checkpoint at `path` under the same
+  keys, variables through `cast(name, value)` and each hash table as a `MutableHashTable`: how
+  a checkpoint of an older layout is made without the code that wrote it."""
+  reader, root = tf.train.load_checkpoint(path), tf.Module()
+  for key in reader.get_variable_to_shape_map():
+    if "/.ATTRIBUTES/" not in key:
+      continue
+    names, attribute = key.split("/.ATTRIBUTES/")
+    *parents, leaf = names.split("/")
+    node = root
+    for name in parents:
+      if not hasattr(node, name):
+        setattr(node, name, tf.Module())
+      node = getattr(node, name)
+    if attribute == "VARIABLE_VALUE":
+      setattr(node, leaf, tf.Variable(cast(leaf, reader.get_tensor(key))))
+    elif attribute == "table-keys":
+      values = reader.get_tensor(key.replace("table-keys", "table-values"))
+      table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+      table.insert(reader.get_tensor(key), values)
+      setattr(node, leaf, table)
+  return root
+
+
+def test_a_checkpoint_with_the_former_int64_counts_is_refused_with_nothing_changed(tmp_path):
+  source = _layer()
+  _train(source, [1, 2, 1])
+  path = tf.train.Checkpoint(layer=source).write(str(tmp_path / "today"))
+  old = _as_plain_objects(
+    path, lambda name, value: value.astype(np.int64) if name in ("counts", "last_seen") else value
+  )
+  old_path = tf.train.Checkpoint(layer=old.layer).write(str(tmp_path / "int64"))
+  assert (
+    tf.train.load_checkpoint(old_path).get_variable_to_dtype_map()[
+      "layer/managed_ids/maps/movies/counts/.ATTRIBUTES/VARIABLE_VALUE"
+    ]
+    == tf.int64
+  )
+  layer = _layer()
+  _train(layer, [3, 4, 5, 3])
+  before = _state(layer)
+  with pytest.raises(
+    ValueError,
+    match="table 'movies': its managed-id map stores counts and last_seen as int64(.|\\n)*"
+    "Nothing was changed",
+  ):
+    tf.train.Checkpoint(layer=layer).read(old_path)
+  for got, want in zip(_state(layer), before):
+    np.testing.assert_array_equal(got, want)
+  # The same plain objects without the cast restore like the layer's own checkpoint.
+  same = tf.train.Checkpoint(layer=_as_plain_objects(path, lambda name, value: value).layer)
+  tf.train.Checkpoint(layer=layer).read(same.write(str(tmp_path / "int32"))).assert_consumed()
+  for got, want in zip(_state(layer), _state(source)):
+    np.testing.assert_array_equal(got, want)

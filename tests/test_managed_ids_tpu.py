@@ -411,27 +411,38 @@ def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
   assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators
 
 
-def test_v1_training_remap_after_a_restore_before_build_is_refused_until_built(
+def test_v1_training_remap_after_a_restore_before_build_resets_its_rows_once_built(
   monkeypatch, tmp_path
 ):
-  """A restore into an unbuilt layer writes the tables as they are created: rows a remap gave
-  before that would keep the checkpoint's trained values, so such a remap is refused."""
+  """A restore into an unbuilt layer writes the tables only as `build` creates them: the rows a
+  training remap gives in between (the restored map's choice, as the reference map makes it)
+  are reset after that, before any step reads them; every other row keeps the checkpoint's."""
   strategy, _, saved, variables, _ = _rows_1_and_2_waiting(monkeypatch)
-  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt"))
+  path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt"))  # flushes rows 1, 2
+  trained = {name: v.numpy().copy() for name, v in variables.items()}
+  reference = ReferenceMap(CAPACITY, "lru")
+  reference.train([5, 6, 5])
+  want_rows, given = reference.train([101, 102, 5])
+  assert given == [3, 4] and trained["parameters"][given].min() >= 100  # trained rows
   with strategy.scope():
     layer = tpu_embedding.TPUEmbedding(
       _features(),
       optimizer=E.Adagrad(0.3, initial_accumulator_value=ACC),
-      managed_ids={"movies": tpu_embedding.ManagedIds(reset_every_steps=5)},
+      managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru", reset_every_steps=5)},
     )
     tf.train.Checkpoint(layer=layer).restore(path)
-    size = int(layer.managed_ids["movies"].size())
-    with pytest.raises(ValueError, match=r"restored.*before the layer is built.*Nothing was"):
-      layer.remap({"movie": tf.constant([101, 102], tf.int64)})
-    assert int(layer.managed_ids["movies"].size()) == size  # nothing changed
-    layer.remap({"movie": tf.constant([101], tf.int64)}, training=False)  # serving is fine
+    rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)})["movie"]
+    assert rows.numpy().tolist() == [0, 0, 1]  # the given rows wait for their reset
     layer.build({"movie": tf.TensorShape([BATCH])})
-    layer.remap({"movie": tf.constant([101, 102], tf.int64)})  # built: resets reach the rows
-  np.testing.assert_array_equal(
-    layer.variables_by_table["movies"]["parameters"].numpy(), variables["parameters"].numpy()
-  )
+    rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
+    assert rows["movie"].numpy().tolist() == [0, 0, 1]  # still waiting for the flush
+    layer.flush()
+    rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
+  assert rows["movie"].numpy().tolist() == want_rows
+  keys, rows, counts = (t.numpy().tolist() for t in layer.managed_ids["movies"].export())
+  assert (keys, rows, counts) == tuple(reference.export())
+  got = layer.variables_by_table["movies"]
+  want_table, want_slot = trained["parameters"].copy(), trained["accumulators"].copy()
+  want_table[given], want_slot[given] = INIT[given], ACC
+  np.testing.assert_array_equal(got["parameters"].numpy(), want_table)
+  np.testing.assert_array_equal(got["accumulators"].numpy(), want_slot)

@@ -96,6 +96,10 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     self._engine = self._no_dependency(self._backend.engine)
     self._track_trackable(self._engine, name=checkpoint_names.TABLES_KEY)
     self.batch_size = batch_size
+    if self._backend.table_updates == "keras":  # before the maps create the tables (under PSS)
+      keras_trained.refuse_keras3_under_parameter_servers(
+        self.name, optimizer, managed_ids_lib.table_names(managed_ids, self._config)
+      )
     self._managed = self._no_dependency(
       managed_ids_lib.create(
         managed_ids,
@@ -107,10 +111,6 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     )
     self._row_resets = None
     if self._managed is not None:
-      if self._backend.table_updates == "keras":
-        keras_trained.refuse_keras3_under_parameter_servers(
-          self.name, optimizer, managed_ids_lib.specs(self._managed)
-        )
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
       self._row_resets = self.row_resets_for(managed_ids_lib.specs(self._managed))
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
@@ -131,6 +131,8 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
+    if self._row_resets is not None:
+      self._row_resets.tables_created()
     if self._backend.table_updates == "engine":
       add_gradient_trap(self, TRAP_NAME)
     else:

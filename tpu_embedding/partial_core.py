@@ -306,6 +306,8 @@ class PartialTPUEmbeddingCore(
   def build(self, input_shape: Any) -> None:
     if self._sharded is not None and not self._sharded.built:
       self._sharded.build(self._sharded_shapes(input_shape))
+    if self._row_resets is not None:
+      self._row_resets.tables_created()
     if self._replicated is not None and self._table_updates == "keras":
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())

@@ -9,8 +9,10 @@ unchanged and only lets it through once it holds; nothing later reads an input t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from typing import TYPE_CHECKING, AbstractSet, Any, Optional, Sequence
+import weakref
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -115,7 +117,7 @@ def check_id_ranges(
     to_check = [bag for bag, left in zip(bags, left_to_gather) if not left]
     checked = iter(check_id_ranges(to_check))
     return [bag if left else next(checked) for bag, left in zip(bags, left_to_gather)]
-  checked = _ids_in_range(
+  checked = _range_check()(
     [bag.ids for bag in bags],
     [bag.truncated_ids for bag in bags if bag.truncated_ids is not None],
     tuple(i for i, bag in enumerate(bags) if bag.truncated_ids is not None),
@@ -132,11 +134,40 @@ def gather_scope(feature: Feature) -> str:
   return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
 
 
-# One function for every step that checks the same number of features: each trace of a step
-# (Keras traces a training step twice, and PartialTPUEmbedding checks each side) adds one call
-# instead of building the check again.
-@tf.function(autograph=False, reduce_retracing=True)
+# One check per strategy: every step that checks the same number of features under it calls the
+# same function, so each trace of a step (Keras traces a training step twice, and
+# PartialTPUEmbedding checks each side) adds one call instead of building the check again. Not one
+# for the whole process: a function is sent to a cluster's tasks only when it is first made, so a
+# function made under one ParameterServerStrategy is unknown to the tasks of a strategy made later
+# on another cluster ("Failed to find function" on its workers).
+_RANGE_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _range_check() -> Callable[..., list[Tensor]]:
+  """The range check of the current strategy's steps (made at its first use)."""
+  strategy = tf.distribute.get_strategy()
+  if strategy not in _RANGE_CHECKS:
+    _RANGE_CHECKS[strategy] = _new_range_check()
+  return _RANGE_CHECKS[strategy]
+
+
+def _new_range_check() -> Callable[..., list[Tensor]]:
+  refuse = tf.function(
+    _refuse_out_of_range,
+    autograph=False,
+    reduce_retracing=True,
+    # Never inlined: TF lowers a `tf.cond` in a function to Switch/Merge, so an inlined failure
+    # branch stays in the graph every request runs, where each of its ~65 ops is visited as dead
+    # (most of the serving latency above a plain gather). Kept a function, it is one dead call.
+    experimental_attributes={"_noinline": True},
+  )
+  return tf.function(
+    functools.partial(_ids_in_range, refuse), autograph=False, reduce_retracing=True
+  )
+
+
 def _ids_in_range(
+  refuse: Callable[..., Tensor],
   ids: list[Tensor],
   truncated: list[Tensor],
   truncated_of: tuple[int, ...],
@@ -145,8 +176,9 @@ def _ids_in_range(
   unsigned: Tensor,
 ) -> list[Tensor]:
   """`ids` once every feature's ids, with the ids cut off by max_sequence_length
-  (`truncated[j]` belongs to feature `truncated_of[j]`), are known to be in range.
-  `unsigned[i]`: feature i's ids came as uint64 (printed so)."""
+  (`truncated[j]` belongs to feature `truncated_of[j]`), are known to be in range (else
+  `refuse`, `_refuse_out_of_range` as a function, fails). `unsigned[i]`: feature i's ids came as
+  uint64 (printed so)."""
   every = [tf.reshape(i, [-1]) for i in ids]
   for position, cut in zip(truncated_of, truncated):
     every[position] = tf.concat([every[position], cut], 0)
@@ -155,16 +187,12 @@ def _ids_in_range(
   checked = tf.cond(
     tf.reduce_all(largest < sizes),
     lambda: tf.constant(True),
-    lambda: _refuse_out_of_range(every, sizes, messages, unsigned),
+    lambda: refuse(every, sizes, messages, unsigned),
   )
   with tf.control_dependencies([checked]):
     return tf.identity_n(ids)
 
 
-# Never inlined: TF lowers a `tf.cond` in a function to Switch/Merge, so an inlined failure
-# branch stays in the graph every request runs, where each of its ~65 ops is visited as dead
-# (most of the serving latency above a plain gather). Kept a function, it is one dead call.
-@tf.function(autograph=False, reduce_retracing=True, experimental_attributes={"_noinline": True})
 def _refuse_out_of_range(
   every: list[Tensor], sizes: Tensor, messages: Tensor, unsigned: Tensor
 ) -> Tensor:

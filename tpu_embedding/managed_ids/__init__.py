@@ -7,7 +7,7 @@ given to new keys; `row_resets` is how each path's memory receives those resets;
 `checkpoint` are how a layer holds them.
 """
 
-from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create, specs
+from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create, specs, table_names
 from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
@@ -34,6 +34,7 @@ __all__ = [
   "create",
   "refuse_per_replica_remap",
   "specs",
+  "table_names",
   "write_variables",
   "validate_checkpoint",
 ]

@@ -40,6 +40,17 @@ def create(
   return ManagedTables(managed_ids, config, variables_by_table)
 
 
+def table_names(
+  managed_ids: Optional[Mapping[Any, Any]], config: config_lib.EmbeddingConfig
+) -> list[str]:
+  """The names of this layer's tables that `managed_ids` names, read before any map (or, under
+  parameter servers, table) is created; what it names wrongly is refused by `create`."""
+  if not isinstance(managed_ids, Mapping):
+    return []
+  tables = [config.find_table(key) for key in managed_ids]
+  return [table.name for table in tables if table is not None]
+
+
 def specs(managed: ManagedTables) -> dict[str, ManagedIds]:
   """{table name: its ManagedIds}, what a backend needs to choose how it resets rows."""
   return {name: id_map.spec for name, id_map in managed.maps.items()}

@@ -45,6 +45,13 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
           f"{part.capacity} and key dtype {part.key_dtype.name} in this layer, but "
           f"{shape[0] if shape else None} and {getattr(dtype, 'name', None)} in the checkpoint"
         )
+      stale = _stale_dtypes(restore, where, part, dtypes)
+      if stale:
+        problems.append(
+          f"table {name!r}: its managed-id map{label} stores {' and '.join(stale)} as int64 in "
+          "the checkpoint (written by a tpu_embedding from before they became int32) but as "
+          "int32 in this layer; this version cannot read such a map"
+        )
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
@@ -78,6 +85,21 @@ def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Opti
     f"its managed-id map is {split(wanted)} in this layer but {split(stored)} in the "
     "checkpoint; restore it under a ParameterServerStrategy exactly when it was written under one"
   )
+
+
+def _stale_dtypes(
+  restore: tf_restore.Restore, where: Any, part: Any, dtypes: dict[str, tf.DType]
+) -> list[str]:
+  """The names of the map's int32 variables (counts, last_seen) that the checkpoint holds with
+  another dtype (int64, before they were narrowed), on which TF's own restore fails with a bare
+  dtype error."""
+  stale = []
+  for attribute in ("counts", "last_seen"):
+    node = _child(restore, where, attribute)
+    stored = dtypes.get(_checkpoint_key(node)) if node is not None else None
+    if stored is not None and stored != getattr(part, attribute).dtype:
+      stale.append(attribute)
+  return stale
 
 
 def _parts(restore: tf_restore.Restore, node: Any, id_map: Any) -> list[tuple[Any, Any, str]]:

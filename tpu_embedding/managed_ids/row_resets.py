@@ -53,33 +53,46 @@ class ImmediateResets:
     check: Callable[[], None] = lambda: None,
   ):
     self._write = write
-    self._built = built  # before the tables exist, rows need no reset: they will be fresh
+    self._built = built  # before the tables exist, rows need no reset: they will be fresh...
     self._check = check
-    self._restored_unbuilt = False  # a restore will fill the tables as it creates them
+    self._restored_unbuilt = False  # ...unless a restore fills them as it creates them
+    # Rows given since such a restore, reset once the tables exist: (table, rows, block).
+    self._given_unbuilt: list[tuple[TableConfig, tf.Tensor, Optional[int]]] = []
 
   def check_training_remap(self) -> None:
     """Refuses, before any map changes, a training remap this path could not reset rows for
-    (`check` raises, or a restore waits for the tables)."""
-    if self._restored_unbuilt and not self._built():
+    (`check` raises, or the rows would have to wait for the tables inside a trace)."""
+    if self._restored_unbuilt and not self._built() and not tf.executing_eagerly():
       raise ValueError(
         "A checkpoint was restored into this layer with managed_ids before its tables exist "
-        "(before the layer is built): the restore writes them as they are created, so a row a "
-        "training remap gave now would keep the checkpoint's values instead of fresh ones. "
-        "Build the layer (layer.build(...) or one call) before the first training remap; a "
-        "remap with training=False is allowed. Nothing was changed."
+        "(before the layer is built): a training remap must then run eagerly (or after the "
+        "layer is built), so that the rows it gives are reset once the restore has written the "
+        "tables. Nothing was changed."
       )
     self._check()
 
   def restoring(self) -> None:
     """A checkpoint restore begins: resets still waiting are written first (none may wait for
-    a row the restored map gives away); before the tables exist, the restore is remembered."""
+    a row the restored map gives away); before the tables exist, the restore is remembered,
+    and rows given before it are forgotten (the restored map and tables replace them)."""
     self.apply()
     self._restored_unbuilt = not self._built()
+    self._given_unbuilt = []
+
+  def tables_created(self) -> None:
+    """The layer's tables were just created (its `build`), filled by a restore made before:
+    the rows given to new keys since that restore are reset now, before any step reads them."""
+    given, self._given_unbuilt = self._given_unbuilt, []
+    self._restored_unbuilt = False
+    for table, rows, block in given:
+      self.reset(table, rows, block)
 
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     """`rows` of `table` (all in row block `block`, if given) were just given to new keys."""
     if self._built():
       self._write(table, rows, resets.fresh_rows(table, rows), block)
+    elif self._restored_unbuilt:
+      self._given_unbuilt.append((table, rows, block))
 
   def end_step(self) -> None:
     """One training remap of every map is done."""
@@ -140,20 +153,34 @@ class DeferredResets(ImmediateResets):
       )
     super().check_training_remap()
 
+  def restoring(self) -> None:
+    if not self._built():  # rows given since an earlier restore: the restored map replaces them
+      for waiting in self._waiting.values():
+        waiting.remove(waiting.export()[0])
+    super().restoring()
+
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
-    if not self._built():  # (`block`: tables in TPU memory have no row blocks)
+    """Rows wait (reading row 0) for a flush; before the tables exist, only rows given since a
+    restore (which will fill the tables at `build`), flushed once the layer is built.
+    (`block`: tables in TPU memory have no row blocks.)"""
+    if not (self._built() or self._restored_unbuilt):
       return
     self._last_given[table.name] = self._remaps + 1
     since = tf.fill(tf.shape(rows), tf.constant(self._remaps + 1, tf.int64))
     self._waiting[table.name].insert(rows, since)
 
+  def tables_created(self) -> None:
+    self._restored_unbuilt = False  # its rows wait in `_waiting` already
+
   def end_step(self) -> None:
     self._remaps += 1
-    if any(self._remaps % self._every[n] == 0 and self._waits(n) for n in self._tables):
+    if self._built() and any(
+      self._remaps % self._every[n] == 0 and self._waits(n) for n in self._tables
+    ):
       self._flush(self._remaps - self._lag)
 
   def apply(self) -> None:
-    if any(self._waits(name) for name in self._tables):
+    if self._built() and any(self._waits(name) for name in self._tables):
       self._flush(self._remaps)
 
   def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
@@ -230,6 +257,10 @@ class RoutedResets(ImmediateResets):
   def restoring(self) -> None:
     for side in self._distinct:
       side.restoring()
+
+  def tables_created(self) -> None:
+    for side in self._distinct:
+      side.tables_created()
 
   def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
     for side in self._distinct:
