@@ -29,6 +29,7 @@ import tf_keras
 
 import tpu_embedding
 from tpu_embedding.data import drifting_ratings
+from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap
 
 E = tf.tpu.experimental.embedding
@@ -208,34 +209,46 @@ def run_tfra(s: dict) -> dict:
 
 
 def run_memory(rows: int, batch: int) -> dict:
-  """Bytes per row of a full map: variables exactly, the hash table by resident-memory growth,
-  the compiled kernel's eviction index by its bound (too small to measure as memory growth)."""
-  id_map = IdMap(tpu_embedding.ManagedIds(), "m", rows)
-  variable_bytes = sum(
-    v.dtype.size * int(np.prod(v.shape)) for v in (id_map.keys, id_map.counts, id_map.last_seen)
-  )
-  rng = np.random.default_rng(1)
-  keys = tf.constant(rng.integers(-(2**62), 2**62, size=rows - 1))
-  values = tf.range(1, rows, dtype=tf.int64)  # made before, so only the table's growth counts
-  before = _rss_bytes()
-  id_map.rows_of_keys.insert(keys, values)
+  """Bytes per row of a full map: variables exactly; its key -> row table as the resident-memory
+  growth of building it (the compiled kernel's, built from the variables at a map's first use,
+  here a copy of a full map; without the kernels, TF's hash table filled at once); the
+  kernel's eviction index by its bound (too small to measure as memory growth)."""
+  full = IdMap(tpu_embedding.ManagedIds(), "m", rows)
+  variables = (full.keys, full.counts, full.last_seen)
+  variable_bytes = sum(v.dtype.size * int(np.prod(v.shape)) for v in variables)
+  keys = tf.constant(np.random.default_rng(1).integers(-(2**62), 2**62, size=rows - 1))
+  on_kernels = native.enabled()
+  if on_kernels:
+    full.remap(keys, True)
+    copy = IdMap(tpu_embedding.ManagedIds(), "m", rows)
+    for source, target in zip(
+      variables + (full.step,), (copy.keys, copy.counts, copy.last_seen, copy.step)
+    ):
+      target.assign(source)
+    before = _rss_bytes()
+    copy.lookup(keys[:8])  # builds its table from the variables
+  else:
+    values = tf.range(1, rows, dtype=tf.int64)  # made before, so only the table's growth counts
+    before = _rss_bytes()
+    full.rows_of_keys.insert(keys, values)
   table_bytes = max(_rss_bytes() - before, 0)
   return dict(
     rows=rows,
+    table="the kernel's" if on_kernels else "TF's MutableHashTable",
     variables_bytes_per_row=variable_bytes / rows,
     hash_table_bytes_per_row=table_bytes / rows,
-    index_bytes_per_row=_index_bound(rows, batch) / rows,
+    index_bytes_per_row=(_index_bound(rows, batch) if on_kernels else 0) / rows,
     key_bytes=8,
   )
 
 
 def _index_bound(rows: int, batch: int) -> int:
   """Most bytes of one map's eviction index under LFU/LRU (engine/cc/managed_ids.cc): a pool of
-  `pool` entries of 24 B, compacted beyond twice that; `pool` = rows / 16 within [1024, 65536]
+  `pool` entries of 12 B, compacted beyond twice that; `pool` = rows / 4 within [1024, 2**18]
   (at most `rows`), or 2 * wanted + seen rows when a step wants more. TTL adds 8 B per row
   freed below the free-row cursor."""
-  pool = max(min(rows, max(1024, min(rows // 16, 1 << 16))), 3 * batch)
-  return 2 * pool * 24
+  pool = max(min(rows, max(1024, min(rows // 4, 1 << 18))), 3 * batch)
+  return 2 * pool * 12
 
 
 def _rss_bytes() -> int:
@@ -347,8 +360,9 @@ def report(result: dict) -> str:
     f"Table t0's map held {sp['keys_held_t0']} keys in {sp['rows_t0']} rows at the end.",
     "",
     f"Map memory at {mem['rows']} rows: {mem['variables_bytes_per_row']:.0f} B/row of variables "
-    f"(key copy 8, count 4, last seen 4) + {mem['hash_table_bytes_per_row']:.0f} B/row of hash "
-    f"table (resident growth) + at most {mem['index_bytes_per_row']:.1f} B/row of eviction index "
+    f"(key copy 8, count 4, last seen 4) + {mem['hash_table_bytes_per_row']:.0f} B/row of "
+    f"{mem['table']} key -> row table (resident growth) + at most "
+    f"{mem['index_bytes_per_row']:.1f} B/row of eviction index "
     f"= {_bytes_per_row(mem):.0f} B/row; keys {mem['key_bytes']} B.",
     "",
     "Targets (issue 28):",
