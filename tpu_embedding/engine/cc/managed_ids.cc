@@ -12,8 +12,10 @@
 //   later entries back (no tombstones), at most 70 % full. TF's `MutableHashTable` (a node per
 //   key) took ~40 bytes a key and most of a step's time; this takes ~12-23 bytes a row.
 // - free rows: a cursor over rows in ascending order plus a min-heap of rows freed below it;
-// - a pool: every used row whose eviction key is <= a threshold `T`, in a min-heap (lazily
-//   deleted: an entry whose row's key has changed since it was pushed is dropped when popped).
+// - a pool: every used row whose eviction key is <= a threshold `T`: the entries of its last
+//   rebuild in ascending order (taken from the front: one step's victims are read in a row)
+//   and a min-heap of the entries pushed since, lazily deleted (an entry whose row's key has
+//   changed since it was pushed is dropped when taken).
 //   Within one LFU epoch a row's key changes only when its row is seen or given to a new key;
 //   those rows are pushed again (if <= T) at the step that changes them, so the invariant holds
 //   without reading the other rows. When the pool runs dry, grows too stale, the LFU epoch
@@ -116,7 +118,9 @@ class ManagedIndex : public ResourceBase {
   int64_t epoch = 0;            // LFU epoch the pool's keys were computed at
   int64_t cursor = 1;           // rows >= cursor: free iff last_seen < 0
   std::vector<int64_t> freed;   // min-heap of free rows below the cursor
-  std::vector<Victim> pool;     // min-heap, lazily deleted
+  std::vector<Victim> sorted;   // the pool's entries from its last rebuild, ascending...
+  size_t next = 0;              // ...from this one on
+  std::vector<Victim> pushed;   // min-heap of the pool's entries pushed since
   Victim threshold{0, 0, 0};    // every used row with key <= threshold is in the pool
   bool everything = false;      // the pool held every used row when built (no threshold)
   int64_t pool_size = 0;        // how many entries a rebuild keeps
@@ -261,7 +265,7 @@ class Step {
       return;
     }
     for (const int64_t row : seen) Push(row);
-    if (static_cast<int64_t>(x_.pool.size()) > 2 * x_.pool_size) Rebuild(wanted, {});
+    if (PoolSize() > 2 * x_.pool_size) Rebuild(wanted, {});
   }
 
   // The used rows last seen at or before `cut`, in (last_seen, row) order; `free` marks each
@@ -269,7 +273,7 @@ class Step {
   std::vector<int64_t> Expired(int64_t cut, const std::function<void(int64_t)>& free) {
     std::vector<int64_t> rows;
     while (true) {
-      while (!x_.pool.empty() && x_.pool.front().last_seen <= cut) {
+      while (!PoolEmpty() && Front().last_seen <= cut) {
         const Victim v = Pop();
         if (Current(v)) {
           rows.push_back(v.row);
@@ -316,7 +320,7 @@ class Step {
     std::vector<Victim> seen_now;  // current, but not evictable at this step: put back
     bool rebuilt = false;
     while (static_cast<int64_t>(rows.size()) < more) {
-      if (x_.pool.empty()) {
+      if (PoolEmpty()) {
         // The pool held every used row, or it was rebuilt at this step with room for every
         // row seen now plus twice the victims wanted: no evictable row is left.
         if (x_.everything || rebuilt) break;
@@ -324,6 +328,11 @@ class Step {
         seen_now.clear();  // the scan pushed them again
         rebuilt = true;
         continue;
+      }
+      if (x_.next + kPrefetchAhead < x_.sorted.size()) {  // rows checked a few pops later
+        const uint32_t later = x_.sorted[x_.next + kPrefetchAhead].row;
+        __builtin_prefetch(&last_[later]);
+        __builtin_prefetch(&count_[later]);
       }
       const Victim v = Pop();
       if (!Current(v)) continue;
@@ -333,10 +342,7 @@ class Step {
         rows.push_back(v.row);
       }
     }
-    for (const Victim& v : seen_now) {
-      x_.pool.push_back(v);
-      std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
-    }
+    for (const Victim& v : seen_now) Enter(v);
     return rows;
   }
 
@@ -345,8 +351,7 @@ class Step {
     if (last_[row] < 0) return;
     const Victim key = KeyOf(row);
     if (!x_.everything && x_.threshold < key) return;
-    x_.pool.push_back(key);
-    std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
+    Enter(key);
   }
 
  private:
@@ -365,10 +370,29 @@ class Step {
   }
 
   Victim Pop() {
-    const Victim v = x_.pool.front();
-    std::pop_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
-    x_.pool.pop_back();
+    if (FromSorted()) return x_.sorted[x_.next++];
+    const Victim v = x_.pushed.front();
+    std::pop_heap(x_.pushed.begin(), x_.pushed.end(), std::greater<Victim>());
+    x_.pushed.pop_back();
     return v;
+  }
+
+  void Enter(const Victim& v) {
+    x_.pushed.push_back(v);
+    std::push_heap(x_.pushed.begin(), x_.pushed.end(), std::greater<Victim>());
+  }
+
+  bool PoolEmpty() const { return x_.next == x_.sorted.size() && x_.pushed.empty(); }
+  int64_t PoolSize() const {
+    return static_cast<int64_t>(x_.sorted.size() - x_.next + x_.pushed.size());
+  }
+  // Whether the pool's smallest entry is the sorted one's (the pool is not empty).
+  bool FromSorted() const {
+    if (x_.next == x_.sorted.size()) return false;
+    return x_.pushed.empty() || x_.sorted[x_.next] < x_.pushed.front();
+  }
+  const Victim& Front() const {
+    return FromSorted() ? x_.sorted[x_.next] : x_.pushed.front();
   }
 
   // One scan of the variables: the pool's smallest keys (rows in `taken` left out).
@@ -380,7 +404,9 @@ class Step {
                                                                           kMaxPool)));
     x_.pool_size = std::max(usual, 2 * wanted + seen_now_);
     // The pool_size smallest keys, largest on top: most rows cost one comparison.
-    std::vector<Victim>& kept = x_.pool;
+    std::vector<Victim>& kept = x_.sorted;
+    x_.next = 0;
+    x_.pushed.clear();
     kept.clear();
     for (int64_t r = 1; r < capacity_; ++r) {
       if (last_[r] < 0 || taken.count(r)) continue;
@@ -396,7 +422,7 @@ class Step {
     }
     x_.everything = static_cast<int64_t>(kept.size()) < x_.pool_size;
     if (!kept.empty()) x_.threshold = kept.front();
-    std::make_heap(kept.begin(), kept.end(), std::greater<Victim>());
+    std::sort_heap(kept.begin(), kept.end());
   }
 
   ManagedIndex& x_;
@@ -698,6 +724,10 @@ class ManagedRemapOp : public OpKernel {
     const int64_t epoch = step / half_life_;
     std::vector<int64_t> seen_rows(seen.size());
     for (size_t j = 0; j < seen.size(); ++j) {
+      if (j + kPrefetchAhead < seen.size()) {
+        __builtin_prefetch(&counts[row_of[seen[j + kPrefetchAhead]]], 1);
+        __builtin_prefetch(&last[row_of[seen[j + kPrefetchAhead]]], 1);
+      }
       const int64_t row = row_of[seen[j]];
       const int64_t aged =
           int64_t{counts[row]} >> std::min(epoch - last[row] / half_life_, kMaxShift);
@@ -717,15 +747,31 @@ class ManagedRemapOp : public OpKernel {
         index_step.Victims(wanted - static_cast<int64_t>(given.size()));
     given.insert(given.end(), victims.begin(), victims.end());
     leaving.insert(leaving.end(), victims.begin(), victims.end());
+    // Rows and slots are scattered over memory much larger than the caches: each loop below
+    // prefetches what it will touch kPrefetchAhead iterations later.
     RowTable<K> table(index.slots, keys);
+    const int64_t left = leaving.size();
+    std::vector<uint32_t> leaving_hashes(left);
+    for (int64_t j = 0; j < left; ++j) {
+      if (j + kPrefetchAhead < left) __builtin_prefetch(&keys[leaving[j + kPrefetchAhead]]);
+      leaving_hashes[j] = HashOf(keys[leaving[j]]);
+    }
     bool held = true;
-    for (const int64_t row : leaving) {
-      held = table.Erase(HashOf(keys[row]), static_cast<uint32_t>(row)) && held;
+    for (int64_t j = 0; j < left; ++j) {
+      if (j + kPrefetchAhead < left) table.Prefetch(leaving_hashes[j + kPrefetchAhead]);
+      held = table.Erase(leaving_hashes[j], static_cast<uint32_t>(leaving[j])) && held;
     }
 
     const int64_t placed = given.size();
     std::vector<int64_t> admitted(placed);  // distinct-key positions
     for (int64_t j = 0; j < placed; ++j) {
+      if (j + kPrefetchAhead < placed) {
+        const int64_t later = given[j + kPrefetchAhead];
+        __builtin_prefetch(&keys[later], 1);
+        __builtin_prefetch(&counts[later], 1);
+        __builtin_prefetch(&last[later], 1);
+        table.Prefetch(hashes[newcomers[eligible[j + kPrefetchAhead]]]);
+      }
       const int64_t u = newcomers[eligible[j]], row = given[j];
       admitted[j] = u;
       keys[row] = unique[u];
