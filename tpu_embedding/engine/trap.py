@@ -59,17 +59,22 @@ def trapped(
 def _updated(
   backward: Callable[[list[tf.Tensor]], None], upstream: list[tf.Tensor], dummy: tf.Tensor
 ) -> tf.Tensor:
-  """The dummy's zero gradient, once `backward(upstream)` has run.
+  """The dummy's gradient, once `backward(upstream)` has run: the dummy's own value, zero.
 
   In a graph the gradient depends on every op `backward` built: the backward function TF builds
   for a `tf.function` differentiated by a tape outside it runs only what its outputs depend on
   (it has no automatic control dependencies), so the update would otherwise never run.
+
+  It is the dummy's value (zero: the dummy starts at zero and a zero gradient keeps it there),
+  not a constant zero, so that grappler cannot fold it: a folded zero lets grappler cut the
+  order between the read of the next layer's kernel that fed `upstream` and that kernel's
+  update in the same step (docs/development.md, "The gradient trap and grappler").
   """
   if tf.executing_eagerly():
     backward(upstream)
-    return tf.zeros_like(dummy)
+    return dummy
   graph = tf.compat.v1.get_default_graph()
   first = len(graph.get_operations())
   backward(upstream)
   with tf.control_dependencies(graph.get_operations()[first:]):
-    return tf.zeros_like(dummy)
+    return tf.identity(dummy)
