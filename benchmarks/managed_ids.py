@@ -2,10 +2,12 @@
 
 Speed: a DLRM-like model (T managed tables, one raw key per sample each, keys Zipf-distributed
 over 10^8 distinct 64-bit values, maps full before timing) against the same model fed
-pre-mapped row ids; beside them the remap alone (`layer.remap`), tf_keras's DynamicEmbedding
-and TFRA's dynamic embedding (in its own TF 2.16 environment, `TFRA_PYTHON`).
-Memory: the map's bytes per row (variables, counted exactly; the hash table's entries, measured
-as the process's resident-memory growth).
+pre-mapped row ids; beside them the same managed model with tables initialized to zeros (what
+drawing the reset rows' initial values costs) and with min_count=2, the remap alone
+(`layer.remap`), tf_keras's DynamicEmbedding and TFRA's dynamic embedding (in its own TF 2.16
+environment, `TFRA_PYTHON`).
+Memory: the map's bytes per row (variables and the compiled kernel's table and index, from their
+sizes; without the kernels, TF's hash table measured as the process's resident-memory growth).
 Quality: a stream of ratings whose item popularity drifts and whose items appear day by day,
 scored before each batch is trained (progressive validation), at a capacity of half the distinct
 items: managed ids vs the hashing trick (`key % capacity`) vs a full static vocabulary.
@@ -29,6 +31,7 @@ import tf_keras
 
 import tpu_embedding
 from tpu_embedding.data import drifting_ratings
+from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap
 
 E = tf.tpu.experimental.embedding
@@ -51,14 +54,19 @@ def zipf_keys(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarr
   return keys, ranks.astype(np.int64)
 
 
-def _dlrm(s: dict, managed: bool):
+def _dlrm(s: dict, managed: bool, initializer=None, min_count: int = 1):
   """(layer, DLRM step, embedding-only step): the second trains the layer alone on the sum of
-  its outputs, the embedding part's own step."""
-  tables = [E.TableConfig(s["rows"], s["dim"], name=f"t{i}") for i in range(s["tables"])]
+  its outputs, the embedding part's own step. `initializer`: the tables' (None: TableConfig's
+  default, a truncated normal); `min_count`: the maps'."""
+  tables = [
+    E.TableConfig(s["rows"], s["dim"], initializer=initializer, name=f"t{i}")
+    for i in range(s["tables"])
+  ]
   features = {f"f{i}": E.FeatureConfig(t, name=f"f{i}") for i, t in enumerate(tables)}
   kwargs = {}
   if managed:
-    kwargs["managed_ids"] = {t.name: tpu_embedding.ManagedIds(eviction="lfu") for t in tables}
+    spec = tpu_embedding.ManagedIds(eviction="lfu", min_count=min_count)
+    kwargs["managed_ids"] = {t.name: spec for t in tables}
   layer = tpu_embedding.TPUEmbedding(features, optimizer=E.Adagrad(0.05), **kwargs)
   top = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
   optimizer = tf_keras.optimizers.SGD(0.01)
@@ -114,12 +122,16 @@ def run_speed(s: dict) -> dict:
   _, premapped_step, embedding_step = _dlrm(s, managed=False)
   layer, managed_step, _ = _dlrm(s, managed=True)
   remap_layer, _, _ = _dlrm(s, managed=True)
-  _fill(layer, s)
-  _fill(remap_layer, s)
+  zeros_layer, zeros_step, _ = _dlrm(s, managed=True, initializer=tf.zeros_initializer())
+  twice_layer, twice_step, _ = _dlrm(s, managed=True, min_count=2)
+  for filled in (layer, remap_layer, zeros_layer, twice_layer):
+    _fill(filled, s)
   remap = tf.function(remap_layer.remap)
   variants = {
     "premapped": lambda raw, ranks, y: premapped_step(ranks, y),
     "managed": lambda raw, ranks, y: managed_step(raw, y),
+    "managed_zeros": lambda raw, ranks, y: zeros_step(raw, y),
+    "managed_twice": lambda raw, ranks, y: twice_step(raw, y),
     "embedding": lambda raw, ranks, y: embedding_step(ranks),
     "remap": lambda raw, ranks, y: remap(raw),
   }
@@ -208,34 +220,47 @@ def run_tfra(s: dict) -> dict:
 
 
 def run_memory(rows: int, batch: int) -> dict:
-  """Bytes per row of a full map: variables exactly, the hash table by resident-memory growth,
-  the compiled kernel's eviction index by its bound (too small to measure as memory growth)."""
-  id_map = IdMap(tpu_embedding.ManagedIds(), "m", rows)
-  variable_bytes = sum(
-    v.dtype.size * int(np.prod(v.shape)) for v in (id_map.keys, id_map.counts, id_map.last_seen)
-  )
-  rng = np.random.default_rng(1)
-  keys = tf.constant(rng.integers(-(2**62), 2**62, size=rows - 1))
-  values = tf.range(1, rows, dtype=tf.int64)  # made before, so only the table's growth counts
-  before = _rss_bytes()
-  id_map.rows_of_keys.insert(keys, values)
-  table_bytes = max(_rss_bytes() - before, 0)
+  """Bytes per row of a full map: variables exactly; the compiled kernel's key -> row table and
+  eviction index from their sizes (exact, and the index's bound); without the kernels, TF's
+  hash table as the resident-memory growth of filling it at once."""
+  full = IdMap(tpu_embedding.ManagedIds(), "m", rows)
+  variables = (full.keys, full.counts, full.last_seen)
+  variable_bytes = sum(v.dtype.size * int(np.prod(v.shape)) for v in variables)
+  on_kernels = native.enabled()
+  if on_kernels:
+    table_bytes, index_bytes = _table_bytes(rows), _index_bound(rows, batch)
+  else:
+    keys = tf.constant(np.random.default_rng(1).integers(-(2**62), 2**62, size=rows - 1))
+    values = tf.range(1, rows, dtype=tf.int64)  # made before, so only the table's growth counts
+    before = _rss_bytes()
+    full.rows_of_keys.insert(keys, values)
+    table_bytes, index_bytes = max(_rss_bytes() - before, 0), 0
   return dict(
     rows=rows,
+    table="the kernel's (exact)" if on_kernels else "TF's MutableHashTable (resident growth)",
     variables_bytes_per_row=variable_bytes / rows,
     hash_table_bytes_per_row=table_bytes / rows,
-    index_bytes_per_row=_index_bound(rows, batch) / rows,
+    index_bytes_per_row=index_bytes / rows,
     key_bytes=8,
   )
 
 
+def _table_bytes(rows: int) -> int:
+  """The kernel's key -> row table (engine/cc/managed_ids.cc, `RowTable::SlotsFor`): a power of
+  two of 8-byte slots (row, hash), at least 8, at most 70 % used."""
+  slots = 8
+  while slots * 7 < rows * 10:
+    slots *= 2
+  return 8 * slots
+
+
 def _index_bound(rows: int, batch: int) -> int:
   """Most bytes of one map's eviction index under LFU/LRU (engine/cc/managed_ids.cc): a pool of
-  `pool` entries of 24 B, compacted beyond twice that; `pool` = rows / 16 within [1024, 65536]
+  `pool` entries of 12 B, compacted beyond twice that; `pool` = rows / 4 within [1024, 2**18]
   (at most `rows`), or 2 * wanted + seen rows when a step wants more. TTL adds 8 B per row
   freed below the free-row cursor."""
-  pool = max(min(rows, max(1024, min(rows // 16, 1 << 16))), 3 * batch)
-  return 2 * pool * 24
+  pool = max(min(rows, max(1024, min(rows // 4, 1 << 18))), 3 * batch)
+  return 2 * pool * 12
 
 
 def _rss_bytes() -> int:
@@ -333,6 +358,8 @@ def report(result: dict) -> str:
   for name, key in (
     ("pre-mapped row ids (DLRM step)", "premapped"),
     ("managed ids (DLRM step, remap in the call)", "managed"),
+    ("  the same, tables initialized to zeros (resets draw nothing)", "managed_zeros"),
+    ("  the same, min_count=2 (keys seen once never get a row)", "managed_twice"),
     ("embedding part alone (pre-mapped ids)", "embedding"),
     ("remap alone (layer.remap, all tables)", "remap"),
   ):
@@ -347,8 +374,9 @@ def report(result: dict) -> str:
     f"Table t0's map held {sp['keys_held_t0']} keys in {sp['rows_t0']} rows at the end.",
     "",
     f"Map memory at {mem['rows']} rows: {mem['variables_bytes_per_row']:.0f} B/row of variables "
-    f"(key copy 8, count 4, last seen 4) + {mem['hash_table_bytes_per_row']:.0f} B/row of hash "
-    f"table (resident growth) + at most {mem['index_bytes_per_row']:.1f} B/row of eviction index "
+    f"(key copy 8, count 4, last seen 4) + {mem['hash_table_bytes_per_row']:.0f} B/row of "
+    f"{mem['table']} key -> row table + at most "
+    f"{mem['index_bytes_per_row']:.1f} B/row of eviction index "
     f"= {_bytes_per_row(mem):.0f} B/row; keys {mem['key_bytes']} B.",
     "",
     "Targets (issue 28):",

@@ -190,7 +190,6 @@ def destroy_managed_index(name: str) -> None:
 
 def managed_remap(
   index: tf.Tensor,
-  table: tf.Tensor,
   candidates: Optional[tf.Tensor],
   map_variables: Sequence[tf.Variable],
   ids: tf.Tensor,
@@ -198,16 +197,17 @@ def managed_remap(
   half_life: int,
   min_count: int,
   ttl_steps: Optional[int],
+  table: str,
 ) -> tuple[tf.Tensor, tf.Tensor]:
   """One training step of a managed-id map in one kernel (cc/managed_ids.cc): (row of each of
-  `ids`, rows given to new keys), the same as `IdMap`'s TF ops. `table` and `candidates` are
-  the handles of its `MutableHashTable`s (candidates None where min_count is 1);
-  `map_variables`: its keys, counts, last_seen and step, updated in place; `index`: its eviction
-  index."""
+  `ids`, rows given to new keys), the same as `IdMap`'s TF ops. `candidates`: the handle of its
+  candidates' `MutableHashTable` (None where min_count is 1); `map_variables`: its keys,
+  counts, last_seen and step, updated in place; `index`: its index (key -> row table and
+  eviction order, rebuilt from the variables whenever something else wrote them); errors name
+  `table`."""
   keys, counts, last_seen, step = map_variables
   return _library().tpu_embedding_managed_remap(
     index=index,
-    table=table,
     keys=keys.handle,
     counts=counts.handle,
     last_seen=last_seen.handle,
@@ -218,4 +218,21 @@ def managed_remap(
     half_life=int(half_life),
     min_count=int(min_count),
     ttl_steps=int(ttl_steps or 0),
+    table=table,
+  )
+
+
+def managed_lookup(
+  index: tf.Tensor, map_variables: Sequence[tf.Variable], ids: tf.Tensor, table: str
+) -> tf.Tensor:
+  """The rows of `ids` in a managed-id map (0: none) from its index (`managed_remap`'s);
+  `map_variables`: its keys, counts, last_seen and step, read only; errors name `table`."""
+  keys, _, last_seen, step = map_variables
+  return _library().tpu_embedding_managed_lookup(
+    index=index,
+    keys=keys.handle,
+    last_seen=last_seen.handle,
+    step=step.handle,
+    ids=ids,
+    table=table,
   )

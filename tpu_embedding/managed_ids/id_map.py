@@ -4,10 +4,10 @@ Its state is TensorFlow's own machinery (a `MutableHashTable` and variables), so
 eagerly and in `tf.function`, is saved by `tf.train.Checkpoint` and exported in SavedModels.
 No decision depends on a hash table's iteration order: free rows are taken in row order, victims
 by an explicit order, candidates are pruned after a full sort (docs/managed-ids.md). A training
-step runs in one compiled kernel where it can (`native.managed_remap`: the same hash tables and
-variables, updated in place, its rows picked from an eviction index kept between steps and
-rebuilt from the variables whenever something else wrote them), else in TF ops with the same
-result.
+step runs in one compiled kernel where it can (`native.managed_remap`: the variables updated in
+place, keys found in a key -> row table of the kernel's and rows picked from an eviction index,
+both kept between steps and rebuilt from the variables whenever something else wrote them), else
+in TF ops (a `MutableHashTable`) with the same result.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tpu_embedding.engine import native
+from tpu_embedding import tf_internals
+from tpu_embedding.engine import lookup, native
 from tpu_embedding.managed_ids.key_row_map import Reset
+from tpu_embedding.managed_ids.map_table import MapTable
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 _MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
@@ -38,7 +40,9 @@ class IdMap(tf.Module):
     dtype = spec.key_dtype
     empty = tf.constant("" if dtype == tf.string else 0, dtype)
     with tf.init_scope():
-      self.rows_of_keys = tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0)
+      # Filled only while the map runs on TF's ops (`_on_kernels` False); checkpoints and
+      # SavedModels take its entries from the variables either way (MapTable).
+      self.rows_of_keys = MapTable(dtype, self._pairs, lambda: not self._on_kernels)
       self.candidates = (
         tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
       )
@@ -51,8 +55,11 @@ class IdMap(tf.Module):
         tf.fill([capacity], tf.constant(-1, tf.int32)), table_name, "last_seen"
       )
       self.step = _variable(tf.constant(0, tf.int64), table_name, "step")
-    # The compiled kernel's eviction index: a cache of the variables above, not checkpointed.
+    # The compiled kernel's index (key -> row table, eviction order): a cache of the variables
+    # above, not checkpointed. Whether the map runs there is settled here, once: the two keep
+    # their key -> row tables apart.
     self.index_name = f"tpu_embedding_managed_index_{uuid.uuid4().hex}"
+    self._on_kernels = native.runs_here(self._variables())
     weakref.finalize(self, _destroy_index, self.index_name).atexit = False
 
   @property
@@ -63,12 +70,17 @@ class IdMap(tf.Module):
   # Reading
 
   def lookup(self, keys: tf.Tensor) -> tf.Tensor:
-    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts."""
-    return self.rows_of_keys.lookup(tf.convert_to_tensor(keys, self.key_dtype))
+    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts. In a
+    SavedModel trace, TF's table (saved whole, see MapTable)."""
+    keys = tf.convert_to_tensor(keys, self.key_dtype)
+    if self._kernel_runs():
+      with tf.device(self.step.device):
+        return native.managed_lookup(self._index(), self._variables(), keys, self.table_name)
+    return self.rows_of_keys.lookup(keys)
 
   def size(self) -> tf.Tensor:
-    """How many keys hold a row."""
-    return self.rows_of_keys.size()
+    """How many keys hold a row (int64)."""
+    return tf.math.count_nonzero(self._used_rows(), dtype=tf.int64)
 
   def export(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(keys, rows, counts) of every key holding a row, by ascending row; counts (int64) aged to
@@ -84,11 +96,11 @@ class IdMap(tf.Module):
     """Makes the hash tables agree with the variables after something assigned them (Keras
     loading a weight file, which holds the variables but no hash table): every key the variables
     give a row finds it again; keys still waiting for admission (`min_count`) count anew."""
-    keys, rows, _ = self.export()
-    for table in (self.rows_of_keys, self.candidates):
-      if table is not None:
-        table.remove(table.export()[0])
-    self.rows_of_keys.insert(keys, rows)
+    if self.candidates is not None:
+      self.candidates.remove(self.candidates.export()[0])
+    if not self._on_kernels:  # the kernel's index rebuilds itself: `step` was assigned
+      self.rows_of_keys.remove(self.rows_of_keys.export()[0])
+      self.rows_of_keys.insert(*self._pairs())
 
   # -------------------------------------------------------------------------------------------
   # One training step
@@ -104,25 +116,18 @@ class IdMap(tf.Module):
     """
     if not training:
       return self.lookup(keys), tf.zeros([0], tf.int64)
-    tf.debugging.assert_less(
-      self.step.read_value(),
-      tf.constant(_INT32_MAX, tf.int64),
-      message=f"Table {self.table_name!r}: its managed-id map has counted 2**31 - 1 training "
-      "steps, the most its int32 last-seen steps record; nothing was changed",
-    )
-    variables = [self.keys, self.counts, self.last_seen, self.step]
-    if native.runs_here(variables):
+    if self._kernel_runs():  # it refuses a step past 2**31 - 1 itself
       with tf.device(self.step.device):
         rows, new_rows = native.managed_remap(
-          native.managed_index(self.index_name),
-          self.rows_of_keys.resource_handle,
+          self._index(),
           None if self.candidates is None else self.candidates.resource_handle,
-          variables,
+          self._variables(),
           keys,
           self.spec.eviction,
           self.spec.lfu_half_life_steps,
           self.spec.min_count,
           self.spec.ttl_steps,
+          self.table_name,
         )
       if self.candidates is not None:
         self._prune_candidates()
@@ -132,8 +137,36 @@ class IdMap(tf.Module):
       reset(new_rows)
     return rows, new_rows
 
+  def _variables(self) -> list[tf.Variable]:
+    return [self.keys, self.counts, self.last_seen, self.step]
+
+  def _index(self) -> tf.Tensor:
+    return native.managed_index(self.index_name)
+
+  def _pairs(self) -> tuple[tf.Tensor, tf.Tensor]:
+    keys, rows, _ = self.export()
+    return keys, rows
+
+  def _kernel_runs(self) -> bool:
+    """Whether this call runs on the kernel's index: not in what a SavedModel saves, whose
+    lookups read TF's table (saved whole, see MapTable). A map on the kernels whose kernels became
+    unavailable (switched off by the environment) moves to TF's table for good, filled first."""
+    if self._on_kernels and native.enabled():
+      return not (tf_internals.in_save_context() or lookup.tracing_an_export())
+    if self._on_kernels:
+      with tf.init_scope():
+        self.rows_of_keys.insert(*self._pairs())
+      self._on_kernels = False
+    return False
+
   def _remap_with_tf_ops(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """The training step in TF's own ops (no compiled kernels, or a map on another task)."""
+    tf.debugging.assert_less(
+      self.step.read_value(),
+      tf.constant(_INT32_MAX, tf.int64),
+      message=f"Table {self.table_name!r}: its managed-id map has counted 2**31 - 1 training "
+      "steps, the most its int32 last-seen steps record; nothing was changed",
+    )
     step = self.step.assign_add(1)
     unique, position = tf.unique(keys, out_idx=tf.int64)
     occurrences = tf.math.unsorted_segment_sum(

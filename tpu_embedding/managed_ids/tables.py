@@ -82,12 +82,15 @@ class ManagedTables(tf.Module):
         streams.setdefault(feature.table.name, []).append((index, keys))
     leaves = [ids for _, ids in pairs]
     for name, parts in streams.items():
-      sizes = [tf.size(keys) for _, keys in parts]
-      keys = tf.concat([k for _, k in parts], 0)
+      streams_keys = [keys for _, keys in parts]
+      keys = tf.concat(streams_keys, 0) if len(parts) > 1 else streams_keys[0]
       reset = functools.partial(reset_rows, self._tables[name])
       rows, _ = self.maps[name].remap(keys, training, reset)
-      for (index, _), part in zip(parts, tf.split(rows, tf.stack(sizes))):
-        leaves[index] = _with_rows(leaves[index], part)
+      pieces = [rows]  # one feature, the usual case: no concat and split around the map
+      if len(parts) > 1:
+        pieces = tf.split(rows, tf.stack([tf.size(k) for k in streams_keys]))
+      for (index, _), piece in zip(parts, pieces):
+        leaves[index] = _with_rows(leaves[index], piece)
     return tf.nest.pack_sequence_as(features, leaves)
 
 

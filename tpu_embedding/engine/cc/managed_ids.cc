@@ -1,18 +1,21 @@
 // One training step of a managed-id map (docs/managed-ids.md) in one kernel: count the batch's
 // keys, age and count the rows they hold, free expired rows (TTL), admit new keys (min_count,
 // through the candidates table), pick their rows from an eviction index kept between steps, and
-// update the map's variables and TF hash tables in place. TF's own ops take ~25 ops a step for
-// this, each paying the executor and streaming its operands; here each key is hashed once and
-// each touched row read and written once, so a step costs O(batch log pool).
+// update the map's variables in place. TF's own ops take ~25 ops a step for this, each paying
+// the executor and streaming its operands; here each key is hashed once and each touched row
+// read and written once, so a step costs O(batch log pool).
 //
-// The key -> row table stays TF's `MutableHashTable` (reached through `LookupInterface`), so
-// checkpoints, serving exports and plain lookups need nothing of this library.
-//
-// The eviction index is a cache derived from the map's variables (`last_seen`, `counts`,
-// `step`), which alone are checkpointed. It holds:
+// The index is a cache derived from the map's variables (`keys`, `last_seen`, `counts`, `step`),
+// which alone hold the map (checkpoints save the key -> row pairs from them). It holds:
+// - the key -> row table: open addressing over row numbers (8 bytes a slot: the row and 32 bits
+//   of its key's hash; the key itself is read from `keys`), linear probing, deletion by moving
+//   later entries back (no tombstones), at most 70 % full. TF's `MutableHashTable` (a node per
+//   key) took ~40 bytes a key and most of a step's time; this takes ~12-23 bytes a row.
 // - free rows: a cursor over rows in ascending order plus a min-heap of rows freed below it;
-// - a pool: every used row whose eviction key is <= a threshold `T`, in a min-heap (lazily
-//   deleted: an entry whose row's key has changed since it was pushed is dropped when popped).
+// - a pool: every used row whose eviction key is <= a threshold `T`: the entries of its last
+//   rebuild in ascending order (taken from the front: one step's victims are read in a row)
+//   and a min-heap of the entries pushed since, lazily deleted (an entry whose row's key has
+//   changed since it was pushed is dropped when taken).
 //   Within one LFU epoch a row's key changes only when its row is seen or given to a new key;
 //   those rows are pushed again (if <= T) at the step that changes them, so the invariant holds
 //   without reading the other rows. When the pool runs dry, grows too stale, the LFU epoch
@@ -22,24 +25,27 @@
 // (last_seen, row) order, so they are popped from it rather than found by a scan.
 // The index vouches for the variables only if every write of the step counter since its last
 // step was its own: it holds the counter's buffer, so any other write (a checkpoint restore, an
-// assign) gives the variable a new buffer and forces a rebuild.
+// assign) gives the variable a new buffer and forces a rebuild of the table and the pool.
 // The rows given are exactly those of the full ordering (the TF ops' sort): eviction keys end in
-// the row index, so no two are equal.
+// the row index, so no two are equal. No result depends on the table's layout.
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 #include "tensorflow/core/framework/lookup_interface.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/platform/hash.h"
 #include "tpu_embedding/engine/cc/kernels.h"
 
 namespace tpu_embedding {
@@ -58,11 +64,12 @@ using ::tensorflow::Var;
 using ::tensorflow::lookup::LookupInterface;
 using ::tensorflow::shape_inference::InferenceContext;
 
-// One used row and what orders it as a victim; `aged` is 0 for LRU and TTL.
+// One used row and what orders it as a victim; `aged` is 0 for LRU and TTL. 12 bytes: counts and
+// steps are int32 in the variables, rows below 2**32.
 struct Victim {
-  int64_t aged;
-  int64_t last_seen;
-  int64_t row;
+  int32_t aged;
+  int32_t last_seen;
+  uint32_t row;
   bool operator<(const Victim& other) const {
     if (aged != other.aged) return aged < other.aged;
     if (last_seen != other.last_seen) return last_seen < other.last_seen;
@@ -73,8 +80,32 @@ struct Victim {
 
 constexpr int64_t kMaxShift = 62;  // as the TF ops: a longer absence ages any count to 0
 constexpr int64_t kMinPool = 1024;
-constexpr int64_t kMaxPool = 1 << 16;
+constexpr int64_t kMaxPool = 1 << 18;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// Rows are stored as uint32 in the key -> row table.
+constexpr int64_t kMaxCapacity = std::numeric_limits<uint32_t>::max();
+
+// A slot of the key -> row table: a row (0: empty; row 0 never holds a key) and 32 bits of its
+// key's hash, whose low bits are also the slot where the key's probe starts.
+struct Slot {
+  uint32_t row;
+  uint32_t hash;
+};
+
+uint32_t Fold(uint64_t h) { return static_cast<uint32_t>(h ^ (h >> 32)); }
+
+// A strong mix of the 64 bits (MurmurHash3's finalizer): raw ids are often multiples of a
+// power of two or consecutive, which would crowd a table indexed by their low bits.
+uint32_t HashOf(int64_t key) {
+  uint64_t x = static_cast<uint64_t>(key);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return Fold(x);
+}
+uint32_t HashOf(const tstring& key) { return Fold(::tensorflow::Hash64(key.data(), key.size())); }
 
 class ManagedIndex : public ResourceBase {
  public:
@@ -87,11 +118,106 @@ class ManagedIndex : public ResourceBase {
   int64_t epoch = 0;            // LFU epoch the pool's keys were computed at
   int64_t cursor = 1;           // rows >= cursor: free iff last_seen < 0
   std::vector<int64_t> freed;   // min-heap of free rows below the cursor
-  std::vector<Victim> pool;     // min-heap, lazily deleted
+  std::vector<Victim> sorted;   // the pool's entries from its last rebuild, ascending...
+  size_t next = 0;              // ...from this one on
+  std::vector<Victim> pushed;   // min-heap of the pool's entries pushed since
   Victim threshold{0, 0, 0};    // every used row with key <= threshold is in the pool
   bool everything = false;      // the pool held every used row when built (no threshold)
   int64_t pool_size = 0;        // how many entries a rebuild keeps
+  std::vector<Slot> slots;      // the key -> row table (RowTable)
+  int64_t table_rows = 0;       // the capacity `slots` was built for; 0: rebuild it
 };
+
+// The key -> row table over an index's slots; keys are read from the map's `keys` variable.
+template <typename K>
+class RowTable {
+ public:
+  RowTable(std::vector<Slot>& slots, const K* keys)
+      : slots_(slots), keys_(keys), mask_(slots.size() - 1) {}
+
+  // Slots for a map of `capacity` rows: a power of two, at most 70 % of it used.
+  static size_t SlotsFor(int64_t capacity) {
+    size_t n = 8;
+    while (n * 7 < static_cast<size_t>(capacity) * 10) n <<= 1;
+    return n;
+  }
+
+  void Prefetch(uint32_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
+
+  // The row of `key`, whose hash is `hash`; 0 if it holds none.
+  uint32_t Find(const K& key, uint32_t hash) const {
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      const Slot slot = slots_[i];
+      if (slot.row == 0) return 0;
+      if (slot.hash == hash && keys_[slot.row] == key) return slot.row;
+    }
+  }
+
+  // Adds `row` for a key (hash `hash`) the table does not hold.
+  void Insert(uint32_t hash, uint32_t row) {
+    size_t i = hash & mask_;
+    while (slots_[i].row != 0) i = (i + 1) & mask_;
+    slots_[i] = Slot{row, hash};
+  }
+
+  // Removes `row`, held for a key whose hash is `hash`: each later entry of its run whose probe
+  // starts at or before the hole moves back into it, so that no probe meets a hole before its
+  // key. False if the table does not hold the row.
+  bool Erase(uint32_t hash, uint32_t row) {
+    size_t hole = hash & mask_;
+    for (; slots_[hole].row != row; hole = (hole + 1) & mask_) {
+      if (slots_[hole].row == 0) return false;
+    }
+    for (size_t j = (hole + 1) & mask_; slots_[j].row != 0; j = (j + 1) & mask_) {
+      const size_t start = slots_[j].hash & mask_;
+      if (((j - start) & mask_) >= ((j - hole) & mask_)) {
+        slots_[hole] = slots_[j];
+        hole = j;
+      }
+    }
+    slots_[hole] = Slot{0, 0};
+    return true;
+  }
+
+ private:
+  std::vector<Slot>& slots_;
+  const K* keys_;
+  const size_t mask_;
+};
+
+// Rebuilds the index's key -> row table from the variables (every used row's key), and marks
+// its eviction pool for a rebuild at the next step. Refuses variables giving a key two rows.
+template <typename K>
+absl::Status Reindex(ManagedIndex& index, const K* keys, const int32_t* last_seen,
+                     int64_t capacity) {
+  index.valid = false;
+  index.table_rows = 0;
+  if (capacity > kMaxCapacity) {
+    return InvalidArgument("a managed-id map holds at most ", kMaxCapacity, " rows, got ",
+                           capacity);
+  }
+  index.slots.assign(RowTable<K>::SlotsFor(capacity), Slot{0, 0});
+  RowTable<K> table(index.slots, keys);
+  for (int64_t row = 1; row < capacity; ++row) {
+    if (last_seen[row] < 0) continue;
+    const uint32_t hash = HashOf(keys[row]);
+    const uint32_t other = table.Find(keys[row], hash);
+    if (other != 0) {
+      index.slots.clear();
+      return InvalidArgument("the map's variables give one key two rows: ", other, " and ", row,
+                             " (its keys variable was assigned a duplicate)");
+    }
+    table.Insert(hash, static_cast<uint32_t>(row));
+  }
+  index.table_rows = capacity;
+  return absl::OkStatus();
+}
+
+// Whether the index still vouches for the variables: every write of `step` since it last
+// looked was its own, at this capacity.
+bool Vouches(const ManagedIndex& index, const Tensor& step, int64_t capacity) {
+  return index.table_rows == capacity && index.step.SharesBufferWith(step);
+}
 
 REGISTER_OP("TpuEmbeddingManagedIndex")
     .Attr("container: string = ''")
@@ -139,7 +265,7 @@ class Step {
       return;
     }
     for (const int64_t row : seen) Push(row);
-    if (static_cast<int64_t>(x_.pool.size()) > 2 * x_.pool_size) Rebuild(wanted, {});
+    if (PoolSize() > 2 * x_.pool_size) Rebuild(wanted, {});
   }
 
   // The used rows last seen at or before `cut`, in (last_seen, row) order; `free` marks each
@@ -147,7 +273,7 @@ class Step {
   std::vector<int64_t> Expired(int64_t cut, const std::function<void(int64_t)>& free) {
     std::vector<int64_t> rows;
     while (true) {
-      while (!x_.pool.empty() && x_.pool.front().last_seen <= cut) {
+      while (!PoolEmpty() && Front().last_seen <= cut) {
         const Victim v = Pop();
         if (Current(v)) {
           rows.push_back(v.row);
@@ -194,7 +320,7 @@ class Step {
     std::vector<Victim> seen_now;  // current, but not evictable at this step: put back
     bool rebuilt = false;
     while (static_cast<int64_t>(rows.size()) < more) {
-      if (x_.pool.empty()) {
+      if (PoolEmpty()) {
         // The pool held every used row, or it was rebuilt at this step with room for every
         // row seen now plus twice the victims wanted: no evictable row is left.
         if (x_.everything || rebuilt) break;
@@ -202,6 +328,11 @@ class Step {
         seen_now.clear();  // the scan pushed them again
         rebuilt = true;
         continue;
+      }
+      if (x_.next + kPrefetchAhead < x_.sorted.size()) {  // rows checked a few pops later
+        const uint32_t later = x_.sorted[x_.next + kPrefetchAhead].row;
+        __builtin_prefetch(&last_[later]);
+        __builtin_prefetch(&count_[later]);
       }
       const Victim v = Pop();
       if (!Current(v)) continue;
@@ -211,10 +342,7 @@ class Step {
         rows.push_back(v.row);
       }
     }
-    for (const Victim& v : seen_now) {
-      x_.pool.push_back(v);
-      std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
-    }
+    for (const Victim& v : seen_now) Enter(v);
     return rows;
   }
 
@@ -223,17 +351,16 @@ class Step {
     if (last_[row] < 0) return;
     const Victim key = KeyOf(row);
     if (!x_.everything && x_.threshold < key) return;
-    x_.pool.push_back(key);
-    std::push_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
+    Enter(key);
   }
 
  private:
   Victim KeyOf(int64_t row) const {
-    int64_t aged = 0;
+    int32_t aged = 0;
     if (by_count_) {
-      aged = int64_t{count_[row]} >> std::min(epoch_ - last_[row] / half_life_, kMaxShift);
+      aged = count_[row] >> std::min<int64_t>(epoch_ - last_[row] / half_life_, 31);
     }
-    return Victim{aged, last_[row], row};
+    return Victim{aged, last_[row], static_cast<uint32_t>(row)};
   }
 
   // Whether a pool entry still describes its row (used, with the key it was pushed with).
@@ -243,10 +370,29 @@ class Step {
   }
 
   Victim Pop() {
-    const Victim v = x_.pool.front();
-    std::pop_heap(x_.pool.begin(), x_.pool.end(), std::greater<Victim>());
-    x_.pool.pop_back();
+    if (FromSorted()) return x_.sorted[x_.next++];
+    const Victim v = x_.pushed.front();
+    std::pop_heap(x_.pushed.begin(), x_.pushed.end(), std::greater<Victim>());
+    x_.pushed.pop_back();
     return v;
+  }
+
+  void Enter(const Victim& v) {
+    x_.pushed.push_back(v);
+    std::push_heap(x_.pushed.begin(), x_.pushed.end(), std::greater<Victim>());
+  }
+
+  bool PoolEmpty() const { return x_.next == x_.sorted.size() && x_.pushed.empty(); }
+  int64_t PoolSize() const {
+    return static_cast<int64_t>(x_.sorted.size() - x_.next + x_.pushed.size());
+  }
+  // Whether the pool's smallest entry is the sorted one's (the pool is not empty).
+  bool FromSorted() const {
+    if (x_.next == x_.sorted.size()) return false;
+    return x_.pushed.empty() || x_.sorted[x_.next] < x_.pushed.front();
+  }
+  const Victim& Front() const {
+    return FromSorted() ? x_.sorted[x_.next] : x_.pushed.front();
   }
 
   // One scan of the variables: the pool's smallest keys (rows in `taken` left out).
@@ -254,11 +400,13 @@ class Step {
     x_.capacity = capacity_;
     x_.epoch = epoch_;
     x_.valid = true;
-    const int64_t usual = std::min(capacity_, std::max(kMinPool, std::min(capacity_ / 16,
+    const int64_t usual = std::min(capacity_, std::max(kMinPool, std::min(capacity_ / 4,
                                                                           kMaxPool)));
     x_.pool_size = std::max(usual, 2 * wanted + seen_now_);
     // The pool_size smallest keys, largest on top: most rows cost one comparison.
-    std::vector<Victim>& kept = x_.pool;
+    std::vector<Victim>& kept = x_.sorted;
+    x_.next = 0;
+    x_.pushed.clear();
     kept.clear();
     for (int64_t r = 1; r < capacity_; ++r) {
       if (last_[r] < 0 || taken.count(r)) continue;
@@ -274,7 +422,7 @@ class Step {
     }
     x_.everything = static_cast<int64_t>(kept.size()) < x_.pool_size;
     if (!kept.empty()) x_.threshold = kept.front();
-    std::make_heap(kept.begin(), kept.end(), std::greater<Victim>());
+    std::sort_heap(kept.begin(), kept.end());
   }
 
   ManagedIndex& x_;
@@ -287,7 +435,6 @@ class Step {
 
 REGISTER_OP("TpuEmbeddingManagedRemap")
     .Input("index: resource")
-    .Input("table: resource")
     .Input("keys: resource")
     .Input("counts: resource")     // int32
     .Input("last_seen: resource")  // int32
@@ -300,27 +447,53 @@ REGISTER_OP("TpuEmbeddingManagedRemap")
     .Attr("half_life: int >= 1")
     .Attr("min_count: int >= 1")
     .Attr("ttl_steps: int >= 0")
+    .Attr("table: string = ''")
     .Output("rows: int64")
     .Output("given: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(6));
+      c->set_output(0, c->input(5));
       c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 One training step of a managed-id map: `rows` of `ids` (0 for keys left without a row) and the
 rows `given` to new keys, in the order of their keys' first occurrence. Adds 1 to the int64
-`step`; counts each key holding a row in `table` (its count aged by halving once per
-`half_life` steps since its row's last_seen, at most 62 times, plus its occurrences;
-saturating at 2**31 - 1; last_seen = step); for 'ttl', frees the rows last seen at or before
-step - ttl_steps (their keys leave `table`). New keys whose occurrences (plus their count in
-the one `candidates` table when min_count > 1) reach `min_count` get rows in order: first the
-free rows (last_seen < 0, row > 0) ascending, then rows whose key was not seen at this step,
-by (count aged to step, last_seen, row) for 'lfu', by (last_seen, row) for 'lru' and 'ttl'. A
-given row's previous key leaves `table`; the new key, its count and last_seen are written;
-new keys left without a row are counted in `candidates` (the caller prunes it).
+`step`; counts each key holding a row (a used row: last_seen >= 0, row > 0, its key in `keys`;
+its count aged by halving once per `half_life` steps since its row's last_seen, at most 62
+times, plus its occurrences; saturating at 2**31 - 1; last_seen = step); for 'ttl', frees the
+rows last seen at or before step - ttl_steps (last_seen = -1). New keys whose occurrences (plus
+their count in the one `candidates` table when min_count > 1) reach `min_count` get rows, in
+this order: the free rows (last_seen < 0, row > 0) ascending, then rows whose key was not seen
+at this step, by (count aged to step, last_seen, row) for 'lfu', by (last_seen, row) for 'lru'
+and 'ttl'. The new key, its count and last_seen are written to the given row; new keys left
+without a row are counted in `candidates` (the caller prunes it). Errors name the `table`.
 )doc");
+
+REGISTER_OP("TpuEmbeddingManagedLookup")
+    .Input("index: resource")
+    .Input("keys: resource")
+    .Input("last_seen: resource")  // int32
+    .Input("step: resource")       // int64
+    .Input("ids: key_dtype")
+    .Attr("key_dtype: {int64, string}")
+    .Attr("table: string = ''")
+    .Output("rows: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(4));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The rows of `ids` in a managed-id map (0 for keys holding none), read from its index; changes
+nothing in the map. Errors name the `table`.
+)doc");
+
+// `status` with its message prefixed by the table's name.
+absl::Status Named(const std::string& table, const absl::Status& status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat("Table '", table, "': ", status.message()));
+}
 
 // Keys as the unique-key map holds them: views of the batch's own keys.
 int64_t View(int64_t key) { return key; }
@@ -358,6 +531,91 @@ absl::Status Writable(OpKernelContext* ctx, Var* var, Tensor** out) {
   return absl::OkStatus();
 }
 
+// A map's variables (keys, counts, last_seen, step, from the inputs `first`..) looked up,
+// locked and checked, with its index; `counts` is absent (null) for a lookup.
+template <typename K>
+class MapState {
+ public:
+  absl::Status Open(OpKernelContext* ctx, bool with_counts, int first) {
+    TF_RETURN_IF_ERROR(LookupOrCreateResource<ManagedIndex>(ctx, HandleFromInput(ctx, 0),
+                                                            &index, NewIndex));
+    const int names[4] = {0, 1, 2, 3};  // keys, counts, last_seen, step
+    int input = first;
+    for (const int i : names) {
+      if (i == 1 && !with_counts) continue;
+      TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input++), &vars[i]));
+    }
+    std::vector<::tensorflow::mutex*> mutexes;
+    for (const auto& var : vars) {
+      if (var) mutexes.push_back(var->mu());
+    }
+    locks_ = std::make_unique<VariableLocks>(std::move(mutexes));
+    index_lock_ = std::make_unique<::tensorflow::mutex_lock>(index->mu);
+    const Tensor& step = *vars[3]->tensor();
+    if (step.dtype() != DT_INT64 || step.NumElements() != 1) {
+      return InvalidArgument("the step counter must be an int64 scalar");
+    }
+    const Tensor& keys = *vars[0]->tensor();
+    if (keys.dtype() != DataTypeToEnum<K>::value || keys.dims() != 1) {
+      return InvalidArgument("keys must be a vector of the key dtype");
+    }
+    capacity = keys.NumElements();
+    for (int i = 1; i < 3; ++i) {
+      if (!vars[i]) continue;
+      if (vars[i]->tensor()->dtype() != DT_INT32 || vars[i]->tensor()->shape() != keys.shape()) {
+        return InvalidArgument("counts and last_seen must be int32 vectors as long as keys, got ",
+                               vars[i]->tensor()->shape().DebugString());
+      }
+    }
+    if (Vouches(*index, step, capacity)) return absl::OkStatus();
+    TF_RETURN_IF_ERROR(Reindex(*index, keys.flat<K>().data(),
+                               vars[2]->tensor()->flat<int32_t>().data(), capacity));
+    index->step = step;
+    return absl::OkStatus();
+  }
+
+  // The rows of `ids` (0: none), prefetching the slots of the keys ahead.
+  void Find(const K* ids, int64_t n, const uint32_t* hashes, int64_t* rows) const {
+    const RowTable<K> table(index->slots, vars[0]->tensor()->flat<K>().data());
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) table.Prefetch(hashes[i + kPrefetchAhead]);
+      rows[i] = table.Find(ids[i], hashes[i]);
+    }
+  }
+
+  ::tensorflow::core::RefCountPtr<ManagedIndex> index;
+  ::tensorflow::core::RefCountPtr<Var> vars[4];
+  int64_t capacity = 0;
+
+ private:
+  std::unique_ptr<VariableLocks> locks_;
+  std::unique_ptr<::tensorflow::mutex_lock> index_lock_;
+};
+
+template <typename K>
+class ManagedLookupOp : public OpKernel {
+ public:
+  explicit ManagedLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    MapState<K> map;
+    OP_REQUIRES_OK(ctx, Named(table_, map.Open(ctx, /*with_counts=*/false, /*first=*/1)));
+    const Tensor& ids = ctx->input(4);
+    const int64_t n = ids.NumElements();
+    std::vector<uint32_t> hashes(n);
+    const K* keys = ids.flat<K>().data();
+    for (int64_t i = 0; i < n; ++i) hashes[i] = HashOf(keys[i]);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
+    map.Find(keys, n, hashes.data(), out->flat<int64_t>().data());
+  }
+
+ private:
+  std::string table_;
+};
+
 template <typename K>
 class ManagedRemapOp : public OpKernel {
  public:
@@ -368,6 +626,7 @@ class ManagedRemapOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("min_count", &min_count_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("ttl_steps", &ttl_steps_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_candidates", &num_candidates_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
     by_count_ = eviction == "lfu";
     ttl_ = eviction == "ttl";
     OP_REQUIRES(ctx, !ttl_ || ttl_steps_ >= 1,
@@ -377,49 +636,30 @@ class ManagedRemapOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    ::tensorflow::core::RefCountPtr<ManagedIndex> index;
-    OP_REQUIRES_OK(ctx, LookupOrCreateResource<ManagedIndex>(ctx, HandleFromInput(ctx, 0),
-                                                             &index, NewIndex));
-    ::tensorflow::core::RefCountPtr<LookupInterface> table, candidates;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &table));
+    MapState<K> map;
+    OP_REQUIRES_OK(ctx, Named(table_, map.Open(ctx, /*with_counts=*/true, /*first=*/1)));
+    ::tensorflow::core::RefCountPtr<LookupInterface> candidates;
     if (num_candidates_ > 0) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 7), &candidates));
-    }
-    for (LookupInterface* t : {table.get(), candidates.get()}) {
-      if (t == nullptr) continue;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 6), &candidates));
       OP_REQUIRES(ctx,
-                  t->key_dtype() == DataTypeToEnum<K>::value && t->value_dtype() == DT_INT64,
-                  InvalidArgument("the map's hash tables must map ",
+                  candidates->key_dtype() == DataTypeToEnum<K>::value &&
+                      candidates->value_dtype() == DT_INT64,
+                  InvalidArgument("the map's candidates table must map ",
                                   ::tensorflow::DataTypeString(DataTypeToEnum<K>::value),
                                   " keys to int64"));
     }
-    ::tensorflow::core::RefCountPtr<Var> vars[4];  // keys, counts, last_seen, step
-    for (int i = 0; i < 4; ++i) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2 + i), &vars[i]));
-    }
-    VariableLocks locks({vars[0]->mu(), vars[1]->mu(), vars[2]->mu(), vars[3]->mu()});
-    ::tensorflow::mutex_lock index_lock(index->mu);
+    ManagedIndex& index = *map.index;
+    auto& vars = map.vars;
+    const int64_t capacity = map.capacity;
     Tensor* step_var = vars[3]->tensor();
-    const int64_t capacity = vars[0]->tensor()->NumElements();
-    OP_REQUIRES(ctx, step_var->dtype() == DT_INT64 && step_var->NumElements() == 1,
-                InvalidArgument("the step counter must be an int64 scalar"));
-    OP_REQUIRES(ctx,
-                vars[0]->tensor()->dtype() == DataTypeToEnum<K>::value &&
-                    vars[0]->tensor()->dims() == 1,
-                InvalidArgument("keys must be a vector of the key dtype"));
-    for (int i = 1; i < 3; ++i) {
-      OP_REQUIRES(ctx,
-                  vars[i]->tensor()->dtype() == DT_INT32 &&
-                      vars[i]->tensor()->shape() == vars[0]->tensor()->shape(),
-                  InvalidArgument("counts and last_seen must be int32 vectors as long as keys, "
-                                  "got ", vars[i]->tensor()->shape().DebugString()));
-    }
     const int64_t step = step_var->flat<int64_t>()(0) + 1;
     OP_REQUIRES(ctx, step <= kInt32Max,
-                InvalidArgument("the map's int32 last_seen cannot record step ", step));
+                InvalidArgument("Table '", table_, "': its managed-id map has counted 2**31 - 1 "
+                                "training steps, the most its int32 last-seen steps record; "
+                                "nothing was changed"));
 
-    // The batch's distinct keys in first-occurrence order, and what the table holds for them.
-    const auto ids = ctx->input(6).flat<K>();
+    // The batch's distinct keys in first-occurrence order, and the rows they hold.
+    const auto ids = ctx->input(5).flat<K>();
     const int64_t n = ids.size();
     std::vector<int64_t> position(n), first, occurrences;
     {
@@ -436,30 +676,29 @@ class ManagedRemapOp : public OpKernel {
       }
     }
     const int64_t distinct = first.size();
-    Tensor unique_keys, found, zero;
+    Tensor unique_keys;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
                                            &unique_keys));
-    for (int64_t u = 0; u < distinct; ++u) unique_keys.flat<K>()(u) = ids(first[u]);
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({distinct}), &found));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &zero));
-    zero.scalar<int64_t>()() = 0;
-    OP_REQUIRES_OK(ctx, table->Find(ctx, unique_keys, &found, zero));
-    int64_t* row_of = found.flat<int64_t>().data();  // becomes each distinct key's row
-    std::vector<int64_t> seen, newcomers;
+    const K* unique = unique_keys.flat<K>().data();
+    std::vector<uint32_t> hashes(distinct);
     for (int64_t u = 0; u < distinct; ++u) {
-      OP_REQUIRES(ctx, 0 <= row_of[u] && row_of[u] < capacity,
-                  InvalidArgument("the map's hash table gives row ", row_of[u],
-                                  " outside [0, ", capacity, ")"));
-      (row_of[u] > 0 ? seen : newcomers).push_back(u);
+      unique_keys.flat<K>()(u) = ids(first[u]);
+      hashes[u] = HashOf(unique[u]);
     }
+    std::vector<int64_t> row_of(distinct);  // becomes each distinct key's row
+    map.Find(unique, distinct, hashes.data(), row_of.data());
+    std::vector<int64_t> seen, newcomers;
+    for (int64_t u = 0; u < distinct; ++u) (row_of[u] > 0 ? seen : newcomers).push_back(u);
     // Admission: a newcomer's total is its occurrences plus its candidate count.
     std::vector<int64_t> totals(newcomers.size());
     for (size_t j = 0; j < newcomers.size(); ++j) totals[j] = occurrences[newcomers[j]];
     if (candidates) {
-      Tensor keys, counted;
+      Tensor keys, counted, zero;
       OP_REQUIRES_OK(ctx, Gather(ctx, unique_keys, newcomers, &keys));
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({keys.NumElements()}),
                                              &counted));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &zero));
+      zero.scalar<int64_t>()() = 0;
       OP_REQUIRES_OK(ctx, candidates->Find(ctx, keys, &counted, zero));
       for (size_t j = 0; j < newcomers.size(); ++j) totals[j] += counted.flat<int64_t>()(j);
     }
@@ -476,16 +715,19 @@ class ManagedRemapOp : public OpKernel {
     K* keys = vars_now[0]->flat<K>().data();
     int32_t* counts = vars_now[1]->flat<int32_t>().data();
     int32_t* last = vars_now[2]->flat<int32_t>().data();
-    if (!index->step.SharesBufferWith(*step_var)) index->valid = false;
     Tensor next;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
     next.scalar<int64_t>()() = step;
     *step_var = next;  // a new buffer, never written again: readers of the old one keep theirs
-    index->step = next;
+    index.step = next;
 
     const int64_t epoch = step / half_life_;
     std::vector<int64_t> seen_rows(seen.size());
     for (size_t j = 0; j < seen.size(); ++j) {
+      if (j + kPrefetchAhead < seen.size()) {
+        __builtin_prefetch(&counts[row_of[seen[j + kPrefetchAhead]]], 1);
+        __builtin_prefetch(&last[row_of[seen[j + kPrefetchAhead]]], 1);
+      }
       const int64_t row = row_of[seen[j]];
       const int64_t aged =
           int64_t{counts[row]} >> std::min(epoch - last[row] / half_life_, kMaxShift);
@@ -494,9 +736,9 @@ class ManagedRemapOp : public OpKernel {
       seen_rows[j] = row;
     }
     const int64_t wanted = eligible.size();
-    Step index_step(*index, last, counts, capacity, step, half_life_, by_count_, seen.size());
+    Step index_step(index, last, counts, capacity, step, half_life_, by_count_, seen.size());
     index_step.Update(seen_rows, wanted);
-    std::vector<int64_t> leaving;  // rows whose keys leave the table
+    std::vector<int64_t> leaving;  // rows whose keys leave the map
     if (ttl_) {
       leaving = index_step.Expired(step - ttl_steps_, [last](int64_t row) { last[row] = -1; });
     }
@@ -505,39 +747,60 @@ class ManagedRemapOp : public OpKernel {
         index_step.Victims(wanted - static_cast<int64_t>(given.size()));
     given.insert(given.end(), victims.begin(), victims.end());
     leaving.insert(leaving.end(), victims.begin(), victims.end());
-    Tensor old_keys;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value,
-                                           TensorShape({static_cast<int64_t>(leaving.size())}),
-                                           &old_keys));
-    for (size_t j = 0; j < leaving.size(); ++j) old_keys.flat<K>()(j) = keys[leaving[j]];
+    // Rows and slots are scattered over memory much larger than the caches: each loop below
+    // prefetches what it will touch kPrefetchAhead iterations later.
+    RowTable<K> table(index.slots, keys);
+    const int64_t left = leaving.size();
+    std::vector<uint32_t> leaving_hashes(left);
+    for (int64_t j = 0; j < left; ++j) {
+      if (j + kPrefetchAhead < left) __builtin_prefetch(&keys[leaving[j + kPrefetchAhead]]);
+      leaving_hashes[j] = HashOf(keys[leaving[j]]);
+    }
+    bool held = true;
+    for (int64_t j = 0; j < left; ++j) {
+      if (j + kPrefetchAhead < left) table.Prefetch(leaving_hashes[j + kPrefetchAhead]);
+      held = table.Erase(leaving_hashes[j], static_cast<uint32_t>(leaving[j])) && held;
+    }
 
     const int64_t placed = given.size();
     std::vector<int64_t> admitted(placed);  // distinct-key positions
     for (int64_t j = 0; j < placed; ++j) {
+      if (j + kPrefetchAhead < placed) {
+        const int64_t later = given[j + kPrefetchAhead];
+        __builtin_prefetch(&keys[later], 1);
+        __builtin_prefetch(&counts[later], 1);
+        __builtin_prefetch(&last[later], 1);
+        table.Prefetch(hashes[newcomers[eligible[j + kPrefetchAhead]]]);
+      }
       const int64_t u = newcomers[eligible[j]], row = given[j];
       admitted[j] = u;
-      keys[row] = ids(first[u]);
+      keys[row] = unique[u];
       counts[row] = static_cast<int32_t>(std::min(totals[eligible[j]], kInt32Max));
       last[row] = static_cast<int32_t>(step);
       row_of[u] = row;
+      table.Insert(hashes[u], static_cast<uint32_t>(row));
       index_step.Push(row);
     }
     for (int64_t j = placed; j < wanted; ++j) waiting.push_back(eligible[j]);
 
-    Tensor new_keys, rows_tensor;
-    absl::Status status = Gather(ctx, unique_keys, admitted, &new_keys);
-    if (status.ok()) status = Output(ctx, 1, given, &rows_tensor);
-    if (status.ok()) status = table->Remove(ctx, old_keys);
-    if (status.ok()) status = table->Insert(ctx, new_keys, rows_tensor);
-    if (status.ok() && candidates) status = Count(ctx, *candidates, unique_keys, newcomers,
-                                                  waiting, totals, new_keys);
+    Tensor new_keys;
+    absl::Status status = held ? absl::OkStatus()
+                               : ::tensorflow::errors::Internal(
+                                     "a row leaving the managed-id map was not in its index");
+    if (status.ok()) status = Output(ctx, 1, given);
+    if (status.ok() && candidates) {
+      status = Gather(ctx, unique_keys, admitted, &new_keys);
+      if (status.ok()) {
+        status = Count(ctx, *candidates, unique_keys, newcomers, waiting, totals, new_keys);
+      }
+    }
     if (!status.ok()) {
-      index->valid = false;  // the variables and tables may disagree with it
-      ctx->SetStatus(status);
+      index.table_rows = 0;  // rebuild it all from the variables at the next step
+      ctx->SetStatus(Named(table_, status));
       return;
     }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(6).shape(), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(5).shape(), &out));
     int64_t* rows = out->flat<int64_t>().data();
     for (int64_t i = 0; i < n; ++i) rows[i] = row_of[position[i]];
   }
@@ -552,13 +815,11 @@ class ManagedRemapOp : public OpKernel {
     return absl::OkStatus();
   }
 
-  static absl::Status Output(OpKernelContext* ctx, int index, const std::vector<int64_t>& rows,
-                             Tensor* copy) {
+  static absl::Status Output(OpKernelContext* ctx, int index, const std::vector<int64_t>& rows) {
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(
         index, TensorShape({static_cast<int64_t>(rows.size())}), &out));
     std::copy(rows.begin(), rows.end(), out->flat<int64_t>().data());
-    *copy = *out;
     return absl::OkStatus();
   }
 
@@ -581,6 +842,7 @@ class ManagedRemapOp : public OpKernel {
   int64_t half_life_ = 1, min_count_ = 1, ttl_steps_ = 0;
   int num_candidates_ = 0;
   bool by_count_ = false, ttl_ = false;
+  std::string table_;
 };
 
 REGISTER_KERNEL_BUILDER(
@@ -589,6 +851,12 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU).TypeConstraint<tstring>("key_dtype"),
     ManagedRemapOp<tstring>);
+REGISTER_KERNEL_BUILDER(
+    Name("TpuEmbeddingManagedLookup").Device(DEVICE_CPU).TypeConstraint<int64_t>("key_dtype"),
+    ManagedLookupOp<int64_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("TpuEmbeddingManagedLookup").Device(DEVICE_CPU).TypeConstraint<tstring>("key_dtype"),
+    ManagedLookupOp<tstring>);
 
 }  // namespace
 }  // namespace tpu_embedding
