@@ -59,6 +59,20 @@ def test_compiling_with_xla_only_inside_jit_compiled_functions():
   assert not tf_internals.compiling_with_xla()
 
 
+def test_control_dependencies_are_added_in_functions_only():
+  seen = {}
+
+  def probe(key):
+    seen[key] = tf_internals.adds_control_dependencies()
+    return tf.constant(0.0)
+
+  tf.function(lambda: probe("function"))()
+  with tf.Graph().as_default():
+    probe("graph")
+  probe("eager")
+  assert seen == {"function": True, "graph": False, "eager": False}
+
+
 def test_host_address_space_names_this_process():
   spec = tf.DeviceSpec.from_string(tf_internals.host_address_space())
   assert (spec.job, spec.replica, spec.task) == ("localhost", 0, 0)

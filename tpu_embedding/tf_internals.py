@@ -96,6 +96,15 @@ def could_possibly_record() -> bool:
   return record.could_possibly_record()
 
 
+def adds_control_dependencies() -> bool:
+  """Whether TF adds automatic control dependencies to the ops built now (a `tf.function`'s
+  body, and the backward functions TF traces for functions called inside one): they then run
+  every stateful op, in program order per resource."""
+  if tf.executing_eagerly():
+    return False
+  return bool(tf.compat.v1.get_default_graph()._add_control_dependencies)
+
+
 def compiling_with_xla() -> bool:
   """Whether XLA compiles the graph being built (a TPU step or a `jit_compile` function)."""
   return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())

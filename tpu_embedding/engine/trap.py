@@ -59,17 +59,26 @@ def trapped(
 def _updated(
   backward: Callable[[list[tf.Tensor]], None], upstream: list[tf.Tensor], dummy: tf.Tensor
 ) -> tf.Tensor:
-  """The dummy's zero gradient, once `backward(upstream)` has run.
+  """The dummy's gradient, once `backward(upstream)` has run: the dummy's own value, zero.
 
-  In a graph the gradient depends on every op `backward` built: the backward function TF builds
-  for a `tf.function` differentiated by a tape outside it runs only what its outputs depend on
-  (it has no automatic control dependencies), so the update would otherwise never run.
+  Where TF adds automatic control dependencies they run the update and order it with the rest
+  of the step, and the gradient must not depend on it: through that gradient and the
+  optimizer's ops, grappler would take the update for the order between the next layer's kernel
+  read (which fed `upstream`) and that kernel's update in the same step, drop their own edge,
+  then cut the path (docs/development.md, "The gradient trap and grappler"). Elsewhere (the
+  backward function TF builds for a `tf.function` differentiated by a tape outside it runs only
+  what its outputs depend on) the gradient depends on every op `backward` built, or the update
+  would never run.
+
+  It is the dummy's value (zero: the dummy starts at zero and a zero gradient keeps it there),
+  not a constant zero that grappler could fold: a folded zero lets grappler cut that path where
+  TF makes it itself (the backward of a `tf.function` called inside the step).
   """
-  if tf.executing_eagerly():
+  if tf.executing_eagerly() or tf_internals.adds_control_dependencies():
     backward(upstream)
-    return tf.zeros_like(dummy)
+    return tf.identity(dummy)
   graph = tf.compat.v1.get_default_graph()
   first = len(graph.get_operations())
   backward(upstream)
   with tf.control_dependencies(graph.get_operations()[first:]):
-    return tf.zeros_like(dummy)
+    return tf.identity(dummy)
