@@ -77,7 +77,6 @@ setuptools.setup(
       "tpu_embedding.engine._kernels",
       sources=[
         "tpu_embedding/engine/cc/apply_rows.cc",
-        "tpu_embedding/engine/cc/initial_values.cc",
         "tpu_embedding/engine/cc/lookup.cc",
         "tpu_embedding/engine/cc/managed_ids.cc",
       ],

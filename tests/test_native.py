@@ -6,7 +6,6 @@ Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqr
 up to an ulp off; the kernel keeps the exact division.
 """
 
-import math
 import os
 import shutil
 import subprocess
@@ -443,29 +442,3 @@ def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_
   # only through an optimizer the user applies, as with tf-recommenders
   # (docs/differences-from-tfrs.md), so the table is still the one saved.
   np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), np.full((8, 2), 0.5, np.float32))
-
-
-def test_truncated_normal_draws_tf_truncated_normal_distribution():
-  """200 000 values against the CDF of the normal truncated to [-2, 2] (from math.erf): the
-  Kolmogorov-Smirnov distance is below its 0.1 % critical value; mean and variance as computed
-  by hand (variance factor 1 - 4 phi(2) / (Phi(2) - Phi(-2)) = 0.7737); a new draw each run, the
-  same under the same global seed."""
-  draw = tf.function(lambda: native.truncated_normal(tf.constant([400, 500]), 0.5, 0.25))
-  x = draw().numpy().ravel()
-  z = np.sort((x.astype(np.float64) - 0.5) / 0.25)
-  phi = np.vectorize(lambda v: 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))))
-  cdf = (phi(z) - phi(-2.0)) / (phi(2.0) - phi(-2.0))
-  n = len(z)
-  distance = np.max(np.maximum(np.arange(1, n + 1) / n - cdf, cdf - np.arange(n) / n))
-  assert distance < 1.95 / math.sqrt(n)
-  assert z.min() >= -2.0 and z.max() <= 2.0
-  assert abs(x.mean() - 0.5) < 4 * 0.25 * math.sqrt(0.7737 / n)
-  assert abs(x.var() / 0.25**2 - 0.7737) < 0.01
-  assert not np.array_equal(x, draw().numpy().ravel())
-  try:
-    tf.random.set_seed(7)
-    first = native.truncated_normal(tf.constant([8]), 0.0, 1.0).numpy()
-    tf.random.set_seed(7)
-    np.testing.assert_array_equal(first, native.truncated_normal(tf.constant([8]), 0.0, 1.0))
-  finally:
-    tf.random.set_seed(None)

@@ -6,12 +6,10 @@ with `TPU_EMBEDDING_NATIVE_KERNELS=0`, the engine runs the same maths on TF's ow
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import os
 import pathlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -174,41 +172,6 @@ def row_gradients(
     gains=_optional(gains, tf.float32),
     upstream=tf.cast(upstream, tf.float32),
     num_unique=tf.cast(num_unique, tf.int64),
-  )
-
-
-_DRAWS_HERE = contextvars.ContextVar("draws_here", default=False)
-
-
-@contextlib.contextmanager
-def drawing_here() -> Iterator[None]:
-  """Within it, what is traced runs in this process (a map on the kernels resetting the rows it
-  gave), so initial values may be drawn by the kernels (`truncated_normal`); elsewhere they may
-  run on another task, which may not have loaded them."""
-  token = _DRAWS_HERE.set(True)
-  try:
-    yield
-  finally:
-    _DRAWS_HERE.reset(token)
-
-
-def draws_here() -> bool:
-  """Whether `truncated_normal` may be used now (see `drawing_here`)."""
-  return _DRAWS_HERE.get() and enabled() and not tf_internals.in_save_context()
-
-
-def truncated_normal(shape: tf.Tensor, mean: float, stddev: float) -> tf.Tensor:
-  """float32 values of `shape` drawn as `tf.random.truncated_normal(shape, mean, stddev)` draws
-  them (TF's generator and distribution, cc/initial_values.cc), in one thread: TF's op spends
-  more on sharding a draw of a few thousand rows than on drawing it. Seeded from TF's global
-  seed as TF's random ops are."""
-  seed, seed2 = tf.compat.v1.get_seed(None)
-  return _library().tpu_embedding_truncated_normal(
-    shape=tf.cast(shape, tf.int64),
-    mean=tf.constant(mean, tf.float32),
-    stddev=tf.constant(stddev, tf.float32),
-    seed=seed or 0,
-    seed2=seed2 or 0,
   )
 
 

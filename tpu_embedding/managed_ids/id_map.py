@@ -12,7 +12,6 @@ in TF ops (a `MutableHashTable`) with the same result.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 import weakref
 from typing import Optional
@@ -117,8 +116,7 @@ class IdMap(tf.Module):
     """
     if not training:
       return self.lookup(keys), tf.zeros([0], tf.int64)
-    on_kernels = self._kernel_runs()
-    if on_kernels:  # it refuses a step past 2**31 - 1 itself
+    if self._kernel_runs():  # it refuses a step past 2**31 - 1 itself
       with tf.device(self.step.device):
         rows, new_rows = native.managed_remap(
           self._index(),
@@ -136,9 +134,7 @@ class IdMap(tf.Module):
     else:
       rows, new_rows = self._remap_with_tf_ops(keys)
     if reset is not None:
-      # On the kernels this runs in this process: its resets may draw there too.
-      with native.drawing_here() if on_kernels else contextlib.nullcontext():
-        reset(new_rows)
+      reset(new_rows)
     return rows, new_rows
 
   def _variables(self) -> list[tf.Variable]:

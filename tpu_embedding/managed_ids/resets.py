@@ -8,7 +8,6 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import optimizer_specs
-from tpu_embedding.engine import native
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -34,11 +33,7 @@ def _fresh(initializer: Callable, rows: tf.Tensor, full_shape: list[int]) -> tf.
   value = _scalar_constant(initializer)
   if value is not None:
     return tf.fill(shape, tf.constant(value, tf.float32))
-  name = type(initializer).__name__
-  if name == "TruncatedNormal" and native.draws_here():  # the default: the same draw, faster
-    config = initializer.get_config()
-    return native.truncated_normal(shape, config.get("mean", 0.0), config["stddev"])
-  if name in _ROW_INDEPENDENT:
+  if type(initializer).__name__ in _ROW_INDEPENDENT:
     return initializer(shape=shape, dtype=tf.float32)
   return tf.gather(initializer(shape=full_shape, dtype=tf.float32), rows)
 
