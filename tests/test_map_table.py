@@ -1,7 +1,8 @@
 """A map's two key -> row tables: the compiled kernel's own (TF's `MapTable` left empty) and TF's
-(filled, on TF's ops). A checkpoint of either kind restores into the other; a map whose kernels
-are switched off goes on with TF's table; the kernel's table survives dense churn and refuses
-variables that give a key two rows. Every row against the plain-Python reference map."""
+(filled, on TF's ops). A checkpoint of either kind, written eagerly or in a `tf.function`,
+restores into the other; a map stays on the kernels it was made on; the kernel's table follows
+assignments behind it, survives dense churn and refuses variables that give a key two rows.
+Rows against the plain-Python reference map or worked by hand."""
 
 import numpy as np
 import pytest
@@ -58,17 +59,56 @@ def test_a_checkpoint_restores_into_either_kind_of_map(
   _steps(restored, reference, _batches(2, 10))
 
 
-def test_a_map_whose_kernels_are_switched_off_goes_on_with_tf_table(monkeypatch):
+def test_a_map_stays_on_the_kernels_when_they_are_switched_off_after_it_was_made(monkeypatch):
+  """Its traces hold the kernels already: a map moving to TF's table would have two tables."""
   _use(monkeypatch, "native")
   id_map, reference = _map(10), ReferenceMap(10, "lru")
-  batches = _batches(3, 16, universe=14)  # the keys held before the switch come again after
-  _steps(id_map, reference, batches[:8])
+  batches = _batches(3, 16, universe=14)
+  step = tf.function(lambda keys: id_map.remap(keys, True))
+  for keys in batches[:8]:
+    np.testing.assert_array_equal(step(tf.constant(keys, tf.int64))[0], reference.train(keys)[0])
   _use(monkeypatch, "tf_ops")
-  _steps(id_map, reference, batches[8:])
+  for keys in batches[8:12]:  # the trace made before the switch
+    np.testing.assert_array_equal(step(tf.constant(keys, tf.int64))[0], reference.train(keys)[0])
+  _steps(id_map, reference, batches[12:])  # eagerly, after the switch
   probe = sorted(reference.row_of) + [12345]
   np.testing.assert_array_equal(
     id_map.lookup(tf.constant(probe, tf.int64)), reference.lookup(probe)
   )
+  assert int(id_map.rows_of_keys.size()) == 0
+
+
+def test_variables_assigned_behind_the_kernel_are_read_at_its_next_step(monkeypatch):
+  """An assignment of `keys` or `last_seen` alone (not `step`): the kernel's table is rebuilt
+  from them. By hand: rows 1-3 hold 100, 200, 300 after the assignment, row 2 is then freed."""
+  _use(monkeypatch, "native")
+  id_map = _map(6)
+  id_map.remap(tf.constant([1, 2, 3], tf.int64), True)
+  id_map.keys.assign(tf.constant([0, 100, 200, 300, 0, 0], tf.int64))
+  np.testing.assert_array_equal(
+    id_map.lookup(tf.constant([1, 100, 200, 300], tf.int64)), [0, 1, 2, 3]
+  )
+  id_map.last_seen.assign(tf.constant([-1, 1, -1, 1, -1, -1], tf.int32))
+  rows, fresh = id_map.remap(tf.constant([100, 7, 200], tf.int64), True)
+  np.testing.assert_array_equal(rows, [1, 2, 4])  # 7 and 200 take the free rows 2 and 4
+  np.testing.assert_array_equal(fresh, [2, 4])
+  np.testing.assert_array_equal(id_map.lookup(tf.constant([300, 7, 200], tf.int64)), [3, 2, 4])
+
+
+def test_a_checkpoint_written_in_a_tf_function_holds_the_map(tmp_path, monkeypatch):
+  _use(monkeypatch, "native")
+  saved = _map(8)
+  saved.remap(tf.constant([10, 20, 30], tf.int64), True)
+  checkpoint = tf.train.Checkpoint(m=saved)
+  tf.function(lambda: checkpoint.write(str(tmp_path / "ckpt")))()
+  _use(monkeypatch, "tf_ops")
+  restored = _map(8)
+  tf.train.Checkpoint(m=restored).read(str(tmp_path / "ckpt")).assert_consumed()
+  np.testing.assert_array_equal(
+    restored.lookup(tf.constant([10, 20, 30, 40], tf.int64)), [1, 2, 3, 0]
+  )
+  rows, _ = restored.remap(tf.constant([10, 40], tf.int64), True)
+  np.testing.assert_array_equal(rows, [1, 4])
 
 
 @pytest.mark.parametrize("eviction", ["lru", "ttl"])

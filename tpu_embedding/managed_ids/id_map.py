@@ -148,16 +148,10 @@ class IdMap(tf.Module):
     return keys, rows
 
   def _kernel_runs(self) -> bool:
-    """Whether this call runs on the kernel's index: not in what a SavedModel saves, whose
-    lookups read TF's table (saved whole, see MapTable). A map on the kernels whose kernels became
-    unavailable (switched off by the environment) moves to TF's table for good, filled first."""
-    if self._on_kernels and native.enabled():
-      return not (tf_internals.in_save_context() or lookup.tracing_an_export())
-    if self._on_kernels:
-      with tf.init_scope():
-        self.rows_of_keys.insert(*self._pairs())
-      self._on_kernels = False
-    return False
+    """Whether this call runs on the kernel's index: a map on the kernels (settled when it was
+    made: switching the kernels off later leaves it there, its traces already hold them), except
+    in what a SavedModel saves, whose lookups read TF's table (saved whole, see MapTable)."""
+    return self._on_kernels and not (tf_internals.in_save_context() or lookup.tracing_an_export())
 
   def _remap_with_tf_ops(self, keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """The training step in TF's own ops (no compiled kernels, or a map on another task)."""

@@ -13,6 +13,8 @@ from typing import Callable
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
+
 # The map's (keys, rows) of every key holding a row, read from its variables.
 Pairs = Callable[[], tuple[tf.Tensor, tf.Tensor]]
 
@@ -27,15 +29,21 @@ class MapTable(tf.lookup.experimental.MutableHashTable):
     self._filled = filled
 
   def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
-    # Traced (a SavedModel's own save function), the table is that of a loaded SavedModel,
+    # Traced for a SavedModel's own save function, the table is that of the loaded SavedModel,
     # always filled; the map's variables may not be part of what is saved.
-    if not tf.executing_eagerly():
+    if in_save_trace():
       return super()._serialize_to_tensors()
     keys, rows = self._pairs()
     return {"-keys": keys, "-values": rows}
 
   def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]):
-    # Traced (a SavedModel's restore function), it fills the loaded table.
-    if tf.executing_eagerly() and not self._filled():
+    # Traced for a SavedModel's restore function, it fills the loaded table.
+    if not (self._filled() or in_save_trace()):
       return tf.no_op()
     return super()._restore_from_tensors(restored_tensors)
+
+
+def in_save_trace() -> bool:
+  """Whether a SavedModel's functions are being traced (not a checkpoint written or read in a
+  `tf.function`, which runs here and reads the map's variables)."""
+  return tf_internals.in_save_context() and not tf.executing_eagerly()

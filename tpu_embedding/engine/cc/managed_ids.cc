@@ -113,7 +113,10 @@ class ManagedIndex : public ResourceBase {
 
   ::tensorflow::mutex mu;
   bool valid = false;           // false: rebuild from the variables before use
-  ::tensorflow::Tensor step;    // the step counter's buffer as this index last wrote it
+  // The buffers of the map's keys, counts, last_seen and step as this index last saw them:
+  // holding them makes any other writer give a variable a new buffer (TF's assign and scatter
+  // ops copy a buffer another tensor shares), which the next step sees.
+  ::tensorflow::Tensor held[4];
   int64_t capacity = 0;
   int64_t epoch = 0;            // LFU epoch the pool's keys were computed at
   int64_t cursor = 1;           // rows >= cursor: free iff last_seen < 0
@@ -144,30 +147,39 @@ class RowTable {
 
   void Prefetch(uint32_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
 
-  // The row of `key`, whose hash is `hash`; 0 if it holds none.
+  // The row of `key`, whose hash is `hash`; 0 if it holds none. Every loop below visits each
+  // slot at most once: a table made inconsistent by a bug cannot make it spin.
   uint32_t Find(const K& key, uint32_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+    size_t i = hash & mask_;
+    for (size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
       const Slot slot = slots_[i];
       if (slot.row == 0) return 0;
       if (slot.hash == hash && keys_[slot.row] == key) return slot.row;
     }
+    return 0;
   }
 
-  // Adds `row` for a key (hash `hash`) the table does not hold.
-  void Insert(uint32_t hash, uint32_t row) {
+  // Adds `row` for a key (hash `hash`) the table does not hold; false if no slot is free.
+  bool Insert(uint32_t hash, uint32_t row) {
     size_t i = hash & mask_;
-    while (slots_[i].row != 0) i = (i + 1) & mask_;
-    slots_[i] = Slot{row, hash};
+    for (size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
+      if (slots_[i].row == 0) {
+        slots_[i] = Slot{row, hash};
+        return true;
+      }
+    }
+    return false;
   }
 
   // Removes `row`, held for a key whose hash is `hash`: each later entry of its run whose probe
   // starts at or before the hole moves back into it, so that no probe meets a hole before its
   // key. False if the table does not hold the row.
   bool Erase(uint32_t hash, uint32_t row) {
-    size_t hole = hash & mask_;
+    size_t hole = hash & mask_, probes = 0;
     for (; slots_[hole].row != row; hole = (hole + 1) & mask_) {
-      if (slots_[hole].row == 0) return false;
+      if (slots_[hole].row == 0 || ++probes > mask_) return false;
     }
+    // A run ends at an empty slot: the table is at most 70 % full, so there is one.
     for (size_t j = (hole + 1) & mask_; slots_[j].row != 0; j = (j + 1) & mask_) {
       const size_t start = slots_[j].hash & mask_;
       if (((j - start) & mask_) >= ((j - hole) & mask_)) {
@@ -207,17 +219,16 @@ absl::Status Reindex(ManagedIndex& index, const K* keys, const int32_t* last_see
       return InvalidArgument("the map's variables give one key two rows: ", other, " and ", row,
                              " (its keys variable was assigned a duplicate)");
     }
-    table.Insert(hash, static_cast<uint32_t>(row));
+    if (!table.Insert(hash, static_cast<uint32_t>(row))) {
+      index.slots.clear();
+      return ::tensorflow::errors::Internal("the map's key -> row table is full");
+    }
   }
   index.table_rows = capacity;
   return absl::OkStatus();
 }
 
-// Whether the index still vouches for the variables: every write of `step` since it last
-// looked was its own, at this capacity.
-bool Vouches(const ManagedIndex& index, const Tensor& step, int64_t capacity) {
-  return index.table_rows == capacity && index.step.SharesBufferWith(step);
-}
+
 
 REGISTER_OP("TpuEmbeddingManagedIndex")
     .Attr("container: string = ''")
@@ -567,11 +578,31 @@ class MapState {
                                vars[i]->tensor()->shape().DebugString());
       }
     }
-    if (Vouches(*index, step, capacity)) return absl::OkStatus();
-    TF_RETURN_IF_ERROR(Reindex(*index, keys.flat<K>().data(),
-                               vars[2]->tensor()->flat<int32_t>().data(), capacity));
-    index->step = step;
+    // The index vouches for the variables only if every write since it last looked was its
+    // own, at this capacity: else its table is rebuilt (counts: only the eviction pool).
+    if (index->table_rows != capacity || !Held(0) || !Held(2) || !Held(3)) {
+      TF_RETURN_IF_ERROR(Reindex(*index, keys.flat<K>().data(),
+                                 vars[2]->tensor()->flat<int32_t>().data(), capacity));
+    }
+    if (vars[1] && !Held(1)) index->valid = false;
+    Hold();
     return absl::OkStatus();
+  }
+
+  // Whether the index holds variable i's buffer (0 keys, 1 counts, 2 last_seen, 3 step).
+  bool Held(int i) const { return index->held[i].SharesBufferWith(*vars[i]->tensor()); }
+
+  // The index holds the buffers of the variables now (after its own writes).
+  void Hold() {
+    for (int i = 0; i < 4; ++i) {
+      if (vars[i]) index->held[i] = *vars[i]->tensor();
+    }
+  }
+
+  // Drops the index's hold on keys, counts and last_seen: written in place unless another
+  // tensor shares their buffers (`Writable`); `Hold` again once written.
+  void Release() {
+    for (int i = 0; i < 3; ++i) index->held[i] = Tensor();
   }
 
   // The rows of `ids` (0: none), prefetching the slots of the keys ahead.
@@ -708,6 +739,7 @@ class ManagedRemapOp : public OpKernel {
     }
 
     // Everything is checked: from here on the step writes the variables.
+    map.Release();
     Tensor* vars_now[3];
     OP_REQUIRES_OK(ctx, Writable<K>(ctx, vars[0].get(), &vars_now[0]));
     OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, vars[1].get(), &vars_now[1]));
@@ -719,7 +751,6 @@ class ManagedRemapOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
     next.scalar<int64_t>()() = step;
     *step_var = next;  // a new buffer, never written again: readers of the old one keep theirs
-    index.step = next;
 
     const int64_t epoch = step / half_life_;
     std::vector<int64_t> seen_rows(seen.size());
@@ -778,7 +809,7 @@ class ManagedRemapOp : public OpKernel {
       counts[row] = static_cast<int32_t>(std::min(totals[eligible[j]], kInt32Max));
       last[row] = static_cast<int32_t>(step);
       row_of[u] = row;
-      table.Insert(hashes[u], static_cast<uint32_t>(row));
+      held = table.Insert(hashes[u], static_cast<uint32_t>(row)) && held;
       index_step.Push(row);
     }
     for (int64_t j = placed; j < wanted; ++j) waiting.push_back(eligible[j]);
@@ -786,7 +817,7 @@ class ManagedRemapOp : public OpKernel {
     Tensor new_keys;
     absl::Status status = held ? absl::OkStatus()
                                : ::tensorflow::errors::Internal(
-                                     "a row leaving the managed-id map was not in its index");
+                                     "the managed-id map's index disagreed with its variables");
     if (status.ok()) status = Output(ctx, 1, given);
     if (status.ok() && candidates) {
       status = Gather(ctx, unique_keys, admitted, &new_keys);
@@ -794,6 +825,7 @@ class ManagedRemapOp : public OpKernel {
         status = Count(ctx, *candidates, unique_keys, newcomers, waiting, totals, new_keys);
       }
     }
+    map.Hold();
     if (!status.ok()) {
       index.table_rows = 0;  // rebuild it all from the variables at the next step
       ctx->SetStatus(Named(table_, status));
