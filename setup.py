@@ -79,6 +79,7 @@ setuptools.setup(
         "tpu_embedding/engine/cc/apply_rows.cc",
         "tpu_embedding/engine/cc/lookup.cc",
         "tpu_embedding/engine/cc/managed_ids.cc",
+        "tpu_embedding/engine/cc/reset_rows.cc",
       ],
       depends=["tpu_embedding/engine/cc/kernels.h"],
       language="c++",

@@ -38,13 +38,11 @@ def test_a_shard_resets_the_rows_it_gives_in_its_own_block_only():
   config = E.TableConfig(13, 2, initializer=tf.constant_initializer(1.0), name="t")
   written = []
 
-  def write(table_config, rows, values, block):
+  def reset(table_config, rows, block):
     written.append(block)
-    row_resets.write_variables(lambda: {"t": {"parameters": table}})(
-      table_config, rows, values, block
-    )
+    row_resets.reset_variables(lambda: {"t": {"parameters": table}})(table_config, rows, block)
 
-  resets = row_resets.ImmediateResets(write)
+  resets = row_resets.ImmediateResets(reset)
   id_map = sharded_map.ShardedIdMap(tpu_embedding.ManagedIds(), "t", table)
   keys = [5, -6, 2**40 + 7, 8, 9, 5, 11]
   rows, fresh = id_map.remap(

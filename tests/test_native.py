@@ -6,6 +6,7 @@ Eagerly, because in a graph TF's optimizer rewrites `x / sqrt(y)` into `x * rsqr
 up to an ulp off; the kernel keeps the exact division.
 """
 
+import math
 import os
 import shutil
 import subprocess
@@ -442,3 +443,94 @@ def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_
   # only through an optimizer the user applies, as with tf-recommenders
   # (docs/differences-from-tfrs.md), so the table is still the one saved.
   np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), np.full((8, 2), 0.5, np.float32))
+
+
+def _phi(x):
+  """The standard normal CDF, from math.erf."""
+  return 0.5 * (1.0 + np.vectorize(math.erf)(np.asarray(x, np.float64) / math.sqrt(2.0)))
+
+
+def _ks_distance(sample, cdf):
+  """The Kolmogorov-Smirnov distance between `sample` and the distribution of `cdf`."""
+  x = np.sort(np.asarray(sample, np.float64))
+  n, f = len(x), cdf(x)
+  return np.max(np.maximum(np.arange(1, n + 1) / n - f, f - np.arange(n) / n))
+
+
+# Standard-normal CDF of each kind, from math.erf (truncated: renormalized to [-2, 2]).
+_RESET_CDFS = {
+  "normal": _phi,
+  "truncated_normal": lambda z: (_phi(z) - _phi(-2.0)) / (_phi(2.0) - _phi(-2.0)),
+}
+
+
+@pytest.mark.parametrize("kind", ["normal", "truncated_normal", "uniform"])
+def test_reset_rows_draws_each_kind_into_its_rows_and_nothing_else(kind):
+  """40 000 draws against the distribution's CDF (Kolmogorov-Smirnov below its 0.1 % critical
+  value 1.95 / sqrt(n)); moments as worked by hand (truncated normal: variance factor
+  1 - 4 phi(2) / (Phi(2) - Phi(-2)) = 0.7737; uniform on [a, b): (b - a)^2 / 12); the slot's
+  rows get its constant; rows not named keep their values."""
+  table = tf.Variable(tf.fill([5000, 16], 7.0))
+  slot = tf.Variable(tf.fill([5000, 16], 7.0))
+  rows = tf.range(1, 5000, 2, dtype=tf.int64)
+  first, second = (-0.5, 1.5) if kind == "uniform" else (0.5, 0.25)
+  native.reset_rows(rows, [table, slot], [(kind, first, second), ("constant", 0.1, 0.0)], (0, 0))
+  values, slots = table.numpy(), slot.numpy()
+  np.testing.assert_array_equal(values[0::2], 7.0)
+  np.testing.assert_array_equal(slots[0::2], 7.0)
+  np.testing.assert_array_equal(slots[1::2], np.float32(0.1))
+  x = values[1::2].ravel().astype(np.float64)
+  n = len(x)
+  if kind == "uniform":
+    assert x.min() >= -0.5 and x.max() < 1.5
+    distance = _ks_distance(x, lambda v: (v + 0.5) / 2.0)
+    assert abs(x.var() - 4.0 / 12) < 0.01
+  else:
+    z = (x - 0.5) / 0.25
+    distance = _ks_distance(z, _RESET_CDFS[kind])
+    assert abs(x.mean() - 0.5) < 4 * 0.25 * math.sqrt(1.0 / n)
+    factor = 0.7737 if kind == "truncated_normal" else 1.0
+    assert abs(x.var() / 0.25**2 - factor) < 0.02
+    if kind == "truncated_normal":
+      assert np.abs(z).max() < 2.0
+    else:
+      assert np.abs(z).max() > 3.0  # the ziggurat's tail is drawn (P(|z| > 3) = 0.27 %)
+  assert distance < 1.95 / math.sqrt(n)
+
+
+def test_reset_rows_follows_tf_seeds():
+  """Seeded kernels repeat their stream from its start (a new kernel per function) and
+  continue it from call to call; unseeded ones differ."""
+
+  def reset(seeds):
+    table = tf.Variable(tf.zeros([300, 8]))
+    draw = lambda: native.reset_rows(
+      tf.constant([299, 0, 17], tf.int64), [table], [("truncated_normal", 0.0, 1.0)], seeds
+    )
+    return table, draw
+
+  table, draw = reset((5, 9))
+  tf.function(draw)()
+  first = table.numpy()[[299, 0, 17]]
+  assert np.all(first != 0)
+  again, draw_again = reset((5, 9))
+  twice = tf.function(draw_again)
+  twice()
+  np.testing.assert_array_equal(again.numpy()[[299, 0, 17]], first)  # a new kernel: same
+  twice()
+  assert not np.any(again.numpy()[[299, 0, 17]] == first)  # the same kernel goes on
+  unseeded, draw_unseeded = reset((0, 0))
+  tf.function(draw_unseeded)()
+  assert not np.any(unseeded.numpy()[[299, 0, 17]] == first)
+
+
+def test_reset_rows_refuses_rows_outside_and_variables_of_other_rows():
+  table = tf.Variable(tf.fill([4, 2], 3.0))
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"row 4 is not in \[0, 4\)"):
+    native.reset_rows(tf.constant([1, 4], tf.int64), [table], [("constant", 0.0, 0.0)], (0, 0))
+  other = tf.Variable(tf.zeros([5, 2]))
+  with pytest.raises(tf.errors.InvalidArgumentError, match="every variable needs the same rows"):
+    native.reset_rows(
+      tf.constant([1], tf.int64), [table, other], [("constant", 0.0, 0.0)] * 2, (0, 0)
+    )
+  np.testing.assert_array_equal(table.numpy(), 3.0)  # nothing written

@@ -106,7 +106,7 @@ class Backend(abc.ABC):
     the Keras optimizer's slots where it trains the tables (`keras_trained`)."""
     if self.table_updates == "keras":
       return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
-    return row_resets.ImmediateResets(row_resets.write_variables(lambda: self.variables_by_table))
+    return row_resets.ImmediateResets(row_resets.reset_variables(lambda: self.variables_by_table))
 
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""

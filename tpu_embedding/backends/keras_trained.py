@@ -65,7 +65,9 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
         for block in blocks:
           targets(tables[name], block)
 
-  return row_resets.ImmediateResets(write, built=backend.is_built, check=check)
+  return row_resets.ImmediateResets(
+    row_resets.fresh_values(write), built=backend.is_built, check=check
+  )
 
 
 def refuse_keras3_under_parameter_servers(

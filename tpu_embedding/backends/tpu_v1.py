@@ -57,7 +57,7 @@ class TpuV1Backend(Backend):
     copies, load back) every `reset_every_steps`; their keys read row 0 until then."""
     tables = {t.name: t for t in self.config.tables}
     return row_resets.DeferredResets(
-      row_resets.write_variables(lambda: self.variables_by_table),
+      row_resets.reset_variables(lambda: self.variables_by_table),
       copy_out=lambda: tf_mid_level.retrieve_from_tpu(self._engine),
       copy_in=lambda: tf_mid_level.load_into_tpu(self._engine),
       tables={name: (tables[name], spec.reset_every_steps) for name, spec in managed.items()},

@@ -68,7 +68,7 @@ class TpuV2Backend(Backend):
       variables = self._engine.variables[layout.stacked_table_name]
       sparse_core.write_logical_rows(variables, layout, rows, values)
 
-    return row_resets.ImmediateResets(write, built=self.is_built)
+    return row_resets.ImmediateResets(row_resets.fresh_values(write), built=self.is_built)
 
   def needs_relayout(self, path: str) -> bool:
     return sparse_core.needs_relayout(path, self._engine)

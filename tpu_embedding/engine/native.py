@@ -175,6 +175,27 @@ def row_gradients(
   )
 
 
+def reset_rows(
+  rows: tf.Tensor,
+  variables: Sequence[tf.Variable],
+  draws: Sequence[tuple[str, float, float]],
+  seeds: tuple[int, int],
+) -> None:
+  """Writes fresh values into `rows` of each variable, in place (cc/reset_rows.cc): one draw
+  per element as its (kind, first, second) in `draws` says. `seeds`: TF's op-level pair
+  ((0, 0): random)."""
+  kinds, first, second = zip(*draws)
+  _library().tpu_embedding_reset_rows(
+    rows=tf.cast(rows, tf.int64),
+    variables=[v.handle for v in variables],
+    kinds=list(kinds),
+    first=[float(x) for x in first],
+    second=[float(x) for x in second],
+    seed=seeds[0],
+    seed2=seeds[1],
+  )
+
+
 def managed_index(name: str) -> tf.Tensor:
   """The handle of a managed-id map's eviction index (cc/managed_ids.cc), created at first use
   and shared by every call naming it: a cache of the map's variables, never checkpointed."""

@@ -16,7 +16,7 @@ from tpu_embedding.managed_ids.row_resets import (
   DeferredResets,
   ImmediateResets,
   RoutedResets,
-  write_variables,
+  reset_variables,
 )
 from tpu_embedding.managed_ids.spec import ManagedIds
 from tpu_embedding.managed_ids.tables import ManagedTables, refuse_per_replica_remap
@@ -33,8 +33,8 @@ __all__ = [
   "RoutedResets",
   "create",
   "refuse_per_replica_remap",
+  "reset_variables",
   "specs",
   "table_names",
-  "write_variables",
   "validate_checkpoint",
 ]

@@ -10,13 +10,14 @@ loads them back (docs/managed-ids.md, "TPU").
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import tf_internals
-from tpu_embedding.engine import sharded
+from tpu_embedding.engine import native, sharded
 from tpu_embedding.managed_ids import resets
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -24,9 +25,56 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 # the last argument, when not None, is the row block of a table sharded over parameter servers
 # that holds all of `rows` (the write then touches that block, on its ps task, only).
 Write = Callable[[TableConfig, tf.Tensor, Mapping[str, tf.Tensor], Optional[int]], None]
+# Resets `rows` (all in row block `block`, if not None) of one table and its slots to what a
+# fresh table holds.
+Reset = Callable[[TableConfig, tf.Tensor, Optional[int]], None]
 
 
-def write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, Any]]]) -> Write:
+def fresh_values(write: Write) -> Reset:
+  """A `Reset` writing, through `write`, the values `resets.fresh_rows` draws with TF's ops."""
+
+  def reset(table: TableConfig, rows: tf.Tensor, block: Optional[int]) -> None:
+    write(table, rows, resets.fresh_rows(table, rows), block)
+
+  return reset
+
+
+def reset_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, Any]]]) -> Reset:
+  """A `Reset` of variables kept per table ({table name: {"parameters"/slot: variable}}).
+
+  Where the kernels run on them (float32 matrices of this process, not mirrored: one op cannot
+  write several devices) and every initializer is one they draw, one kernel draws each row
+  straight into every variable (cc/reset_rows.cc); elsewhere TF's ops draw and scatter.
+  """
+  with_ops = fresh_values(_write_variables(variables_by_table))
+
+  def reset(table: TableConfig, rows: tf.Tensor, block: Optional[int]) -> None:
+    variables = variables_by_table()[table.name]
+    draws = resets.draws(table)
+    if draws is not None:
+      names = [name for name in draws.by_variable if name in variables]
+      # Slots are cut into the table's blocks (`sharded.create_slots`).
+      here = [sharded.in_block(variables[name], rows, block) for name in names]
+      targets = [variable for variable, _ in here]
+      if _kernel_writes(targets):
+        specs = [dataclasses.astuple(draws.by_variable[name]) for name in names]
+        native.reset_rows(here[0][1], targets, specs, draws.seeds)
+        return
+    with_ops(table, rows, block)
+
+  return reset
+
+
+def _kernel_writes(variables: list[Any]) -> bool:
+  """Whether the reset kernel can write all of `variables` in one op."""
+  return (
+    native.runs_on(variables)
+    and all(v.shape.rank == 2 for v in variables)
+    and not any(isinstance(v, tf.distribute.DistributedValues) for v in variables)
+  )
+
+
+def _write_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, Any]]]) -> Write:
   """A `Write` into variables kept per table ({table name: {"parameters"/slot: variable}})."""
 
   def write(
@@ -48,11 +96,11 @@ class ImmediateResets:
 
   def __init__(
     self,
-    write: Write,
+    reset: Reset,
     built: Callable[[], bool] = lambda: True,
     check: Callable[[], None] = lambda: None,
   ):
-    self._write = write
+    self._reset = reset
     self._built = built  # before the tables exist, rows need no reset: they will be fresh...
     self._check = check
     self._restored_unbuilt = False  # ...unless a restore fills them as it creates them
@@ -90,13 +138,17 @@ class ImmediateResets:
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     """`rows` of `table` (all in row block `block`, if given) were just given to new keys."""
     if self._built():
-      self._write(table, rows, resets.fresh_rows(table, rows), block)
+      self._reset(table, rows, block)
     elif self._restored_unbuilt:
       self._given_unbuilt.append((table, rows, block))
 
+  # Hooks with nothing to do here are left to Python: AutoGraph fails on a body that is only
+  # a docstring (a warning at every trace).
+  @tf.autograph.experimental.do_not_convert
   def end_step(self) -> None:
     """One training remap of every map is done."""
 
+  @tf.autograph.experimental.do_not_convert
   def apply(self) -> None:
     """Writes every reset still waiting (before a save, an export or a restore)."""
 
@@ -118,7 +170,7 @@ class DeferredResets(ImmediateResets):
 
   def __init__(
     self,
-    write: Write,
+    reset: Reset,
     copy_out: Callable[[], None],
     copy_in: Callable[[], None],
     tables: Mapping[str, tuple[TableConfig, int]],
@@ -126,7 +178,7 @@ class DeferredResets(ImmediateResets):
     path_name: str,
     built: Callable[[], bool],
   ):
-    super().__init__(write, built)
+    super().__init__(reset, built)
     self._copy_out, self._copy_in = copy_out, copy_in
     self._tables = {name: table for name, (table, _) in tables.items()}
     self._every = {name: every for name, (_, every) in tables.items()}
@@ -211,7 +263,7 @@ class DeferredResets(ImmediateResets):
     self._copy_out()  # the host copies were stale: TPU memory holds every update since
     for name, rows in due.items():
       table = self._tables[name]
-      self._write(table, rows, resets.fresh_rows(table, rows), None)
+      self._reset(table, rows, None)
       self._waiting[name].remove(rows)
     self._copy_in()
 

@@ -1,0 +1,84 @@
+"""Tests of `tpu_embedding.managed_ids.row_resets.reset_variables`: the reset kernel where it
+runs, TF's ops elsewhere, the same values where they are not random (the layer's resets on each
+path: test_managed_ids_layer, _tpu, _sharded)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_embedding.engine import native
+from tpu_embedding.managed_ids import row_resets
+
+E = tf.tpu.experimental.embedding
+ROWS = tf.constant([5, 2, 7], tf.int64)
+
+
+def _variables(table, fill=9.0):
+  shape = [table.vocabulary_size, table.dim]
+  return {
+    "parameters": tf.Variable(tf.fill(shape, fill)),
+    "accumulators": tf.Variable(tf.fill(shape, fill)),
+  }
+
+
+def _reset_ops(table, variables):
+  """The op types a traced reset of ROWS runs."""
+  reset = row_resets.reset_variables(lambda: {table.name: variables})
+  graph = tf.function(lambda: reset(table, ROWS, None)).get_concrete_function().graph
+  return {op.type for op in graph.get_operations()}
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_constant_resets_write_the_same_rows_on_the_kernel_and_on_tf_ops(kernels, monkeypatch):
+  monkeypatch.setenv(native.ENV_SWITCH, kernels)
+  table = E.TableConfig(
+    8,
+    3,
+    initializer=tf.constant_initializer(0.5),
+    optimizer=E.Adagrad(0.1, initial_accumulator_value=0.2),
+    name="t",
+  )
+  variables = _variables(table)
+  ops = _reset_ops(table, variables)
+  assert ("TpuEmbeddingResetRows" in ops) == (kernels == "1")
+  assert ("ResourceScatterUpdate" in ops) == (kernels == "0")
+  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  expected_table, expected_slot = np.full((8, 3), 9.0, np.float32), np.full((8, 3), 9.0, np.float32)
+  expected_table[[5, 2, 7]], expected_slot[[5, 2, 7]] = 0.5, 0.2
+  np.testing.assert_array_equal(variables["parameters"].numpy(), expected_table)
+  np.testing.assert_array_equal(variables["accumulators"].numpy(), expected_slot)
+
+
+def test_initializers_the_kernel_cannot_draw_are_reset_by_tf_ops():
+  """Glorot's rows depend on the table's shape: the rows of a fresh full-shape draw, within
+  its bound sqrt(6 / (fan_in + fan_out)), every other row untouched."""
+  table = E.TableConfig(
+    8, 3, initializer=tf.initializers.GlorotUniform(), optimizer=E.SGD(0.1), name="t"
+  )
+  variables = {"parameters": tf.Variable(tf.fill([8, 3], 9.0))}
+  ops = _reset_ops(table, variables)
+  assert "TpuEmbeddingResetRows" not in ops and "ResourceScatterUpdate" in ops
+  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  values = variables["parameters"].numpy()
+  assert np.all(np.abs(values[[5, 2, 7]]) <= np.sqrt(6 / 11))
+  np.testing.assert_array_equal(np.delete(values, [5, 2, 7], 0), 9.0)
+
+
+def test_mirrored_copies_are_reset_by_tf_ops_with_one_draw():
+  """Under MirroredStrategy (2 logical CPUs) one op cannot write both devices: TF's ops draw
+  once (the table's truncated normal: |z| < 2) and write both copies alike, outside any
+  replica's step."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  table = E.TableConfig(
+    8, 16, initializer=tf.initializers.TruncatedNormal(0.0, 0.1), optimizer=E.Adagrad(0.1), name="t"
+  )
+  with strategy.scope():
+    variables = _variables(table)
+  assert "TpuEmbeddingResetRows" not in _reset_ops(table, variables)
+  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  first, second = (v.numpy() for v in variables["parameters"].values)
+  np.testing.assert_array_equal(first, second)
+  assert np.all(np.abs(first[[5, 2, 7]]) < 0.2) and np.all(first[[5, 2, 7]] != 0)
+  np.testing.assert_array_equal(np.delete(first, [5, 2, 7], 0), 9.0)
+  for accumulators in variables["accumulators"].values:
+    np.testing.assert_array_equal(accumulators.numpy()[[5, 2, 7]], np.float32(0.1))
