@@ -5,6 +5,7 @@ path: test_managed_ids_layer, _tpu, _sharded)."""
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 import tpu_embedding
 from tpu_embedding.engine import native
@@ -99,3 +100,53 @@ def test_tracing_a_training_call_leaves_autograph_nothing_to_warn_about(caplog):
     out = call(tf.constant([7, 9], tf.int64))
   np.testing.assert_array_equal(out["movie"].numpy(), np.full((2, 2), 0.5, np.float32))
   assert not [r for r in caplog.records if "AutoGraph could not transform" in r.getMessage()]
+
+
+def test_tpu_host_copies_sharded_over_hosts_are_reset_by_tf_ops():
+  """TF's TPU embedding keeps a V1 table's host copies as a `TPUEmbeddingVariable` (row shards,
+  one per host): TF's ops write the row into its shard."""
+  from tensorflow.python.tpu import tpu_embedding_v2
+
+  shards = [tf.Variable(tf.fill([3, 2], 9.0)), tf.Variable(tf.fill([2, 2], 9.0))]
+  host_copy = tpu_embedding_v2.TPUEmbeddingVariable(shards, name="t")
+  table = E.TableConfig(5, 2, initializer=tf.constant_initializer(0.5), name="t")
+  row_resets.reset_variables(lambda: {"t": {"parameters": host_copy}})(
+    table, tf.constant([4], tf.int64), None
+  )
+  np.testing.assert_array_equal(shards[0].numpy(), np.full((3, 2), 9.0))
+  np.testing.assert_array_equal(shards[1].numpy(), [[9.0, 9.0], [0.5, 0.5]])
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_resets_of_constant_tables_need_no_seed_under_op_determinism(kernels, monkeypatch):
+  from tensorflow.python.framework import config
+
+  monkeypatch.setenv(native.ENV_SWITCH, kernels)
+  table = E.TableConfig(
+    8, 3, initializer=tf.zeros_initializer(), optimizer=E.Adagrad(0.1), name="t"
+  )
+  variables = _variables(table)
+  tf.config.experimental.enable_op_determinism()
+  try:
+    row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  finally:
+    config.disable_op_determinism()
+  np.testing.assert_array_equal(variables["parameters"].numpy()[[5, 2, 7]], 0.0)
+  np.testing.assert_array_equal(variables["accumulators"].numpy()[[5, 2, 7]], np.float32(0.1))
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_each_reset_of_a_seeded_keras_initializer_draws_new_values(kernels, monkeypatch):
+  """Keras's seeded initializers return the same block at every call: two resets of as many
+  rows would write the same values. Both paths draw a stream from the seed instead."""
+  monkeypatch.setenv(native.ENV_SWITCH, kernels)
+  initializer = tf_keras.initializers.RandomNormal(0.0, 1.0, seed=4)
+  table = E.TableConfig(8, 3, initializer=initializer, optimizer=E.SGD(0.1), name="t")
+  variables = {"parameters": tf.Variable(tf.zeros([8, 3]))}
+  reset = tf.function(
+    lambda rows: row_resets.reset_variables(lambda: {"t": variables})(table, rows, None)
+  )
+  reset(tf.constant([0, 1], tf.int64))
+  reset(tf.constant([2, 3], tf.int64))
+  values = variables["parameters"].numpy()
+  assert np.all(values[:4] != 0) and not np.any(values[0:2] == values[2:4])

@@ -534,3 +534,53 @@ def test_reset_rows_refuses_rows_outside_and_variables_of_other_rows():
       tf.constant([1], tf.int64), [table, other], [("constant", 0.0, 0.0)] * 2, (0, 0)
     )
   np.testing.assert_array_equal(table.numpy(), 3.0)  # nothing written
+
+
+_OTHER_DTYPE_HELD = """
+import tensorflow as tf
+from tpu_embedding.engine import native
+row = tf.constant([1], tf.int64)
+for dtype in (tf.float64, tf.int32):
+  variable = tf.Variable(tf.zeros([4, 3], dtype))
+  held = variable.read_value()  # a second holder of its buffer: TF's lock helpers would copy it
+  for call in (
+    lambda: native.reset_rows(row, [variable], [("constant", 1.0, 0.0)], (0, 0)),
+    lambda: native.dedup_lookup(variable, row, None, None, tf.constant(1)),
+  ):
+    try:
+      call()
+    except tf.errors.InvalidArgumentError as error:
+      print("refused", "must be float32, got" in error.message)
+"""
+
+
+def test_kernels_refuse_variables_of_another_dtype_without_aborting():
+  """A float64 or int32 variable whose buffer is also held elsewhere: TF's locking helpers,
+  instantiated for float32, would copy it as float32 and abort the process; the kernels refuse
+  it first (in a child process, so that an abort cannot take the test run with it)."""
+  out = child_process.run_python(_OTHER_DTYPE_HELD, timeout=120)
+  assert out.split() == ["refused", "True"] * 4
+
+
+def test_reset_rows_of_constants_needs_no_seed_under_op_determinism():
+  """TF refuses unseeded random ops under op determinism; an op that only writes constants
+  draws nothing and needs none."""
+  from tensorflow.python.framework import config
+
+  table = tf.Variable(tf.zeros([4, 2]))
+  tf.config.experimental.enable_op_determinism()
+  try:
+    native.reset_rows(tf.constant([2], tf.int64), [table], [("constant", 0.25, 0.0)], (0, 0))
+  finally:
+    config.disable_op_determinism()
+  np.testing.assert_array_equal(table.numpy()[2], [0.25, 0.25])
+
+
+def test_reset_rows_keeps_uniform_draws_below_their_maximum():
+  """On [100, 101) a float32 100 + u rounds up to 101 for u within 2^-18 of 1 (TF's own
+  uniform returns 101 then): the kernel keeps its values below 101."""
+  table = tf.Variable(tf.zeros([250000, 16]))
+  native.reset_rows(tf.range(250000, dtype=tf.int64), [table], [("uniform", 100.0, 101.0)], (0, 0))
+  values = table.numpy()
+  assert values.min() >= 100.0 and values.max() < 101.0
+  assert values.max() == np.nextafter(np.float32(101.0), np.float32(0.0))  # the top is reached

@@ -1,4 +1,11 @@
-"""Fresh values for rows given to new keys: what a newly created table and its slots hold."""
+"""Fresh values for rows given to new keys: what a newly created table and its slots hold.
+
+An initializer whose elements are drawn independently (a constant, a normal, a truncated normal
+or a uniform one with numeric parameters) is described as a `Draw`; the reset kernel draws those
+in place (`row_resets`), and TF's ops draw them here the same way: a stream seeded as TF's
+stateful random ops are, so that rows reset in different steps get different values (Keras's
+initializers would give the same block again at every call). Other initializers are called.
+"""
 
 from __future__ import annotations
 
@@ -18,17 +25,6 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 # for just the reset rows has the distribution a fresh table's rows have. Others (fan-scaled,
 # user callables, full-table constants) are evaluated at the full shape and the rows gathered.
 _ROW_INDEPENDENT = frozenset({"RandomNormal", "RandomUniform", "TruncatedNormal", "Zeros", "Ones"})
-
-
-def fresh_rows(table: TableConfig, rows: tf.Tensor) -> dict[str, tf.Tensor]:
-  """{"parameters": [len(rows), dim], slot name: its [len(rows), ...]}: what a fresh table and
-  its optimizer slots hold at `rows` (where each path writes them is its own business)."""
-  values = {"parameters": _fresh(table.initializer, rows, [table.vocabulary_size, table.dim])}
-  if table.optimizer is not None:
-    initializers = optimizer_specs.slot_initializers(table.optimizer)
-    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
-      values[name] = _fresh(initializer, rows, shape)
-  return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,56 +53,109 @@ _DISTRIBUTIONS = {
   "RandomNormal": ("normal", "mean", "stddev"),
   "RandomUniform": ("uniform", "minval", "maxval"),
 }
+# TF's stateful op drawing each random kind's unit values (standard normal, truncated at two
+# standard deviations, uniform in [0, 1)).
+_UNIT_OPS = {
+  "normal": tf.raw_ops.RandomStandardNormal,
+  "truncated_normal": tf.raw_ops.TruncatedNormal,
+  "uniform": tf.raw_ops.RandomUniform,
+}
+
+
+def fresh_rows(table: TableConfig, rows: tf.Tensor) -> dict[str, tf.Tensor]:
+  """{"parameters": [len(rows), dim], slot name: its [len(rows), ...]}: what a fresh table and
+  its optimizer slots hold at `rows` (where each path writes them is its own business)."""
+  values = {}
+  for name, (initializer, full_shape) in _initializers(table).items():
+    shape = tf.concat([tf.shape(rows, tf.int64), tf.constant(full_shape[1:], tf.int64)], 0)
+    described = _draw_of(initializer)
+    seeds = described and _seeds_for(described, table)
+    if seeds is not None:
+      values[name] = _drawn(described[0], shape, seeds)
+    elif type(initializer).__name__ in _ROW_INDEPENDENT:
+      values[name] = initializer(shape=shape, dtype=tf.float32)
+    else:
+      values[name] = tf.gather(initializer(shape=full_shape, dtype=tf.float32), rows)
+  return values
 
 
 def draws(table: TableConfig) -> Optional[Draws]:
   """What `fresh_rows` draws, as `Draws` for a kernel that draws rows in place; None when an
   initializer is not one of the elementwise ones it knows (constants, normal, truncated normal,
-  uniform) with numbers as parameters, or is seeded by something other than an integer."""
-  initializers = {"parameters": table.initializer}
-  if table.optimizer is not None:
-    names = [name for name, _ in config_lib.slot_shapes(table)]
-    initializers.update(zip(names, optimizer_specs.slot_initializers(table.optimizer)))
+  uniform) with numbers as parameters, is seeded by something other than an integer, or needs a
+  seed that op determinism (`tf.config.experimental.enable_op_determinism`) finds missing."""
   by_variable, seeds = {}, []
-  for name, initializer in initializers.items():
-    value = _scalar_constant(initializer)
-    if value is not None:
-      by_variable[name] = Draw("constant", value)
-      continue
-    known = _DISTRIBUTIONS.get(type(initializer).__name__)
-    config = initializer.get_config() if known else {}
-    seed = config.get("seed")
-    if not known or not (seed is None or isinstance(seed, int)):
+  for name, (initializer, _) in _initializers(table).items():
+    described = _draw_of(initializer)
+    if described is None:
       return None
-    kind, first, second = known
-    if not all(isinstance(config.get(key), numbers.Real) for key in (first, second)):
-      return None  # e.g. a tensor: left to TF's ops, which take one
-    by_variable[name] = Draw(kind, float(config[first]), float(config[second]))
-    seeds.append(seed)
-  return Draws(by_variable, _op_seeds(next((s for s in seeds if s is not None), None), table))
+    by_variable[name] = described[0]
+    if described[0].kind != "constant":
+      seeds.append(described[1])
+  if not seeds:
+    return Draws(by_variable, (0, 0))  # nothing random: no seeds needed
+  pair = _op_seeds(next((s for s in seeds if s is not None), None), table)
+  return None if pair is None else Draws(by_variable, pair)
 
 
-def _op_seeds(seed: Optional[int], table: TableConfig) -> tuple[int, int]:
+def _initializers(table: TableConfig) -> dict[str, tuple[Callable, list[int]]]:
+  """{"parameters"/slot name: (its initializer, its full shape)}."""
+  found = {"parameters": (table.initializer, [table.vocabulary_size, table.dim])}
+  if table.optimizer is not None:
+    initializers = optimizer_specs.slot_initializers(table.optimizer)
+    for (name, shape), initializer in zip(config_lib.slot_shapes(table), initializers):
+      found[name] = (initializer, shape)
+  return found
+
+
+def _draw_of(initializer: Callable) -> Optional[tuple[Draw, Optional[int]]]:
+  """(the `Draw` of `initializer`, its seed), or None if it is not one `Draw` describes."""
+  value = _scalar_constant(initializer)
+  if value is not None:
+    return Draw("constant", value), None
+  known = _DISTRIBUTIONS.get(type(initializer).__name__)
+  if known is None:
+    return None
+  config = initializer.get_config()
+  seed = config.get("seed")
+  kind, first, second = known
+  if not (seed is None or isinstance(seed, int)):
+    return None
+  if not all(isinstance(config.get(key), numbers.Real) for key in (first, second)):
+    return None  # e.g. a tensor: left to the initializer, which takes one
+  return Draw(kind, float(config[first]), float(config[second])), seed
+
+
+def _seeds_for(described: tuple[Draw, Optional[int]], table: TableConfig) -> Optional[tuple]:
+  draw, seed = described
+  return (0, 0) if draw.kind == "constant" else _op_seeds(seed, table)
+
+
+def _drawn(draw: Draw, shape: tf.Tensor, seeds: tuple[int, int]) -> tf.Tensor:
+  """Values of `shape` drawn as `draw` says, by TF's stateful random ops seeded `seeds`."""
+  if draw.kind == "constant":
+    return tf.fill(shape, tf.constant(draw.first, tf.float32))
+  unit = _UNIT_OPS[draw.kind](shape=shape, dtype=tf.float32, seed=seeds[0], seed2=seeds[1])
+  if draw.kind == "uniform":
+    return draw.first + (draw.second - draw.first) * unit
+  return draw.first + draw.second * unit
+
+
+def _op_seeds(seed: Optional[int], table: TableConfig) -> Optional[tuple[int, int]]:
   """TF's op-level seed pair for an initializer's `seed`, as TF's random ops derive it: random
-  (0, 0) when neither it nor a global seed is set. An unseeded initializer under a global seed
-  takes a fixed seed per table, so that the kernel, and its stream, are the same at every call
-  (TF's per-call seeds would make a new kernel at each eager call)."""
+  (0, 0) when neither it nor a global seed is set; None when op determinism requires one then.
+  An unseeded initializer under a global seed takes a fixed seed per table, so that the op, and
+  its stream, are the same at every call (TF's per-call seeds would make a new kernel at each
+  eager call)."""
   if seed is None:
-    if tf.compat.v1.get_seed(None) == (None, None):
-      return 0, 0
+    try:
+      if tf.compat.v1.get_seed(None) == (None, None):
+        return 0, 0
+    except RuntimeError:  # op determinism without any seed: left to the initializer
+      return None
     seed = zlib.crc32(table.name.encode())
   first, second = tf.compat.v1.get_seed(seed)
   return int(first), int(second)
-
-
-def _fresh(initializer: Callable, rows: tf.Tensor, full_shape: list[int]) -> tf.Tensor:
-  shape = tf.concat([tf.shape(rows, tf.int64), tf.constant(full_shape[1:], tf.int64)], 0)
-  value = _scalar_constant(initializer)
-  if value is not None:
-    return tf.fill(shape, tf.constant(value, tf.float32))
-  if type(initializer).__name__ in _ROW_INDEPENDENT:
-    return initializer(shape=shape, dtype=tf.float32)
-  return tf.gather(initializer(shape=full_shape, dtype=tf.float32), rows)
 
 
 def _scalar_constant(initializer: Callable) -> Any:

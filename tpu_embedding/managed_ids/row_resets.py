@@ -66,11 +66,15 @@ def reset_variables(variables_by_table: Callable[[], Mapping[str, Mapping[str, A
 
 
 def _kernel_writes(variables: list[Any]) -> bool:
-  """Whether the reset kernel can write all of `variables` in one op."""
+  """Whether the reset kernel can write all of `variables` in one op: plain variables only (a
+  mirrored one has a copy per device; TF's TPU host copies are sharded over the hosts)."""
   return (
-    native.runs_on(variables)
+    all(
+      isinstance(v, tf.Variable) and not isinstance(v, tf.distribute.DistributedValues)
+      for v in variables
+    )
     and all(v.shape.rank == 2 for v in variables)
-    and not any(isinstance(v, tf.distribute.DistributedValues) for v in variables)
+    and native.runs_on(variables)
   )
 
 

@@ -111,6 +111,7 @@ class ApplyRowsOp : public OpKernel {
     const int num_vars = num_slots_ + 1;
     std::vector<int> inputs(num_vars);
     for (int i = 0; i < num_vars; ++i) inputs[i] = i;
+    OP_REQUIRES_OK(ctx, RequireFloatVariables(ctx, inputs));
     auto locks = ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
         ctx, /*do_lock=*/true, /*sparse=*/true, inputs);
     std::vector<Tensor> vars(num_vars);

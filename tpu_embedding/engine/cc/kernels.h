@@ -5,9 +5,12 @@
 #define EIGEN_USE_THREADS
 
 #include <cstdint>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
 
@@ -21,6 +24,23 @@ using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::errors::InvalidArgument;
 using CPUDevice = ::Eigen::ThreadPoolDevice;
+
+// Refuses, before any is locked, a resource input in `inputs` that is not a float32 variable:
+// TF's locking helpers (`MaybeLockVariableInputMutexesInOrder<..., float>`) may copy a variable
+// they lock as float32, which aborts the process for another dtype.
+inline ::absl::Status RequireFloatVariables(OpKernelContext* ctx, const std::vector<int>& inputs) {
+  for (const int i : inputs) {
+    ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
+    TF_RETURN_IF_ERROR(
+        ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &var));
+    const ::tensorflow::DataType dtype = var->tensor()->dtype();
+    if (dtype != ::tensorflow::DT_FLOAT) {
+      return InvalidArgument("variable input ", i, " must be float32, got ",
+                             ::tensorflow::DataTypeString(dtype));
+    }
+  }
+  return ::absl::OkStatus();
+}
 
 // Rows ahead whose memory is prefetched while the current one is processed: enough to cover
 // memory latency (~100 ns) at a few ns of work per row.

@@ -163,6 +163,7 @@ class DedupLookupOp : public OpKernel {
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, RequireFloatVariables(ctx, {0}));
     auto lock = ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
         ctx, /*do_lock=*/false, /*sparse=*/true, {0});
     Tensor table;

@@ -12,6 +12,7 @@
 // call's Philox stream (TF's generator) that its position in `rows` picks, so the values do
 // not depend on how the rows are split over threads; seeds work as in TF's stateful random ops
 // (both 0: random; a kernel's successive calls continue its stream).
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -40,7 +41,8 @@ REGISTER_OP("TpuEmbeddingResetRows")
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
     .Doc(R"doc(
 Writes fresh values into `rows` of every variable, in place. The variables are float32
-matrices with the same number of rows. Variable i is filled by kinds[i]:
+matrices with the same number of rows; `rows` are distinct (a repeated row may end up with a
+mix of its draws). Variable i is filled by kinds[i]:
 'constant' first[i]; 'normal' and 'truncated_normal' (truncated at 2 standard deviations, as
 tf.random.truncated_normal) with mean first[i] and standard deviation second[i]; 'uniform' in
 [first[i], second[i]).
@@ -171,12 +173,14 @@ class ResetRowsOp : public OpKernel {
                                                     : Kind::kUniform);
       draws_ = draws_ || kinds_.back() != Kind::kConstant;
     }
-    OP_REQUIRES_OK(ctx, generator_.Init(ctx));
+    // Only ops that draw need seeds (under op determinism, TF refuses unseeded generators).
+    if (draws_) OP_REQUIRES_OK(ctx, generator_.Init(ctx));
   }
 
   void Compute(OpKernelContext* ctx) override {
     std::vector<int> inputs(num_variables_);
     for (int i = 0; i < num_variables_; ++i) inputs[i] = i + 1;
+    OP_REQUIRES_OK(ctx, RequireFloatVariables(ctx, inputs));
     auto locks = ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
         ctx, /*do_lock=*/true, /*sparse=*/true, inputs);
     std::vector<Tensor> vars(num_variables_);
@@ -212,7 +216,7 @@ class ResetRowsOp : public OpKernel {
       width[i] = vars[i].dim_size(1);
       row_floats += width[i];
     }
-    const PhiloxRandom stream = generator_.ReserveSamples128(n);
+    const PhiloxRandom stream = draws_ ? generator_.ReserveSamples128(n) : PhiloxRandom();
     auto work = [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         if (r + kPrefetchAhead < end) {
@@ -263,7 +267,9 @@ class ResetRowsOp : public OpKernel {
       }
       case Kind::kUniform: {
         Bits local = bits;
-        for (int64_t d = 0; d < dim; ++d) out[d] = a + (b - a) * local.Uniform();
+        // a + (b - a) * u can round up to b when |a| >> b - a: kept below it.
+        const float below = std::nextafter(b, a);
+        for (int64_t d = 0; d < dim; ++d) out[d] = std::min(a + (b - a) * local.Uniform(), below);
         bits = local;
         return;
       }
