@@ -4,6 +4,7 @@ which parameters and seeds (the draws themselves: tests/test_native.py)."""
 import zlib
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
@@ -28,6 +29,11 @@ def _table(initializer, optimizer=None):
     (keras.initializers.TruncatedNormal(0.0, 0.05), Draw("truncated_normal", 0.0, 0.05)),
     (tf.zeros_initializer(), Draw("constant", 0.0)),
     (tf.constant_initializer(0.75), Draw("constant", 0.75)),
+    (tf.constant_initializer(np.float32(0.5)), Draw("constant", 0.5)),
+    (
+      tf.compat.v1.random_uniform_initializer(0.0, 1.0, seed=np.int64(3)),
+      Draw("uniform", 0.0, 1.0),
+    ),
   ],
 )
 def test_draws_translate_the_initializers_and_slots_the_kernel_knows(initializer, expected):
@@ -67,5 +73,34 @@ def test_seeds_are_tf_random_ops_seeds():
     assert fixed[0] == 11
     assert resets.draws(unseeded).seeds == fixed == resets.draws(unseeded).seeds
     assert resets.draws(seeded).seeds == (11, 3)
+  finally:
+    tf.random.set_seed(None)
+
+
+def test_fresh_rows_give_each_variable_its_own_stream_under_a_global_seed():
+  """An unseeded table and slot initializer under a global seed: in one trace, two ops of the
+  same kind and seeds would draw the same values; each variable has its own seed."""
+  same = tf.initializers.TruncatedNormal(0.0, 1.0)
+  custom = E.CustomOptimizer(
+    lambda g, t, s, lr, h: t, learning_rate=0.1, slot_names=["a"], slot_initializers=[same]
+  )
+  table = E.TableConfig(10, 4, initializer=same, optimizer=custom, name="movies")
+  try:
+    tf.random.set_seed(5)
+    values = tf.function(lambda: resets.fresh_rows(table, tf.constant([1, 2, 3])))()
+  finally:
+    tf.random.set_seed(None)
+  assert not np.any(values["parameters"].numpy() == values["a"].numpy())
+
+
+def test_looking_at_the_global_seed_takes_no_op_seed():
+  """Under a global seed TF numbers the op seeds of unseeded ops; reading the seeds a reset
+  needs must not shift those of the user's next ops."""
+  try:
+    tf.random.set_seed(3)
+    expected = tf.compat.v1.get_seed(None)
+    tf.random.set_seed(3)
+    resets.draws(_table(tf.initializers.TruncatedNormal(0.0, 1.0)))
+    assert tf.compat.v1.get_seed(None) == expected
   finally:
     tf.random.set_seed(None)

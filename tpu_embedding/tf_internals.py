@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
 from tensorflow.python.eager import context, record
+from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.saved_model import save_context
@@ -108,6 +109,20 @@ def adds_control_dependencies() -> bool:
 def compiling_with_xla() -> bool:
   """Whether XLA compiles the graph being built (a TPU step or a `jit_compile` function)."""
   return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def global_seed() -> Optional[int]:
+  """The global random seed where ops are being made (eagerly: the context's; in a graph: the
+  graph's), read without consuming an op seed as `tf.compat.v1.get_seed` does."""
+  if tf.executing_eagerly():
+    return context.global_seed()
+  return tf.compat.v1.get_default_graph().seed
+
+
+def op_determinism_enabled() -> bool:
+  """Whether `tf.config.experimental.enable_op_determinism` is on (TF then refuses unseeded
+  random ops)."""
+  return tf_config.is_op_determinism_enabled()
 
 
 def host_address_space() -> str:

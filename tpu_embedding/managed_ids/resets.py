@@ -14,10 +14,11 @@ import numbers
 import zlib
 from typing import Any, Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import optimizer_specs
+from tpu_embedding import optimizer_specs, tf_internals
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -69,7 +70,7 @@ def fresh_rows(table: TableConfig, rows: tf.Tensor) -> dict[str, tf.Tensor]:
   for name, (initializer, full_shape) in _initializers(table).items():
     shape = tf.concat([tf.shape(rows, tf.int64), tf.constant(full_shape[1:], tf.int64)], 0)
     described = _draw_of(initializer)
-    seeds = described and _seeds_for(described, table)
+    seeds = described and _seeds_for(described, f"{table.name}/{name}")
     if seeds is not None:
       values[name] = _drawn(described[0], shape, seeds)
     elif type(initializer).__name__ in _ROW_INDEPENDENT:
@@ -94,7 +95,7 @@ def draws(table: TableConfig) -> Optional[Draws]:
       seeds.append(described[1])
   if not seeds:
     return Draws(by_variable, (0, 0))  # nothing random: no seeds needed
-  pair = _op_seeds(next((s for s in seeds if s is not None), None), table)
+  pair = _op_seeds(next((s for s in seeds if s is not None), None), table.name)
   return None if pair is None else Draws(by_variable, pair)
 
 
@@ -119,16 +120,18 @@ def _draw_of(initializer: Callable) -> Optional[tuple[Draw, Optional[int]]]:
   config = initializer.get_config()
   seed = config.get("seed")
   kind, first, second = known
-  if not (seed is None or isinstance(seed, int)):
+  if not (seed is None or isinstance(seed, numbers.Integral)):
     return None
   if not all(isinstance(config.get(key), numbers.Real) for key in (first, second)):
     return None  # e.g. a tensor: left to the initializer, which takes one
-  return Draw(kind, float(config[first]), float(config[second])), seed
+  return Draw(kind, float(config[first]), float(config[second])), (
+    None if seed is None else int(seed)
+  )
 
 
-def _seeds_for(described: tuple[Draw, Optional[int]], table: TableConfig) -> Optional[tuple]:
+def _seeds_for(described: tuple[Draw, Optional[int]], stream: str) -> Optional[tuple]:
   draw, seed = described
-  return (0, 0) if draw.kind == "constant" else _op_seeds(seed, table)
+  return (0, 0) if draw.kind == "constant" else _op_seeds(seed, stream)
 
 
 def _drawn(draw: Draw, shape: tf.Tensor, seeds: tuple[int, int]) -> tf.Tensor:
@@ -137,23 +140,23 @@ def _drawn(draw: Draw, shape: tf.Tensor, seeds: tuple[int, int]) -> tf.Tensor:
     return tf.fill(shape, tf.constant(draw.first, tf.float32))
   unit = _UNIT_OPS[draw.kind](shape=shape, dtype=tf.float32, seed=seeds[0], seed2=seeds[1])
   if draw.kind == "uniform":
-    return draw.first + (draw.second - draw.first) * unit
+    # first + (second - first) * u can round up to second when |first| >> second - first.
+    below = np.nextafter(np.float32(draw.second), np.float32(draw.first))
+    return tf.minimum(draw.first + (draw.second - draw.first) * unit, below)
   return draw.first + draw.second * unit
 
 
-def _op_seeds(seed: Optional[int], table: TableConfig) -> Optional[tuple[int, int]]:
+def _op_seeds(seed: Optional[int], stream: str) -> Optional[tuple[int, int]]:
   """TF's op-level seed pair for an initializer's `seed`, as TF's random ops derive it: random
   (0, 0) when neither it nor a global seed is set; None when op determinism requires one then.
-  An unseeded initializer under a global seed takes a fixed seed per table, so that the op, and
-  its stream, are the same at every call (TF's per-call seeds would make a new kernel at each
-  eager call)."""
+  An unseeded initializer under a global seed takes a fixed seed per `stream` (a table, or one
+  of its variables), so that the op, and its stream, are the same at every call (TF's per-call
+  seeds would make a new kernel at each eager call) and two variables differ."""
   if seed is None:
-    try:
-      if tf.compat.v1.get_seed(None) == (None, None):
-        return 0, 0
-    except RuntimeError:  # op determinism without any seed: left to the initializer
-      return None
-    seed = zlib.crc32(table.name.encode())
+    if tf_internals.global_seed() is None:
+      # Without any seed: random, or, under op determinism, left to the initializer.
+      return None if tf_internals.op_determinism_enabled() else (0, 0)
+    seed = zlib.crc32(stream.encode())
   first, second = tf.compat.v1.get_seed(seed)
   return int(first), int(second)
 
@@ -167,6 +170,6 @@ def _scalar_constant(initializer: Callable) -> Any:
     return 1.0
   if name == "Constant":
     value = initializer.get_config().get("value")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # numpy scalars too
       return float(value)
   return None
