@@ -111,18 +111,10 @@ class ApplyRowsOp : public OpKernel {
     const int num_vars = num_slots_ + 1;
     std::vector<int> inputs(num_vars);
     for (int i = 0; i < num_vars; ++i) inputs[i] = i;
-    OP_REQUIRES_OK(ctx, RequireFloatVariables(ctx, inputs));
-    auto locks = ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
-        ctx, /*do_lock=*/true, /*sparse=*/true, inputs);
-    std::vector<Tensor> vars(num_vars);
-    for (int i = 0; i < num_vars; ++i) {
-      OP_REQUIRES_OK(ctx, ::tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
-                              ctx, i, /*lock_held=*/true, /*sparse=*/true, &vars[i]));
-      OP_REQUIRES(ctx, vars[i].dtype() == ::tensorflow::DT_FLOAT && vars[i].dims() == 2,
-                  InvalidArgument(
-                      "variable ", i, " must be a float32 matrix, got ",
-                      ::tensorflow::DataTypeString(vars[i].dtype()), " ",
-                      vars[i].shape().DebugString()));
+    std::unique_ptr<::tensorflow::VariableInputLockHolder> locks;
+    std::vector<Tensor> vars;
+    OP_REQUIRES_OK(ctx, LockFloatMatrices(ctx, inputs, &locks, &vars));
+    for (int i = 1; i < num_vars; ++i) {
       OP_REQUIRES(ctx, vars[i].shape() == vars[0].shape(),
                   InvalidArgument(
                       "slot ", i - 1, " has shape ", vars[i].shape().DebugString(),

@@ -5,6 +5,7 @@
 #define EIGEN_USE_THREADS
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -37,6 +38,30 @@ inline ::absl::Status RequireFloatVariables(OpKernelContext* ctx, const std::vec
     if (dtype != ::tensorflow::DT_FLOAT) {
       return InvalidArgument("variable input ", i, " must be float32, got ",
                              ::tensorflow::DataTypeString(dtype));
+    }
+  }
+  return ::absl::OkStatus();
+}
+
+// Locks the variable inputs `inputs` (exclusively, in TF's order, ready for in-place sparse
+// writes; `*locks` holds them) and reads each as a float32 matrix into `(*vars)[k]`; errors
+// count the variables from 0, in the order of `inputs`.
+inline ::absl::Status LockFloatMatrices(
+    OpKernelContext* ctx, const std::vector<int>& inputs,
+    std::unique_ptr<::tensorflow::VariableInputLockHolder>* locks, std::vector<Tensor>* vars) {
+  TF_RETURN_IF_ERROR(RequireFloatVariables(ctx, inputs));
+  *locks = std::make_unique<::tensorflow::VariableInputLockHolder>(
+      ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+          ctx, /*do_lock=*/true, /*sparse=*/true, inputs));
+  vars->resize(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    Tensor& var = (*vars)[k];
+    TF_RETURN_IF_ERROR(::tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+        ctx, inputs[k], /*lock_held=*/true, /*sparse=*/true, &var));
+    if (var.dtype() != ::tensorflow::DT_FLOAT || var.dims() != 2) {
+      return InvalidArgument("variable ", k, " must be a float32 matrix, got ",
+                             ::tensorflow::DataTypeString(var.dtype()), " ",
+                             var.shape().DebugString());
     }
   }
   return ::absl::OkStatus();

@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "tpu_embedding/engine/cc/kernels.h"  // first: it sets up Eigen's thread pool
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -46,7 +47,6 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/platform/hash.h"
-#include "tpu_embedding/engine/cc/kernels.h"
 
 namespace tpu_embedding {
 namespace {

@@ -180,17 +180,10 @@ class ResetRowsOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     std::vector<int> inputs(num_variables_);
     for (int i = 0; i < num_variables_; ++i) inputs[i] = i + 1;
-    OP_REQUIRES_OK(ctx, RequireFloatVariables(ctx, inputs));
-    auto locks = ::tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
-        ctx, /*do_lock=*/true, /*sparse=*/true, inputs);
-    std::vector<Tensor> vars(num_variables_);
-    for (int i = 0; i < num_variables_; ++i) {
-      OP_REQUIRES_OK(ctx, ::tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
-                              ctx, i + 1, /*lock_held=*/true, /*sparse=*/true, &vars[i]));
-      OP_REQUIRES(ctx, vars[i].dtype() == ::tensorflow::DT_FLOAT && vars[i].dims() == 2,
-                  InvalidArgument("variable ", i, " must be a float32 matrix, got ",
-                                  ::tensorflow::DataTypeString(vars[i].dtype()), " ",
-                                  vars[i].shape().DebugString()));
+    std::unique_ptr<::tensorflow::VariableInputLockHolder> locks;
+    std::vector<Tensor> vars;
+    OP_REQUIRES_OK(ctx, LockFloatMatrices(ctx, inputs, &locks, &vars));
+    for (int i = 1; i < num_variables_; ++i) {
       OP_REQUIRES(ctx, vars[i].dim_size(0) == vars[0].dim_size(0),
                   InvalidArgument("variable ", i, " has shape ", vars[i].shape().DebugString(),
                                   ", variable 0 ", vars[0].shape().DebugString(),
