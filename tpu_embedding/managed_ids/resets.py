@@ -22,10 +22,11 @@ from tpu_embedding import optimizer_specs, tf_internals
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
-# Initializers whose every element is drawn independently of the shape asked for: a fresh draw
-# for just the reset rows has the distribution a fresh table's rows have. Others (fan-scaled,
-# user callables, full-table constants) are evaluated at the full shape and the rows gathered.
-_ROW_INDEPENDENT = frozenset({"RandomNormal", "RandomUniform", "TruncatedNormal", "Zeros", "Ones"})
+# Initializers whose every element is drawn independently of the shape asked for, where no
+# `Draw` describes them (e.g. seeded by a Keras SeedGenerator): a fresh draw for just the reset
+# rows has the distribution a fresh table's rows have. Others (fan-scaled, user callables,
+# full-table constants) are evaluated at the full shape and the rows gathered.
+_ROW_INDEPENDENT = frozenset({"RandomNormal", "RandomUniform", "TruncatedNormal"})
 
 
 @dataclasses.dataclass(frozen=True)
