@@ -38,9 +38,7 @@
 #include <vector>
 
 #include "tpu_embedding/engine/cc/kernels.h"  // first: it sets up Eigen's thread pool
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 #include "tensorflow/core/framework/lookup_interface.h"
@@ -78,6 +76,9 @@ struct Victim {
   bool operator>(const Victim& other) const { return other < *this; }
 };
 
+// Keys and rows ahead whose memory a loop prefetches: a miss costs ~150 ns here and most
+// loops below spend a few ns an entry, so kernels.h's distance (12) leaves them waiting.
+constexpr int64_t kLookAhead = 32;
 constexpr int64_t kMaxShift = 62;  // as the TF ops: a longer absence ages any count to 0
 constexpr int64_t kMinPool = 1024;
 constexpr int64_t kMaxPool = 1 << 18;
@@ -159,6 +160,24 @@ class RowTable {
     return 0;
   }
 
+  // The rows of `n` keys (0: none) without waiting on memory: a first pass walks each key's
+  // probe run to its first slot with an equal hash (slots prefetched ahead), a second reads that
+  // slot's key to confirm it (keys prefetched ahead). Looked up one at a time, each key held
+  // waits for its slot, then for its key in `keys` (a second miss, ~150 ns at 10^6 rows). A
+  // slot whose hash matches another key (32 bits of hash: rare) sends its key to `Find`.
+  void FindAll(const K* ids, const uint32_t* hashes, int64_t n, int64_t* rows) const {
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kLookAhead < n) Prefetch(hashes[i + kLookAhead]);
+      rows[i] = FirstMatch(hashes[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kLookAhead < n && rows[i + kLookAhead] != 0) {
+        __builtin_prefetch(&keys_[rows[i + kLookAhead]]);
+      }
+      if (rows[i] != 0 && !(keys_[rows[i]] == ids[i])) rows[i] = Find(ids[i], hashes[i]);
+    }
+  }
+
   // Adds `row` for a key (hash `hash`) the table does not hold; false if no slot is free.
   bool Insert(uint32_t hash, uint32_t row) {
     size_t i = hash & mask_;
@@ -169,6 +188,16 @@ class RowTable {
       }
     }
     return false;
+  }
+
+  // The row in the first slot of `hash`'s probe run holding that hash (0: none before a hole).
+  uint32_t FirstMatch(uint32_t hash) const {
+    size_t i = hash & mask_;
+    for (size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
+      const Slot slot = slots_[i];
+      if (slot.row == 0 || slot.hash == hash) return slot.row;
+    }
+    return 0;
   }
 
   // Removes `row`, held for a key whose hash is `hash`: each later entry of its run whose probe
@@ -340,8 +369,8 @@ class Step {
         rebuilt = true;
         continue;
       }
-      if (x_.next + kPrefetchAhead < x_.sorted.size()) {  // rows checked a few pops later
-        const uint32_t later = x_.sorted[x_.next + kPrefetchAhead].row;
+      if (x_.next + kLookAhead < x_.sorted.size()) {  // rows checked a few pops later
+        const uint32_t later = x_.sorted[x_.next + kLookAhead].row;
         __builtin_prefetch(&last_[later]);
         __builtin_prefetch(&count_[later]);
       }
@@ -414,26 +443,36 @@ class Step {
     const int64_t usual = std::min(capacity_, std::max(kMinPool, std::min(capacity_ / 4,
                                                                           kMaxPool)));
     x_.pool_size = std::max(usual, 2 * wanted + seen_now_);
-    // The pool_size smallest keys, largest on top: most rows cost one comparison.
-    std::vector<Victim>& kept = x_.sorted;
-    x_.next = 0;
-    x_.pushed.clear();
-    kept.clear();
+    // The pool_size smallest keys: keys below the bound gather in a buffer of twice that;
+    // a full buffer is cut to its pool_size smallest (a selection in linear time), whose
+    // largest becomes the bound. A heap of pool_size entries cost a few cache misses a row.
+    const size_t size = x_.pool_size;
+    std::vector<Victim> kept;
+    kept.reserve(2 * size);
+    auto cut = [&kept, size] {
+      std::nth_element(kept.begin(), kept.begin() + (size - 1), kept.end());
+      kept.resize(size);
+    };
+    Victim bound{0, 0, 0};
+    bool bounded = false;
     for (int64_t r = 1; r < capacity_; ++r) {
-      if (last_[r] < 0 || taken.count(r)) continue;
+      if (last_[r] < 0) continue;
       const Victim key = KeyOf(r);
-      if (static_cast<int64_t>(kept.size()) < x_.pool_size) {
-        kept.push_back(key);
-        std::push_heap(kept.begin(), kept.end());
-      } else if (key < kept.front()) {
-        std::pop_heap(kept.begin(), kept.end());
-        kept.back() = key;
-        std::push_heap(kept.begin(), kept.end());
+      if ((bounded && !(key < bound)) || taken.count(r)) continue;
+      kept.push_back(key);
+      if (kept.size() == 2 * size) {
+        cut();
+        bound = kept[size - 1];
+        bounded = true;
       }
     }
-    x_.everything = static_cast<int64_t>(kept.size()) < x_.pool_size;
-    if (!kept.empty()) x_.threshold = kept.front();
-    std::sort_heap(kept.begin(), kept.end());
+    x_.everything = kept.size() < size;
+    if (!x_.everything) cut();
+    std::sort(kept.begin(), kept.end());
+    if (!kept.empty()) x_.threshold = kept.back();
+    x_.sorted.assign(kept.begin(), kept.end());  // at its size, not the buffer's
+    x_.next = 0;
+    x_.pushed.clear();
   }
 
   ManagedIndex& x_;
@@ -505,10 +544,6 @@ absl::Status Named(const std::string& table, const absl::Status& status) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat("Table '", table, "': ", status.message()));
 }
-
-// Keys as the unique-key map holds them: views of the batch's own keys.
-int64_t View(int64_t key) { return key; }
-absl::string_view View(const tstring& key) { return absl::string_view(key.data(), key.size()); }
 
 // Locks several variables in a fixed (address) order, as TF's own ops do, and releases them.
 class VariableLocks {
@@ -605,13 +640,9 @@ class MapState {
     for (int i = 0; i < 3; ++i) index->held[i] = Tensor();
   }
 
-  // The rows of `ids` (0: none), prefetching the slots of the keys ahead.
+  // The rows of `ids` (0: none).
   void Find(const K* ids, int64_t n, const uint32_t* hashes, int64_t* rows) const {
-    const RowTable<K> table(index->slots, vars[0]->tensor()->flat<K>().data());
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) table.Prefetch(hashes[i + kPrefetchAhead]);
-      rows[i] = table.Find(ids[i], hashes[i]);
-    }
+    RowTable<K>(index->slots, vars[0]->tensor()->flat<K>().data()).FindAll(ids, hashes, n, rows);
   }
 
   ::tensorflow::core::RefCountPtr<ManagedIndex> index;
@@ -693,29 +724,14 @@ class ManagedRemapOp : public OpKernel {
     const auto ids = ctx->input(5).flat<K>();
     const int64_t n = ids.size();
     std::vector<int64_t> position(n), first, occurrences;
-    {
-      absl::flat_hash_map<decltype(View(ids(0))), int64_t> slot;
-      slot.reserve(n);
-      for (int64_t i = 0; i < n; ++i) {
-        const auto [it, added] = slot.try_emplace(View(ids(i)), first.size());
-        if (added) {
-          first.push_back(i);
-          occurrences.push_back(0);
-        }
-        ++occurrences[it->second];
-        position[i] = it->second;
-      }
-    }
+    std::vector<uint32_t> hashes;  // of the distinct keys
+    Distinct(ids.data(), n, &position, &first, &occurrences, &hashes);
     const int64_t distinct = first.size();
     Tensor unique_keys;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
                                            &unique_keys));
     const K* unique = unique_keys.flat<K>().data();
-    std::vector<uint32_t> hashes(distinct);
-    for (int64_t u = 0; u < distinct; ++u) {
-      unique_keys.flat<K>()(u) = ids(first[u]);
-      hashes[u] = HashOf(unique[u]);
-    }
+    for (int64_t u = 0; u < distinct; ++u) unique_keys.flat<K>()(u) = ids(first[u]);
     std::vector<int64_t> row_of(distinct);  // becomes each distinct key's row
     map.Find(unique, distinct, hashes.data(), row_of.data());
     std::vector<int64_t> seen, newcomers;
@@ -755,9 +771,9 @@ class ManagedRemapOp : public OpKernel {
     const int64_t epoch = step / half_life_;
     std::vector<int64_t> seen_rows(seen.size());
     for (size_t j = 0; j < seen.size(); ++j) {
-      if (j + kPrefetchAhead < seen.size()) {
-        __builtin_prefetch(&counts[row_of[seen[j + kPrefetchAhead]]], 1);
-        __builtin_prefetch(&last[row_of[seen[j + kPrefetchAhead]]], 1);
+      if (j + kLookAhead < seen.size()) {
+        __builtin_prefetch(&counts[row_of[seen[j + kLookAhead]]], 1);
+        __builtin_prefetch(&last[row_of[seen[j + kLookAhead]]], 1);
       }
       const int64_t row = row_of[seen[j]];
       const int64_t aged =
@@ -779,29 +795,29 @@ class ManagedRemapOp : public OpKernel {
     given.insert(given.end(), victims.begin(), victims.end());
     leaving.insert(leaving.end(), victims.begin(), victims.end());
     // Rows and slots are scattered over memory much larger than the caches: each loop below
-    // prefetches what it will touch kPrefetchAhead iterations later.
+    // prefetches what it will touch kLookAhead iterations later.
     RowTable<K> table(index.slots, keys);
     const int64_t left = leaving.size();
     std::vector<uint32_t> leaving_hashes(left);
     for (int64_t j = 0; j < left; ++j) {
-      if (j + kPrefetchAhead < left) __builtin_prefetch(&keys[leaving[j + kPrefetchAhead]]);
+      if (j + kLookAhead < left) __builtin_prefetch(&keys[leaving[j + kLookAhead]]);
       leaving_hashes[j] = HashOf(keys[leaving[j]]);
     }
     bool held = true;
     for (int64_t j = 0; j < left; ++j) {
-      if (j + kPrefetchAhead < left) table.Prefetch(leaving_hashes[j + kPrefetchAhead]);
+      if (j + kLookAhead < left) table.Prefetch(leaving_hashes[j + kLookAhead]);
       held = table.Erase(leaving_hashes[j], static_cast<uint32_t>(leaving[j])) && held;
     }
 
     const int64_t placed = given.size();
     std::vector<int64_t> admitted(placed);  // distinct-key positions
     for (int64_t j = 0; j < placed; ++j) {
-      if (j + kPrefetchAhead < placed) {
-        const int64_t later = given[j + kPrefetchAhead];
+      if (j + kLookAhead < placed) {
+        const int64_t later = given[j + kLookAhead];
         __builtin_prefetch(&keys[later], 1);
         __builtin_prefetch(&counts[later], 1);
         __builtin_prefetch(&last[later], 1);
-        table.Prefetch(hashes[newcomers[eligible[j + kPrefetchAhead]]]);
+        table.Prefetch(hashes[newcomers[eligible[j + kLookAhead]]]);
       }
       const int64_t u = newcomers[eligible[j]], row = given[j];
       admitted[j] = u;
@@ -838,6 +854,34 @@ class ManagedRemapOp : public OpKernel {
   }
 
  private:
+  // The distinct keys of `ids` in first-occurrence order: `first` their first positions,
+  // `occurrences` their counts, `hashes` their hashes, `position[i]` the one ids[i] is. An
+  // open-addressing table of distinct-key numbers over the keys' own hashes (each key is
+  // hashed once, for this and the map's table), at most half full.
+  static void Distinct(const K* ids, int64_t n, std::vector<int64_t>* position,
+                       std::vector<int64_t>* first, std::vector<int64_t>* occurrences,
+                       std::vector<uint32_t>* hashes) {
+    size_t size = 16;
+    while (size < 2 * static_cast<size_t>(n)) size <<= 1;
+    const size_t mask = size - 1;
+    std::vector<int64_t> slots(size, -1);  // a distinct key's first position, or -1
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t hash = HashOf(ids[i]);
+      size_t s = hash & mask;
+      while (slots[s] >= 0 && !(ids[slots[s]] == ids[i])) s = (s + 1) & mask;
+      if (slots[s] < 0) {
+        slots[s] = i;
+        (*position)[i] = first->size();
+        first->push_back(i);
+        occurrences->push_back(1);
+        hashes->push_back(hash);
+      } else {
+        (*position)[i] = (*position)[slots[s]];
+        ++(*occurrences)[(*position)[i]];
+      }
+    }
+  }
+
   // `keys[at[j]]` for each j.
   static absl::Status Gather(OpKernelContext* ctx, const Tensor& keys,
                              const std::vector<int64_t>& at, Tensor* out) {
