@@ -129,6 +129,28 @@ def test_managed_remap_gives_rows_in_numpy_order(eviction, wanted, engine_path):
   assert 0 < len(free) < 40 < len(free) + len(victims) < 500  # every regime was exercised
 
 
+@pytest.mark.parametrize("eviction", ["lfu", "lru", "ttl"])
+@pytest.mark.parametrize("capacity", [0, 1])
+def test_managed_kernels_refuse_maps_of_fewer_than_two_rows(eviction, capacity):
+  """Row 0 reads every key without a row, so such a map has no row to give: refused naming the
+  table (a 0-row map made the rebuild select from an empty pool, and TTL's expiry loop never
+  ended), nothing changed."""
+  map_variables = [
+    tf.Variable(tf.zeros([capacity], tf.int64)),
+    tf.Variable(tf.zeros([capacity], tf.int32)),
+    tf.Variable(-tf.ones([capacity], tf.int32)),
+    tf.Variable(tf.constant(4, tf.int64)),
+  ]
+  index = native.managed_index(f"tiny-{eviction}-{capacity}")
+  with pytest.raises(tf.errors.InvalidArgumentError, match="'tiny'.*at least 2 rows, got"):
+    native.managed_remap(
+      index, None, map_variables, tf.constant([], tf.int64), eviction, 10, 1, 3, "tiny"
+    )
+  with pytest.raises(tf.errors.InvalidArgumentError, match="'tiny'.*at least 2 rows, got"):
+    native.managed_lookup(index, map_variables, tf.constant([5], tf.int64), "tiny")
+  assert map_variables[3].numpy() == 4
+
+
 def test_dedup_lookup_of_a_hand_worked_bag():
   table = tf.Variable([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
   activations, unique_ids, index = native.dedup_lookup(

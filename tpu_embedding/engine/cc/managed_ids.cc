@@ -80,6 +80,17 @@ struct Victim {
 // loops below spend a few ns an entry, so kernels.h's distance (12) leaves them waiting.
 constexpr int64_t kLookAhead = 32;
 constexpr int64_t kMaxShift = 62;  // as the TF ops: a longer absence ages any count to 0
+
+// The LFU epoch of a used row's last_seen (0 <= last_seen < 2**31) for a half life clamped by
+// `Divisor`: a 32-bit division, several times faster than a 64-bit one, in the loops over the
+// rows of a step and over every row of a rebuild.
+inline int64_t EpochOf(int32_t last_seen, uint32_t divisor) {
+  return static_cast<uint32_t>(last_seen) / divisor;
+}
+inline uint32_t Divisor(int64_t half_life) {
+  return static_cast<uint32_t>(std::min<int64_t>(half_life, std::numeric_limits<uint32_t>::max()));
+}
+
 constexpr int64_t kMinPool = 1024;
 constexpr int64_t kMaxPool = 1 << 18;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
@@ -287,7 +298,7 @@ class Step {
         count_(counts),
         step_(step),
         capacity_(capacity),
-        half_life_(half_life),
+        divisor_(Divisor(half_life)),
         epoch_(by_count ? step / half_life : 0),
         by_count_(by_count),
         seen_now_(seen_now) {}
@@ -398,7 +409,7 @@ class Step {
   Victim KeyOf(int64_t row) const {
     int32_t aged = 0;
     if (by_count_) {
-      aged = count_[row] >> std::min<int64_t>(epoch_ - last_[row] / half_life_, 31);
+      aged = count_[row] >> std::min<int64_t>(epoch_ - EpochOf(last_[row], divisor_), 31);
     }
     return Victim{aged, last_[row], static_cast<uint32_t>(row)};
   }
@@ -448,7 +459,7 @@ class Step {
     // largest becomes the bound. A heap of pool_size entries cost a few cache misses a row.
     const size_t size = x_.pool_size;
     std::vector<Victim> kept;
-    kept.reserve(2 * size);
+    kept.reserve(std::min<size_t>(2 * size, capacity_));  // a step may want more rows than exist
     auto cut = [&kept, size] {
       std::nth_element(kept.begin(), kept.begin() + (size - 1), kept.end());
       kept.resize(size);
@@ -478,7 +489,9 @@ class Step {
   ManagedIndex& x_;
   const int32_t* last_;
   const int32_t* count_;
-  const int64_t step_, capacity_, half_life_, epoch_;
+  const int64_t step_, capacity_;
+  const uint32_t divisor_;
+  const int64_t epoch_;
   const bool by_count_;
   const int64_t seen_now_;
 };
@@ -606,6 +619,9 @@ class MapState {
       return InvalidArgument("keys must be a vector of the key dtype");
     }
     capacity = keys.NumElements();
+    if (capacity < 2) {  // row 0 reads every key without a row: no row would be left to give
+      return InvalidArgument("a managed-id map needs at least 2 rows, got ", capacity);
+    }
     for (int i = 1; i < 3; ++i) {
       if (!vars[i]) continue;
       if (vars[i]->tensor()->dtype() != DT_INT32 || vars[i]->tensor()->shape() != keys.shape()) {
@@ -735,6 +751,8 @@ class ManagedRemapOp : public OpKernel {
     std::vector<int64_t> row_of(distinct);  // becomes each distinct key's row
     map.Find(unique, distinct, hashes.data(), row_of.data());
     std::vector<int64_t> seen, newcomers;
+    seen.reserve(distinct);
+    newcomers.reserve(distinct);
     for (int64_t u = 0; u < distinct; ++u) (row_of[u] > 0 ? seen : newcomers).push_back(u);
     // Admission: a newcomer's total is its occurrences plus its candidate count.
     std::vector<int64_t> totals(newcomers.size());
@@ -769,6 +787,7 @@ class ManagedRemapOp : public OpKernel {
     *step_var = next;  // a new buffer, never written again: readers of the old one keep theirs
 
     const int64_t epoch = step / half_life_;
+    const uint32_t divisor = Divisor(half_life_);
     std::vector<int64_t> seen_rows(seen.size());
     for (size_t j = 0; j < seen.size(); ++j) {
       if (j + kLookAhead < seen.size()) {
@@ -777,7 +796,7 @@ class ManagedRemapOp : public OpKernel {
       }
       const int64_t row = row_of[seen[j]];
       const int64_t aged =
-          int64_t{counts[row]} >> std::min(epoch - last[row] / half_life_, kMaxShift);
+          int64_t{counts[row]} >> std::min(epoch - EpochOf(last[row], divisor), kMaxShift);
       counts[row] = static_cast<int32_t>(std::min(aged + occurrences[seen[j]], kInt32Max));
       last[row] = static_cast<int32_t>(step);
       seen_rows[j] = row;
@@ -865,6 +884,9 @@ class ManagedRemapOp : public OpKernel {
     while (size < 2 * static_cast<size_t>(n)) size <<= 1;
     const size_t mask = size - 1;
     std::vector<int64_t> slots(size, -1);  // a distinct key's first position, or -1
+    first->reserve(n);
+    occurrences->reserve(n);
+    hashes->reserve(n);
     for (int64_t i = 0; i < n; ++i) {
       const uint32_t hash = HashOf(ids[i]);
       size_t s = hash & mask;

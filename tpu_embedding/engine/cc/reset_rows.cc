@@ -9,7 +9,7 @@
 // prefetched. Normal values come from a ziggurat sampler (Marsaglia and Tsang, 2000);
 // truncated normal ones (TF's default table initializer) from the inverse of their CDF,
 // tabulated at 4097 points and interpolated linearly: no branch, half the ziggurat's time, and
-// a CDF within 3e-7 of the exact one (below float32's resolution of most values).
+// a CDF within 3e-7 of the exact one.
 //
 // Determinism: each row of a call draws from its own generator, seeded from one block of the
 // call's Philox stream (TF's generator) and the row's position in `rows`, so the values do not
