@@ -16,7 +16,6 @@
 // depend on how the rows are split over threads; seeds work as in TF's stateful random ops
 // (both 0: random; a kernel's successive calls continue its stream).
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
