@@ -223,3 +223,40 @@ def test_the_last_int32_step_is_refused_naming_the_table(engine_path):
   for old, variable in zip(before, (id_map.counts, id_map.last_seen, id_map.step)):
     np.testing.assert_array_equal(old, variable.numpy())
   assert id_map.export()[0].numpy().tolist() == [7, 8]
+
+
+@pytest.mark.parametrize("counts", ["small", "huge"])
+def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
+  """At 20 000 rows the compiled kernel's pool holds >= 4096 entries, which it sorts by radix on
+  keys packed into 64 bits, or by comparison where (aged count, last_seen, row) need more bits
+  ("huge": counts near 2**30 and last_seen over 2**21 steps). The map's variables are written
+  directly (as a restore would), the reference given the same state; rows must agree."""
+  capacity, half_life = 20_000, 2**30  # one LFU epoch: counts are not aged
+  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life)
+  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life)
+  rng = np.random.default_rng(8)
+  universe = rng.integers(-(2**62), 2**62, size=80_000)
+  id_map.remap(tf.constant(universe[: capacity - 1]), True)
+  reference.train(universe[: capacity - 1].tolist())
+  rows = np.arange(1, capacity)
+  base = 2**30 if counts == "huge" else 1
+  count_of = base + rng.integers(0, 5, size=capacity - 1)
+  seen_at = rng.integers(0, 2**21, size=capacity - 1)
+  id_map.counts.assign(np.concatenate([[0], count_of]).astype(np.int32))
+  id_map.last_seen.assign(np.concatenate([[-1], seen_at]).astype(np.int32))
+  id_map.step.assign(2**21)
+  reference.step = 2**21
+  for row, count, seen in zip(rows.tolist(), count_of.tolist(), seen_at.tolist()):
+    reference.count[row], reference.last[row] = (count, 0), seen
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  for s in range(4):
+    old = universe[rng.integers(0, capacity - 1, size=1500)]
+    new = universe[capacity + 4000 * s : capacity + 4000 * (s + 1)]
+    keys = np.concatenate([old, new, new[:500]]).tolist()
+    got, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(got.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+  keys_, _, counts_ = id_map.export()
+  assert keys_.numpy().tolist() == reference.export()[0]
+  np.testing.assert_array_equal(counts_.numpy(), reference.export()[2])
