@@ -43,7 +43,9 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # Zipf ranks -> scattered 64-bit keys (odd
 def speed_settings(quick: bool) -> dict:
   if quick:
     return dict(tables=3, rows=20_000, dim=16, batch=1024, warmup=5, steps=30)
-  return dict(tables=10, rows=1_000_000, dim=16, batch=4096, warmup=10, steps=50)
+  # 300 steps: at this churn the maps' eviction pools run dry and are rebuilt within them, which
+  # a median skips and a mean counts.
+  return dict(tables=10, rows=1_000_000, dim=16, batch=4096, warmup=10, steps=300)
 
 
 def zipf_keys(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,9 +119,10 @@ def _fill(layer, s: dict) -> None:
 
 def run_speed(s: dict) -> dict:
   """Each batch runs through every variant in turn (interleaved, so that a change in the
-  machine's load hits all of them alike); medians of wall and of process CPU time."""
+  machine's load hits all of them alike); medians and means of wall and of process CPU time."""
   data = list(_batches(s, s["warmup"] + s["steps"], seed=0))
   _, premapped_step, embedding_step = _dlrm(s, managed=False)
+  _, map_rows_step, map_rows_embedding_step = _dlrm(s, managed=False)  # its own tables
   layer, managed_step, _ = _dlrm(s, managed=True)
   remap_layer, _, _ = _dlrm(s, managed=True)
   zeros_layer, zeros_step, _ = _dlrm(s, managed=True, initializer=tf.zeros_initializer())
@@ -127,13 +130,24 @@ def run_speed(s: dict) -> dict:
   for filled in (layer, remap_layer, zeros_layer, twice_layer):
     _fill(filled, s)
   remap = tf.function(remap_layer.remap)
+  given = {}  # the rows the remap just gave this batch (the managed model's rows)
+
+  def remapped(raw):
+    given["rows"] = remap(raw)
+    return given["rows"]
+
   variants = {
     "premapped": lambda raw, ranks, y: premapped_step(ranks, y),
     "managed": lambda raw, ranks, y: managed_step(raw, y),
     "managed_zeros": lambda raw, ranks, y: zeros_step(raw, y),
     "managed_twice": lambda raw, ranks, y: twice_step(raw, y),
     "embedding": lambda raw, ranks, y: embedding_step(ranks),
-    "remap": lambda raw, ranks, y: remap(raw),
+    "remap": lambda raw, ranks, y: remapped(raw),
+    # The same two steps on the rows the map gave: the same lookups as the managed model, so
+    # the difference is the remap's own cost (the map gives new keys neighbouring rows, which
+    # read faster than rank-ordered ids whose long tail wraps over every row).
+    "premapped_map_rows": lambda raw, ranks, y: map_rows_step(given["rows"], y),
+    "embedding_map_rows": lambda raw, ranks, y: map_rows_embedding_step(given["rows"]),
   }
   times = {name: [] for name in variants}
   for i, batch in enumerate(data):
@@ -145,6 +159,7 @@ def run_speed(s: dict) -> dict:
   for name, pairs in times.items():
     result[f"{name}_ms"] = 1e3 * statistics.median(w for w, _ in pairs)
     result[f"{name}_cpu_ms"] = 1e3 * statistics.median(c for _, c in pairs)
+    result[f"{name}_mean_ms"] = 1e3 * statistics.mean(w for w, _ in pairs)
   id_map = layer.managed_ids["t0"]
   result.update(keys_held_t0=int(id_map.size()), rows_t0=s["rows"] - 1)
   return result
@@ -349,11 +364,12 @@ def report(result: dict) -> str:
     "",
     f"DLRM-like: {s['tables']} tables x {s['rows']} rows x dim {s['dim']}, batch {s['batch']}, "
     f"keys Zipf(1.1) over {DISTINCT_KEYS:.0e} 64-bit values, maps full; variants interleaved "
-    f"batch by batch, medians of {s['steps']} steps; load average at the end "
+    f"batch by batch, medians and means of {s['steps']} steps; load average at the end "
     f"{', '.join(f'{x:.1f}' for x in sp['load_average'])} on {os.cpu_count()} CPUs.",
     "",
-    "| variant | step ms (wall) | vs pre-mapped | process CPU ms | vs pre-mapped |",
-    "|---|---|---|---|---|",
+    "| variant | step ms (wall, median) | vs pre-mapped | process CPU ms | vs pre-mapped "
+    "| mean wall ms | vs pre-mapped |",
+    "|---|---|---|---|---|---|---|",
   ]
   for name, key in (
     ("pre-mapped row ids (DLRM step)", "premapped"),
@@ -362,10 +378,13 @@ def report(result: dict) -> str:
     ("  the same, min_count=2 (keys seen once never get a row)", "managed_twice"),
     ("embedding part alone (pre-mapped ids)", "embedding"),
     ("remap alone (layer.remap, all tables)", "remap"),
+    ("pre-mapped DLRM step fed the rows the map gave", "premapped_map_rows"),
+    ("embedding part alone, the rows the map gave", "embedding_map_rows"),
   ):
-    wall, cpu = sp[f"{key}_ms"], sp[f"{key}_cpu_ms"]
+    wall, cpu, mean = sp[f"{key}_ms"], sp[f"{key}_cpu_ms"], sp[f"{key}_mean_ms"]
     lines.append(
-      f"| {name} | {wall:.1f} | {wall / premapped:.2f}x | {cpu:.1f} | {cpu / premapped_cpu:.2f}x |"
+      f"| {name} | {wall:.1f} | {wall / premapped:.2f}x | {cpu:.1f} | {cpu / premapped_cpu:.2f}x "
+      f"| {mean:.1f} | {mean / sp['premapped_mean_ms']:.2f}x |"
     )
   lines += [
     _other_row("tf_keras DynamicEmbedding (string keys; rebuild apart)", result["dynamic"], sp),
@@ -380,20 +399,11 @@ def report(result: dict) -> str:
     f"= {_bytes_per_row(mem):.0f} B/row; keys {mem['key_bytes']} B.",
     "",
     "Targets (issue 28):",
-    _verdict(
-      "whole DLRM step <= 1.15x the pre-mapped one",
-      sp["managed_ms"] / premapped,
-      sp["managed_cpu_ms"] / premapped_cpu,
-      1.15,
-      "x",
-    ),
-    _verdict(
-      "remap <= the embedding part's own step",
-      sp["remap_ms"] / sp["embedding_ms"],
-      sp["remap_cpu_ms"] / sp["embedding_cpu_ms"],
-      1.0,
-      "x of it",
-    ),
+    _verdict("whole DLRM step <= 1.15x the pre-mapped one", sp, "managed", "premapped", 1.15, "x"),
+    _verdict("remap <= the embedding part's own step", sp, "remap", "embedding", 1.0, "x of it"),
+    "The same two against the steps fed the rows the map gave (the remap's own cost):",
+    _verdict("whole DLRM step <= 1.15x", sp, "managed", "premapped_map_rows", 1.15, "x"),
+    _verdict("remap <= the embedding part", sp, "remap", "embedding_map_rows", 1.0, "x of it"),
     f"- map memory <= 48 B/row + key bytes ({48 + mem['key_bytes']} B): "
     f"{_bytes_per_row(mem):.0f} B/row: "
     f"{'MET' if _bytes_per_row(mem) <= 48 + mem['key_bytes'] else 'NOT MET'}",
@@ -424,19 +434,26 @@ def report(result: dict) -> str:
 
 def _other_row(name: str, other: dict, speed: dict) -> str:
   if "skipped" in other:
-    return f"| {name} | not run | | | |"
+    return f"| {name} | not run | | | | | |"
   ratio = other["step_ms"] / speed["premapped_ms"]
-  return f"| {name} | {other['step_ms']:.1f} | {ratio:.2f}x | | |"
+  return f"| {name} | {other['step_ms']:.1f} | {ratio:.2f}x | | | | |"
 
 
 def _bytes_per_row(memory: dict) -> float:
   return sum(memory[f"{part}_bytes_per_row"] for part in ("variables", "hash_table", "index"))
 
 
-def _verdict(target: str, wall: float, cpu: float, bound: float, unit: str) -> str:
+def _verdict(target: str, speed: dict, key: str, base: str, bound: float, unit: str) -> str:
+  """Met or not by the median wall time, the median process CPU time and the mean wall time
+  (which counts the steps that rebuild an eviction pool)."""
   met = lambda ratio: "MET" if ratio <= bound else "NOT MET"
+  ratios = [
+    speed[f"{key}{part}"] / speed[f"{base}{part}"] for part in ("_ms", "_cpu_ms", "_mean_ms")
+  ]
+  wall, cpu, mean = ratios
   return (
-    f"- {target}: wall {wall:.2f}{unit} ({met(wall)}), process CPU {cpu:.2f}{unit} ({met(cpu)})"
+    f"- {target}: wall {wall:.2f}{unit} ({met(wall)}), process CPU {cpu:.2f}{unit} ({met(cpu)}), "
+    f"mean wall {mean:.2f}{unit} ({met(mean)})"
   )
 
 
