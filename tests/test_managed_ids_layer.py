@@ -75,6 +75,75 @@ def test_training_follows_numpy_reference_with_resets(eviction, traced):
   assert list(zip(keys.numpy(), rows.numpy())) == sorted(ref.row_of.items(), key=lambda kv: kv[1])
 
 
+def test_remap_ahead_in_tf_data_with_deferred_resets_follows_numpy_reference():
+  """The remap as a prefetching tf.data map (run ahead of the loop: checked), its resets
+  written by `reset_rows` right before each jit-compiled step: every step reads and trains what
+  the reference map and NumPy say, as a remap in the call does."""
+  layer = _layer("lfu")
+  ref = ReferenceMap(CAPACITY, "lfu")
+  table = np.full([CAPACITY, DIM], INIT)
+  slots = {"accumulators": np.full([CAPACITY, DIM], ACC)}
+  params = reference.params_from_optimizer(E.Adagrad(LR, initial_accumulator_value=ACC))
+  stream = list(_stream(steps=16, seed=3))
+  keys = np.stack([k for k, _ in stream])
+  dataset = (
+    tf.data.Dataset.from_tensor_slices((keys, np.stack([u for _, u in stream]).astype("f4")))
+    .map(lambda k, u: (layer.remap({"movie": k}, defer_resets=True), u))
+    .prefetch(2)
+  )
+
+  @tf.function(jit_compile=True)
+  def step(rows, upstream):
+    with tf.GradientTape() as tape:
+      out = layer(rows, remapped=True)["movie"]
+      loss = tf.reduce_sum(out * upstream)
+    tape.gradient(loss, layer.trainable_variables)
+    return out
+
+  map_steps, evicted = [], 0
+  for (rows, resets), upstream in dataset:
+    map_steps.append(int(layer.managed_ids["movies"].step.numpy()))
+    layer.reset_rows(resets)
+    out = step(rows, upstream)
+    used = set(ref.key_of)
+    expected_rows, fresh = ref.train(keys[len(map_steps) - 1].tolist())
+    assert rows["movie"].numpy().tolist() == expected_rows
+    given = resets["movies"].numpy()  # the rows given, then 0 up to the batch's keys
+    assert given.shape == (4,) and given[len(fresh) :].tolist() == [0] * (4 - len(fresh))
+    assert sorted(given[: len(fresh)].tolist()) == sorted(fresh)
+    evicted += len(used & set(fresh))
+    table[fresh] = INIT
+    slots["accumulators"][fresh] = ACC
+    np.testing.assert_allclose(out.numpy(), table[expected_rows], rtol=1e-5)
+    grads = [([r], None) for r in expected_rows]
+    touched, grads = reference.assemble_gradients(grads, upstream.numpy(), "sum")
+    table, slots = reference.apply_step(table, slots, touched, grads, LR, params)
+  assert evicted >= 3  # rows were taken from keys trained in earlier batches, and reset
+  assert max(s - i for i, s in enumerate(map_steps, 1)) >= 1  # the map ran ahead of training
+  variables = layer.variables_by_table["movies"]
+  np.testing.assert_allclose(variables["parameters"].numpy(), table, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(variables["accumulators"].numpy(), slots["accumulators"], rtol=1e-5)
+
+
+def test_reset_rows_refuses_what_remap_did_not_give_and_changes_nothing():
+  layer = _layer("lru")
+  rows, resets = layer.remap({"movie": tf.constant([5, 6], tf.int64)}, defer_resets=True)
+  assert sorted(resets["movies"].numpy().tolist()) == [1, 2]
+  layer.reset_rows(resets)
+  _train(layer, rows, tf.ones([2, DIM]), training=True)
+  before = layer.variables_by_table["movies"]["parameters"].numpy().copy()
+  for bad, error, message in [
+    ({"genres": [1]}, ValueError, r"table 'genres'.*managed tables are \['movies'\]"),
+    ({"movies": [1.5]}, TypeError, r"table 'movies'.*integer rows.*float"),
+    ({"movies": [[1]]}, TypeError, r"table 'movies'.*vector"),
+    ({"movies": [1, CAPACITY]}, tf.errors.InvalidArgumentError, r"'movies' gives rows 1 \.\. 4"),
+    ([1, 2], TypeError, r"dict \{table name: rows\}"),
+  ]:
+    with pytest.raises(error, match=message):
+      layer.reset_rows(bad)
+  np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), before)
+
+
 @pytest.mark.parametrize("kind", ["ragged", "sparse"])
 def test_string_keys_ragged_and_sparse_with_weights(kind):
   layer = _layer("lfu", key_dtype=tf.string, min_count=2, combiner="mean")

@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -53,12 +54,20 @@ def _stream(steps=10):
     yield {"a": tf.constant(a), "b": tf.constant(b)}
 
 
+def _step(layer, features, **kwargs):
+  with tf.GradientTape() as tape:
+    out = layer(features, **kwargs)
+    loss = tf.reduce_sum(out["a"]) + 2 * tf.reduce_sum(out["b"])
+  tape.gradient(loss, layer.trainable_variables)
+
+
 def _train(layer):
   for features in _stream():
-    with tf.GradientTape() as tape:
-      out = layer(features)
-      loss = tf.reduce_sum(out["a"]) + 2 * tf.reduce_sum(out["b"])
-    tape.gradient(loss, layer.trainable_variables)
+    _step(layer, features)
+  return _state(layer)
+
+
+def _state(layer):
   return {
     name: (
       [t.numpy().tolist() for t in layer.managed_ids[name].export()],
@@ -79,6 +88,45 @@ def test_layer_trains_managed_tables_as_tpu_embedding_does(kind):
     assert got[name][0] == expected[name][0]
     np.testing.assert_allclose(got[name][1], expected[name][1], rtol=1e-6)
   assert len(expected["large"][0][0]) == 6  # the string table filled up (min_count=2)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_remap_far_ahead_with_deferred_resets_trains_as_the_call_does(kind):
+  """Every batch remapped before any step (as far ahead as a pipeline may run), each batch's
+  resets written right before its step: the same maps and tables as remaps in the calls."""
+  expected = _train(LAYERS["TPUEmbedding"]())
+  layer = LAYERS[kind]()
+  remapped = [layer.remap(features, defer_resets=True) for features in _stream()]
+  given = [int(tf.math.count_nonzero(r)) for _, resets in remapped for r in resets.values()]
+  assert sum(given) > 10  # rows were given (the rest of each vector is 0s: padding)
+  for rows, resets in remapped:
+    layer.reset_rows(resets)
+    _step(layer, rows, remapped=True)
+  got = _state(layer)
+  for name in ("small", "large"):
+    assert got[name][0] == expected[name][0]
+    np.testing.assert_allclose(got[name][1], expected[name][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_inference_calls_never_admit_keys(kind):
+  """`training=False` reaches the map on every layer (Keras 3 passes `training` only to a
+  `call` naming it), and a Keras 3 model's `predict` is such a call."""
+  layer = LAYERS[kind]()
+  features = next(_stream())
+  out = layer(features, training=False)
+  np.testing.assert_allclose(out["a"].numpy(), np.full([3, 2], 0.1))  # row 0 for every key
+  assert int(layer.managed_ids["small"].size()) == 0
+  if kind.startswith("keras."):
+    inputs = {
+      "a": keras.Input(shape=(), dtype="int64", name="a"),
+      "b": keras.Input(shape=(), dtype="string", name="b"),
+    }
+    model = keras.Model(inputs, layer(inputs)["a"])
+    model.predict(tf.data.Dataset.from_tensors(features), verbose=0)
+    assert int(layer.managed_ids["small"].size()) == 0
+  layer(features)
+  assert int(layer.managed_ids["small"].size()) == 3
 
 
 def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):

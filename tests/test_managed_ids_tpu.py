@@ -149,6 +149,15 @@ def test_v1_training_remap_in_a_tf_function_is_refused_and_changes_nothing(monke
   assert looked_up["movie"].numpy().tolist() == [0] * BATCH
 
 
+def test_v1_remap_cannot_return_its_resets_and_changes_nothing(monkeypatch):
+  """On V1 the resets are flushes the remap itself makes: deferring them is refused."""
+  strategy, _, layer = _v1_layer(monkeypatch)
+  with strategy.scope():
+    with pytest.raises(ValueError, match=r"TPU_V1.*defer_resets=True\) cannot return"):
+      layer.remap({"movie": tf.constant(KEYS[:BATCH], tf.int64)}, defer_resets=True)
+  assert int(layer.managed_ids["movies"].size()) == 0
+
+
 def _rows_1_and_2_waiting(monkeypatch):
   """A V1 layer whose trained rows 1 and 2 were given to new keys and wait for their reset."""
   strategy, recorded, layer = _v1_layer(monkeypatch, every=100)

@@ -100,10 +100,19 @@ class TPUEmbedding(saving.KerasFileMixin, TPUEmbeddingCore, keras.layers.Layer):
       pass  # not the features' structure (e.g. None): the backend detects shapes on its own
     super().build(input_shape)
 
-  def call(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
-    return super().call(shapes.cast_placeholders(features), weights, serving_config)
+  # `training` is in the signature: Keras 3 passes it only to a `call` that names it, and
+  # without it an inference call (predict, evaluate) would admit keys. `remapped` and the rest
+  # go through to TPUEmbeddingCore.call.
+  def call(
+    self, features: Any, weights: Any = None, serving_config: Any = None, training: Any = None, **kw
+  ) -> Any:
+    features = shapes.cast_placeholders(features)
+    return super().call(features, weights, serving_config, training=training, **kw)
 
-  def compute_output_spec(self, features: Any, weights: Any = None, serving_config: Any = None):
+  def compute_output_spec(
+    self, features: Any, weights: Any = None, serving_config: Any = None, **unused: Any
+  ):
+    """The outputs' specs; `training` and `remapped` do not change them."""
     if serving_config is not None:  # another nest of features: trace it
       return super().compute_output_spec(features, weights, serving_config)
     return shapes.output_spec(self._config, features, shapes.mid_level_shape)

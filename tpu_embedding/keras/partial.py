@@ -74,10 +74,13 @@ class PartialTPUEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras.
       check_finite=check_finite,
     )
 
-  def call(self, features: Any, weights: Any = None) -> Any:
-    return super().call(shapes.cast_placeholders(features), weights)
+  # As the Keras 3 TPUEmbedding: Keras 3 passes `training` only to a `call` that names it.
+  def call(self, features: Any, weights: Any = None, training: Any = None, **kw) -> Any:
+    features = shapes.cast_placeholders(features)
+    return super().call(features, weights, training=training, **kw)
 
-  def compute_output_spec(self, features: Any, weights: Any = None) -> Any:
+  def compute_output_spec(self, features: Any, weights: Any = None, **unused: Any) -> Any:
+    """The outputs' specs; `training` and `remapped` do not change them."""
     return shapes.output_spec(self._config, features, shapes.mid_level_shape)
 
   def compute_output_shape(self, input_shape: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
@@ -10,7 +10,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
-from tpu_embedding.managed_ids.tables import ManagedTables
+from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows
 
 
 class ManagedIdsMixin:
@@ -26,14 +26,57 @@ class ManagedIdsMixin:
     """{table name: its key -> row map} for the tables named in `managed_ids`."""
     return {} if self._managed is None else dict(self._managed.maps)
 
-  def remap(self, features: Any, training: bool = True) -> Any:
+  def remap(self, features: Any, training: bool = True, defer_resets: bool = False) -> Any:
     """`features` with the raw keys of managed tables replaced by their rows, as the layer's
     call does; with `training`, one step of each map (admission, eviction, resets of the rows
     given to new keys). Call it outside a step that XLA compiles, or on the global batch outside
-    `strategy.run`, then call the layer with `remapped=True`."""
+    `strategy.run`, then call the layer with `remapped=True`.
+
+    With `defer_resets`, returns `(rows, resets)` and writes no table: `resets` ({managed table
+    name: rows given to new keys, padded with 0 to the number of the table's keys in the batch,
+    so that its shape follows the batch's}) go to `reset_rows` right before the step that takes
+    `rows`. So the remap may run ahead of training, as a `tf.data` map: a later batch's resets
+    must not land on rows that an earlier batch, still training, reads and updates."""
     if self._managed is None:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
-    return self._remap(self._config, features, bool(training))
+    if not defer_resets:
+      return self._remap(self._config, features, bool(training))
+    self._managed.check_resets_returned(self.name)
+    self._row_resets.check_resets_returned(self.name)
+    given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
+
+    def keep(table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
+      given[table.name].append(rows)  # `block` is None off parameter servers
+
+    rows = self._remap(self._config, features, bool(training), keep)
+    keys = {name: [] for name in given}  # each table's rows in the batch, flat
+    for feature, ids in config_lib.match_structure(self._config, rows, subset=True):
+      if feature.table.name in keys:
+        keys[feature.table.name].append(_flat_values(ids))
+    return rows, {name: _padded(given[name], keys[name]) for name in given}
+
+  def reset_rows(self, resets: Mapping[str, Any]) -> None:
+    """Writes the resets a `remap(..., defer_resets=True)` returned: fresh values in the rows
+    it gave to new keys, each table's and its slots'. Call it after every step of earlier
+    batches and before the step that takes that remap's rows."""
+    if self._managed is None:
+      raise ValueError(f"Layer {self.name!r} has no managed_ids: it has no resets to write.")
+    if not isinstance(resets, Mapping):
+      raise TypeError(
+        f"reset_rows takes the dict {{table name: rows}} that remap(..., defer_resets=True) "
+        f"returned, got {type(resets).__name__}."
+      )
+    checked = {}
+    for name, rows in resets.items():
+      if name not in self._managed.maps:
+        raise ValueError(
+          f"reset_rows was given rows of table {name!r}, which has no managed ids in layer "
+          f"{self.name!r}; its managed tables are {sorted(self._managed.maps)}. Nothing was "
+          "changed."
+        )
+      checked[name] = _given_rows(name, rows, self._managed.maps[name].capacity)
+    for name, rows in checked.items():
+      self._row_resets.reset(self._config.find_table(name), tf.boolean_mask(rows, rows > 0))
 
   def _remap_call(
     self, features: Any, training: Any, remapped: bool, serving_config: Any = None
@@ -47,12 +90,19 @@ class ManagedIdsMixin:
       config = config_lib.for_serving(serving_config, self._config)
     return self._remap(config, features, training is not False and serving_config is None)
 
-  def _remap(self, config: config_lib.EmbeddingConfig, features: Any, admits: bool) -> Any:
+  def _remap(
+    self,
+    config: config_lib.EmbeddingConfig,
+    features: Any,
+    admits: bool,
+    reset: Optional[ResetRows] = None,
+  ) -> Any:
+    """`reset`: where the rows given to new keys go (by default, this path's resets)."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
     if admits:
       self._row_resets.check_training_remap()
-    rows = self._managed.remap(config, features, admits, self._row_resets.reset)
+    rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
     if admits:
       self._row_resets.end_step()
     return self._row_resets.visible(config, rows)
@@ -68,3 +118,45 @@ class ManagedIdsMixin:
         "rows = layer.remap(features) outside strategy.run, then layer(rows, remapped=True) "
         "inside it."
       )
+
+
+def _flat_values(ids: Any) -> tf.Tensor:
+  if isinstance(ids, tf.SparseTensor):
+    return ids.values
+  if isinstance(ids, tf.RaggedTensor):
+    return ids.flat_values
+  return tf.reshape(ids, [-1])
+
+
+def _padded(given: list[tf.Tensor], keys: list[tf.Tensor]) -> tf.Tensor:
+  """The rows `given` to new keys, then 0 (never given) up to as many as `keys`: a shape that
+  changes only with the batch's, so a `tf.function` taking it does not trace at every step."""
+  rows = tf.concat(given, 0) if given else tf.zeros([0], tf.int64)
+  total = sum(tf.size(k, out_type=tf.int64) for k in keys) if keys else tf.constant(0, tf.int64)
+  padded = tf.pad(rows, [[0, total - tf.size(rows, out_type=tf.int64)]])
+  static = [k.shape.num_elements() for k in keys]
+  if None not in static:
+    padded.set_shape([sum(static)])
+  return padded
+
+
+def _given_rows(name: str, rows: Any, capacity: int) -> tf.Tensor:
+  """`rows` as an int64 vector of rows 0 .. capacity - 1 (0: padding, none given), or an error
+  naming the table."""
+  try:
+    rows = tf.convert_to_tensor(rows)
+  except (TypeError, ValueError) as error:
+    raise TypeError(f"reset_rows: the rows of table {name!r} are not a tensor: {error}") from None
+  if not rows.dtype.is_integer or rows.shape.rank != 1:
+    raise TypeError(
+      f"reset_rows: the rows of table {name!r} must be a vector of integer rows, as "
+      f"remap(..., defer_resets=True) returns them; got {rows.dtype.name} of shape {rows.shape}."
+    )
+  rows = tf.cast(rows, tf.int64)
+  tf.debugging.assert_equal(
+    tf.reduce_all((rows >= 0) & (rows < capacity)),
+    True,
+    message=f"reset_rows: table {name!r} gives rows 1 .. {capacity - 1} to new keys (0: none); "
+    "a row outside them was given",
+  )
+  return rows

@@ -123,6 +123,10 @@ class ImmediateResets:
       )
     self._check()
 
+  def check_resets_returned(self, layer_name: str) -> None:
+    """Refuses, before any map changes, a remap whose resets the caller writes later
+    (`remap(..., defer_resets=True)`); here they can be written at any time between steps."""
+
   def restoring(self) -> None:
     """A checkpoint restore begins: resets still waiting are written first (none may wait for
     a row the restored map gives away); before the tables exist, the restore is remembered,
@@ -208,6 +212,14 @@ class DeferredResets(ImmediateResets):
         "training loop right before the step, then layer(rows, remapped=True) inside it."
       )
     super().check_training_remap()
+
+  def check_resets_returned(self, layer_name: str) -> None:
+    raise ValueError(
+      f"Layer {layer_name!r} is on path {self._path_name}, where the rows given to new keys are "
+      "reset at flushes that copy the tables out of TPU memory and back, in the remap itself: "
+      "remap(..., defer_resets=True) cannot return them. Call rows = layer.remap(features) in "
+      "the training loop right before the step. Nothing was changed."
+    )
 
   def restoring(self) -> None:
     if not self._built():  # rows given since an earlier restore: the restored map replaces them
@@ -298,6 +310,10 @@ class RoutedResets(ImmediateResets):
   def check_training_remap(self) -> None:
     for side in self._distinct:
       side.check_training_remap()
+
+  def check_resets_returned(self, layer_name: str) -> None:
+    for side in self._distinct:
+      side.check_resets_returned(layer_name)
 
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     self._by_table[table.name].reset(table, rows, block)

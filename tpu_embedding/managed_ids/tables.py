@@ -59,6 +59,16 @@ class ManagedTables(tf.Module):
     self.maps = maps
     self._tables = {t.name: t for t in config.tables}
 
+  def check_resets_returned(self, layer_name: str) -> None:
+    """Refuses a remap returning its resets where each map's step resets its own rows: under
+    parameter servers a shard's step writes its rows on its ps task, within that step."""
+    if any(isinstance(m, sharded_map.ShardedIdMap) for m in self.maps.values()):
+      raise ValueError(
+        f"Layer {layer_name!r} has managed ids split over parameter servers, whose shards reset "
+        "the rows they give within their own step: remap(..., defer_resets=True) cannot return "
+        "them. Call the layer with raw keys inside strategy.run. Nothing was changed."
+      )
+
   def remap(
     self,
     config: config_lib.EmbeddingConfig,
