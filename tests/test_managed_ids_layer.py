@@ -144,6 +144,33 @@ def test_reset_rows_refuses_what_remap_did_not_give_and_changes_nothing():
   np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"].numpy(), before)
 
 
+def test_resets_a_remap_returned_are_written_by_flush_if_never_by_reset_rows():
+  """Two batches remapped ahead, the loop stopping after the first: `flush` (as every save,
+  export and restore does first) writes the second's resets, so its keys read fresh rows, not
+  those of the keys they evicted; resets written by `reset_rows` are never written again."""
+  layer = _layer("lru")
+  first, second = (
+    layer.remap({"movie": tf.constant(keys, tf.int64)}, defer_resets=True)
+    for keys in ([1, 2, 3, 4], [5, 6, 7, 8])
+  )
+  assert sorted(second[1]["movies"].numpy().tolist()) == [1, 2, 3, 4]  # the same rows again
+  layer.reset_rows(first[1])
+  _train(layer, first[0], tf.ones([4, DIM]))
+  parameters = layer.variables_by_table["movies"]["parameters"]
+  trained = parameters.numpy()[1:5].copy()
+  assert not np.allclose(trained, INIT)
+  layer.flush()
+  out = layer({"movie": tf.constant([5, 6, 7, 8], tf.int64)}, training=False)["movie"]
+  np.testing.assert_allclose(out.numpy(), np.full([4, DIM], INIT))
+  slots = layer.variables_by_table["movies"]["accumulators"].numpy()
+  np.testing.assert_allclose(slots[1:5], np.full([4, DIM], ACC))
+  layer.reset_rows(second[1])  # late, as a loop resuming would: written, counted
+  _train(layer, second[0], tf.ones([4, DIM]))
+  trained = parameters.numpy().copy()
+  layer.flush()  # nothing returned is left unwritten: trained rows stay
+  np.testing.assert_array_equal(parameters.numpy(), trained)
+
+
 @pytest.mark.parametrize("kind", ["ragged", "sparse"])
 def test_string_keys_ragged_and_sparse_with_weights(kind):
   layer = _layer("lfu", key_dtype=tf.string, min_count=2, combiner="mean")

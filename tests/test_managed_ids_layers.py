@@ -129,6 +129,18 @@ def test_inference_calls_never_admit_keys(kind):
   assert int(layer.managed_ids["small"].size()) == 3
 
 
+def test_traced_reset_rows_checks_every_table_before_writing_any():
+  layer = LAYERS["TPUEmbedding"]()
+  _step(layer, next(_stream()))
+  small = layer.variables_by_table["small"]["parameters"]
+  small.assign(tf.fill(small.shape, 9.0))
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match=r"table .{0,2}large.{0,2} gives rows 1 \.\. 6"
+  ):
+    tf.function(layer.reset_rows)({"small": tf.constant([1, 2]), "large": tf.constant([1, 70])})
+  np.testing.assert_array_equal(small.numpy(), np.full(small.shape, 9.0))
+
+
 def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):
   partial = LAYERS["PartialTPUEmbedding"]()
   trained = _train(partial)

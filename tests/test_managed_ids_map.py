@@ -225,12 +225,13 @@ def test_the_last_int32_step_is_refused_naming_the_table(engine_path):
   assert id_map.export()[0].numpy().tolist() == [7, 8]
 
 
-@pytest.mark.parametrize("counts", ["small", "huge"])
+@pytest.mark.parametrize("counts", ["small", "huge", "negative"])
 def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
   """At 20 000 rows the compiled kernel's pool holds >= 4096 entries, which it sorts by radix on
   keys packed into 64 bits, or by comparison where (aged count, last_seen, row) need more bits
-  ("huge": counts near 2**30 and last_seen over 2**21 steps). The map's variables are written
-  directly (as a restore would), the reference given the same state; rows must agree."""
+  ("huge": counts near 2**30 and last_seen over 2**21 steps) or a count is negative (only a
+  write from outside leaves one). The map's variables are written directly (as a restore
+  would), the reference given the same state; rows must agree."""
   capacity, half_life = 20_000, 2**30  # one LFU epoch: counts are not aged
   id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life)
   reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life)
@@ -239,7 +240,7 @@ def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
   id_map.remap(tf.constant(universe[: capacity - 1]), True)
   reference.train(universe[: capacity - 1].tolist())
   rows = np.arange(1, capacity)
-  base = 2**30 if counts == "huge" else 1
+  base = {"small": 1, "huge": 2**30, "negative": -2}[counts]
   count_of = base + rng.integers(0, 5, size=capacity - 1)
   seen_at = rng.integers(0, 2**21, size=capacity - 1)
   id_map.counts.assign(np.concatenate([[0], count_of]).astype(np.int32))

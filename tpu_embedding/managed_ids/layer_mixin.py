@@ -46,7 +46,8 @@ class ManagedIdsMixin:
     given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
 
     def keep(table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
-      given[table.name].append(rows)  # `block` is None off parameter servers
+      self._row_resets.returned(table, rows)  # `block` is None off parameter servers
+      given[table.name].append(rows)
 
     rows = self._remap(self._config, features, bool(training), keep)
     keys = {name: [] for name in given}  # each table's rows in the batch, flat
@@ -66,7 +67,7 @@ class ManagedIdsMixin:
         f"reset_rows takes the dict {{table name: rows}} that remap(..., defer_resets=True) "
         f"returned, got {type(resets).__name__}."
       )
-    checked = {}
+    checked, checks = {}, []
     for name, rows in resets.items():
       if name not in self._managed.maps:
         raise ValueError(
@@ -74,9 +75,12 @@ class ManagedIdsMixin:
           f"{self.name!r}; its managed tables are {sorted(self._managed.maps)}. Nothing was "
           "changed."
         )
-      checked[name] = _given_rows(name, rows, self._managed.maps[name].capacity)
-    for name, rows in checked.items():
-      self._row_resets.reset(self._config.find_table(name), tf.boolean_mask(rows, rows > 0))
+      checked[name], check = _given_rows(name, rows, self._managed.maps[name].capacity)
+      checks.append(check)
+    with tf.control_dependencies(checks):  # traced, too: every table checked before any write
+      for name, rows in checked.items():
+        rows = tf.boolean_mask(rows, tf.identity(rows) > 0)
+        self._row_resets.reset_returned(self._config.find_table(name), rows)
 
   def _remap_call(
     self, features: Any, training: Any, remapped: bool, serving_config: Any = None
@@ -140,9 +144,9 @@ def _padded(given: list[tf.Tensor], keys: list[tf.Tensor]) -> tf.Tensor:
   return padded
 
 
-def _given_rows(name: str, rows: Any, capacity: int) -> tf.Tensor:
-  """`rows` as an int64 vector of rows 0 .. capacity - 1 (0: padding, none given), or an error
-  naming the table."""
+def _given_rows(name: str, rows: Any, capacity: int) -> tuple[tf.Tensor, Any]:
+  """(`rows` as an int64 vector, the op checking them all in 0 .. capacity - 1, 0 being
+  padding), or an error naming the table."""
   try:
     rows = tf.convert_to_tensor(rows)
   except (TypeError, ValueError) as error:
@@ -153,10 +157,10 @@ def _given_rows(name: str, rows: Any, capacity: int) -> tf.Tensor:
       f"remap(..., defer_resets=True) returns them; got {rows.dtype.name} of shape {rows.shape}."
     )
   rows = tf.cast(rows, tf.int64)
-  tf.debugging.assert_equal(
+  check = tf.debugging.assert_equal(
     tf.reduce_all((rows >= 0) & (rows < capacity)),
     True,
     message=f"reset_rows: table {name!r} gives rows 1 .. {capacity - 1} to new keys (0: none); "
     "a row outside them was given",
   )
-  return rows
+  return rows, check

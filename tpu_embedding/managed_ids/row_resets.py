@@ -110,6 +110,10 @@ class ImmediateResets:
     self._restored_unbuilt = False  # ...unless a restore fills them as it creates them
     # Rows given since such a restore, reset once the tables exist: (table, rows, block).
     self._given_unbuilt: list[tuple[TableConfig, tf.Tensor, Optional[int]]] = []
+    # Remaps that returned their resets (`remap(..., defer_resets=True)`), per table: how many
+    # times they gave each row, and how many of those resets the caller wrote. Each count has
+    # one writer (the remaps' thread, the training loop), so neither races the other.
+    self._returned: dict[str, tuple[TableConfig, tf.Variable, tf.Variable]] = {}
 
   def check_training_remap(self) -> None:
     """Refuses, before any map changes, a training remap this path could not reset rows for
@@ -150,6 +154,27 @@ class ImmediateResets:
     elif self._restored_unbuilt:
       self._given_unbuilt.append((table, rows, block))
 
+  def returned(self, table: TableConfig, rows: tf.Tensor) -> None:
+    """`rows` of `table` were given by a remap that returned their resets unwritten."""
+    given, _ = self._counts(table)
+    given.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
+
+  def reset_returned(self, table: TableConfig, rows: tf.Tensor) -> None:
+    """The caller writes resets a remap returned (`reset_rows`)."""
+    self.reset(table, rows)
+    _, written = self._counts(table)
+    written.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
+
+  def _counts(self, table: TableConfig) -> tuple[tf.Variable, tf.Variable]:
+    if table.name not in self._returned:
+      with tf.init_scope():  # made once, eagerly, also when first asked inside a trace
+        given, written = (
+          tf.Variable(tf.zeros([table.vocabulary_size], tf.int32), trainable=False, name=name)
+          for name in ("resets_returned", "resets_written")
+        )
+      self._returned[table.name] = (table, given, written)
+    return self._returned[table.name][1:]
+
   # Hooks with nothing to do here are left to Python: AutoGraph fails on a body that is only
   # a docstring (a warning at every trace).
   @tf.autograph.experimental.do_not_convert
@@ -158,7 +183,12 @@ class ImmediateResets:
 
   @tf.autograph.experimental.do_not_convert
   def apply(self) -> None:
-    """Writes every reset still waiting (before a save, an export or a restore)."""
+    """Writes every reset still waiting (before a save, an export or a restore): here, those
+    remaps returned that `reset_rows` has not written (batches remapped ahead of training, or
+    left in a pipeline when its loop stopped). Their counts stay: `reset_rows` still writes
+    them when it comes."""
+    for table, given, written in self._returned.values():
+      self.reset(table, tf.where(given > written)[:, 0])
 
   def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
     """`features` (rows) as the tables can serve them now."""
@@ -317,6 +347,12 @@ class RoutedResets(ImmediateResets):
 
   def reset(self, table: TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
     self._by_table[table.name].reset(table, rows, block)
+
+  def returned(self, table: TableConfig, rows: tf.Tensor) -> None:
+    self._by_table[table.name].returned(table, rows)
+
+  def reset_returned(self, table: TableConfig, rows: tf.Tensor) -> None:
+    self._by_table[table.name].reset_returned(table, rows)
 
   def end_step(self) -> None:
     for side in self._distinct:
