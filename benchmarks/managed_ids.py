@@ -184,11 +184,13 @@ def run_pipelined(s: dict, blocks: int = 3) -> dict:
     return step(rows, y, True)
 
   options = tf.data.Options()
-  options.autotune.enabled = False
+  options.autotune.enabled = False  # a sequential, stateful map: nothing for it to tune
   premapped = tf.data.Dataset.from_tensor_slices((ranks, labels)).with_options(options)
-  pipelined = tf.data.Dataset.from_tensor_slices((raw, labels)).map(
-    lambda keys, y: (layer.remap(keys, defer_resets=True), y)
-  ).with_options(options)
+  pipelined = (
+    tf.data.Dataset.from_tensor_slices((raw, labels))
+    .map(lambda keys, y: (layer.remap(keys, defer_resets=True), y))
+    .with_options(options)
+  )
   loops = {  # made once: a dataset traces its map function when it is made
     "premapped": (iter(premapped.prefetch(2)), lambda ids, y: premapped_step(ids, y)),
     "pipelined": (iter(pipelined.prefetch(2)), lambda batch, y: train(*batch, y)),
