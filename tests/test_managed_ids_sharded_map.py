@@ -117,3 +117,17 @@ def test_a_shard_resets_a_keras_trained_table_and_its_keras_slots_in_its_own_blo
   blocks = [b for v in variables for b in getattr(v, "variables", [v]) if b.shape.rank == 2]
   assert [tuple(b.shape) for b in blocks] == [(7, 2), (6, 2)]
   np.testing.assert_allclose(np.concatenate([b.numpy() for b in blocks]), want_slot, rtol=1e-6)
+
+
+def test_remap_returning_its_resets_is_refused_for_maps_split_over_parameter_servers():
+  """Each shard resets the rows it gives inside its own step: `defer_resets` is refused."""
+  table = E.TableConfig(6, 2, name="movies")
+  config = config_lib.prepare({"movie": E.FeatureConfig(table, name="movie")})
+  managed = tpu_embedding.managed_ids.ManagedTables(
+    {"movies": tpu_embedding.ManagedIds()}, config, lambda: {}
+  )
+  managed.maps["movies"] = sharded_map.ShardedIdMap(
+    tpu_embedding.ManagedIds(), "movies", blocks(3, 3)
+  )
+  with pytest.raises(ValueError, match=r"Layer 'ranker'.*parameter servers.*defer_resets=True"):
+    managed.check_resets_returned("ranker")
