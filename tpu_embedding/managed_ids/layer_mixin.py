@@ -10,7 +10,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
-from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows
+from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
 
 
 class ManagedIdsMixin:
@@ -53,7 +53,7 @@ class ManagedIdsMixin:
     keys = {name: [] for name in given}  # each table's rows in the batch, flat
     for feature, ids in config_lib.match_structure(self._config, rows, subset=True):
       if feature.table.name in keys:
-        keys[feature.table.name].append(_flat_values(ids))
+        keys[feature.table.name].append(flat_values(ids))
     return rows, {name: _padded(given[name], keys[name]) for name in given}
 
   def reset_rows(self, resets: Mapping[str, Any]) -> None:
@@ -122,14 +122,6 @@ class ManagedIdsMixin:
         "rows = layer.remap(features) outside strategy.run, then layer(rows, remapped=True) "
         "inside it."
       )
-
-
-def _flat_values(ids: Any) -> tf.Tensor:
-  if isinstance(ids, tf.SparseTensor):
-    return ids.values
-  if isinstance(ids, tf.RaggedTensor):
-    return ids.flat_values
-  return tf.reshape(ids, [-1])
 
 
 def _padded(given: list[tf.Tensor], keys: list[tf.Tensor]) -> tf.Tensor:

@@ -110,12 +110,7 @@ def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
 
 def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
   """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
-  if isinstance(ids, tf.SparseTensor):
-    values = ids.values
-  elif isinstance(ids, tf.RaggedTensor):
-    values = ids.flat_values
-  else:
-    values = tf.convert_to_tensor(ids) if not isinstance(ids, tf.Tensor) else ids
+  values = flat_values(ids)
   dtype, expected = values.dtype, id_map.key_dtype
   ok = dtype == tf.string if expected == tf.string else dtype.is_integer
   if not ok:
@@ -124,7 +119,16 @@ def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Ten
       f"Feature {feature.name!r}: its table {feature.table.name!r} manages its ids with "
       f"key_dtype {expected.name}, which takes {wanted}; got {dtype.name} keys."
     )
-  return tf.reshape(tf.cast(values, expected) if dtype != expected else values, [-1])
+  return tf.cast(values, expected) if dtype != expected else values
+
+
+def flat_values(ids: Any) -> tf.Tensor:
+  """The ids of a dense, ragged or sparse feature as one flat tensor, in row-major order."""
+  if isinstance(ids, tf.SparseTensor):
+    return ids.values
+  if isinstance(ids, tf.RaggedTensor):
+    return ids.flat_values
+  return tf.reshape(ids, [-1])
 
 
 def _with_rows(ids: Any, rows: tf.Tensor) -> Any:
