@@ -87,8 +87,9 @@ def test_mirrored_copies_are_reset_by_tf_ops_with_one_draw():
 
 
 def test_tracing_a_training_call_leaves_autograph_nothing_to_warn_about(caplog):
-  """The resets' hooks run at every traced training call; AutoGraph once failed on those whose
-  body is a docstring and warned at every trace."""
+  """The resets' hooks run at every traced training call and remap (here also one returning its
+  resets, as a `tf.data` map traces it); AutoGraph once failed on those whose body is a
+  docstring and warned at every trace."""
   table = E.TableConfig(5, 2, initializer=tf.constant_initializer(0.5), name="movies")
   layer = tpu_embedding.TPUEmbedding(
     {"movie": E.FeatureConfig(table, name="movie")},
@@ -96,9 +97,13 @@ def test_tracing_a_training_call_leaves_autograph_nothing_to_warn_about(caplog):
     managed_ids={"movies": tpu_embedding.ManagedIds()},
   )
   call = tf.function(lambda keys: layer({"movie": keys}, training=True))
+  ahead = tf.function(lambda keys: layer.remap({"movie": keys}, defer_resets=True))
   with caplog.at_level("WARNING"):
     out = call(tf.constant([7, 9], tf.int64))
+    rows, resets = ahead(tf.constant([9, 4], tf.int64))
   np.testing.assert_array_equal(out["movie"].numpy(), np.full((2, 2), 0.5, np.float32))
+  np.testing.assert_array_equal(rows["movie"].numpy(), [2, 3])
+  np.testing.assert_array_equal(resets["movies"].numpy(), [3, 0])
   assert not [r for r in caplog.records if "AutoGraph could not transform" in r.getMessage()]
 
 

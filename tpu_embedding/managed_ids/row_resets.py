@@ -127,6 +127,7 @@ class ImmediateResets:
       )
     self._check()
 
+  @tf.autograph.experimental.do_not_convert  # a docstring alone: see `end_step`
   def check_resets_returned(self, layer_name: str) -> None:
     """Refuses, before any map changes, a remap whose resets the caller writes later
     (`remap(..., defer_resets=True)`); here they can be written at any time between steps."""
