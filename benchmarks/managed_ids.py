@@ -17,6 +17,7 @@ benchmarks/results/managed[-quick][-speed]/.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
+from benchmarks import cases, worker
 from tpu_embedding.data import drifting_ratings
 from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap
@@ -41,11 +43,26 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # Zipf ranks -> scattered 64-bit keys (odd
 
 
 def speed_settings(quick: bool) -> dict:
+  """The DLRM workload of `python -m benchmarks dlrm` (benchmarks/cases.py, worker.py): 26
+  tables, ten of 10^6 rows and sixteen of 10^2..10^5, dim 16, features 0-2 multi-hot, 13 dense
+  features through a bottom MLP 512-256-16, concat interaction, top MLP 512-256-1, Adagrad,
+  batch 4096; its ten 10^6-row tables managed (issue 28)."""
   if quick:
-    return dict(tables=3, rows=20_000, dim=16, batch=1024, warmup=5, steps=30)
-  # 300 steps: at this churn the maps' eviction pools run dry and are rebuilt within them, which
-  # a median skips and a mean counts.
-  return dict(tables=10, rows=1_000_000, dim=16, batch=4096, warmup=10, steps=300)
+    return dict(
+      sizes=[20_000] * 3 + [100, 1_000], managed=3, multi_hot=(0,), dense=True, dim=16,
+      batch=1024, warmup=5, steps=30,
+    )  # fmt: skip
+  return dict(
+    sizes=cases.dlrm_sizes(), managed=10, multi_hot=worker.MULTI_HOT, dense=True, dim=16,
+    batch=cases.DLRM_BATCH, warmup=10, steps=300,
+  )  # fmt: skip
+
+
+def stress_settings(quick: bool) -> dict:
+  """Beyond the issue's workload: the managed tables alone, one id a sample, no dense features,
+  a top MLP 64-1. Embeddings are all of its step, so the remap's cost stands out."""
+  s = speed_settings(quick)
+  return dict(s, sizes=s["sizes"][: s["managed"]], multi_hot=(), dense=False)
 
 
 def zipf_keys(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,30 +73,29 @@ def zipf_keys(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarr
   return keys, ranks.astype(np.int64)
 
 
-def _dlrm(s: dict, managed: bool, initializer=None, min_count: int = 1):
-  """(layer, DLRM step, embedding-only step): the second trains the layer alone on the sum of
-  its outputs, the embedding part's own step. `initializer`: the tables' (None: TableConfig's
-  default, a truncated normal); `min_count`: the maps'."""
-  tables = [
-    E.TableConfig(s["rows"], s["dim"], initializer=initializer, name=f"t{i}")
-    for i in range(s["tables"])
-  ]
-  features = {f"f{i}": E.FeatureConfig(t, name=f"f{i}") for i, t in enumerate(tables)}
+def _model(s: dict, managed: bool, initializer=None, min_count: int = 1):
+  """(layer, training step, embedding-only step) of the workload `s`: the second trains the
+  layer alone on the sum of its outputs, the embedding part's own step. `initializer`: the
+  tables' (None: the workloads' RandomUniform); `min_count`: the maps'."""
+  features = worker.feature_configs(tf, s["sizes"], s["dim"], initializer)
   kwargs = {}
   if managed:
     spec = tpu_embedding.ManagedIds(eviction="lfu", min_count=min_count)
-    kwargs["managed_ids"] = {t.name: spec for t in tables}
-  layer = tpu_embedding.TPUEmbedding(features, optimizer=E.Adagrad(0.05), **kwargs)
-  top = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
-  optimizer = tf_keras.optimizers.SGD(0.01)
+    kwargs["managed_ids"] = {f"t{i}": spec for i in range(s["managed"])}
+  learning_rate = worker.LR["adagrad"]
+  layer = tpu_embedding.TPUEmbedding(features, optimizer=E.Adagrad(learning_rate), **kwargs)
+  towers = (
+    worker.dlrm_towers(tf_keras) if s["dense"] else worker.dlrm_towers(tf_keras, None, (64, 1))
+  )
+  optimizer = tf_keras.optimizers.legacy.Adagrad(learning_rate)
 
   @tf.function
-  def step(inputs, labels, remapped=False):
+  def step(inputs, dense, labels, remapped=False):
     with tf.GradientTape() as tape:
       out = layer(inputs, remapped=remapped)
-      logits = top(tf.concat([out[k] for k in sorted(out)], 1))[:, 0]
-      loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
-    variables = layer.trainable_variables + top.trainable_variables
+      flat = [out[f"f{i}"] for i in range(len(s["sizes"]))]
+      loss = worker.dlrm_loss(tf, towers, flat, dense, labels)
+    variables = layer.trainable_variables + worker.tower_variables(towers)
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return loss
 
@@ -94,19 +110,37 @@ def _dlrm(s: dict, managed: bool, initializer=None, min_count: int = 1):
 
 
 def _batches(s: dict, count: int, seed: int):
+  """(raw keys, pre-mapped ids, dense features, labels) of `count` batches. A managed table's
+  feature takes raw keys (`zipf_keys`); pre-mapped, their Zipf ranks modulo its rows. Other
+  features take the DLRM workload's ids in both. Features in `multi_hot`: 1-5 ids a sample."""
   rng = np.random.default_rng(seed)
   for _ in range(count):
     raw, ranks = {}, {}
-    for i in range(s["tables"]):
-      keys, r = zipf_keys(rng, s["batch"])
-      raw[f"f{i}"], ranks[f"f{i}"] = tf.constant(keys), tf.constant(r % s["rows"])
-    yield raw, ranks, tf.constant(rng.integers(0, 2, s["batch"]).astype("f4"))
+    for i, rows in enumerate(s["sizes"]):
+      lengths = rng.integers(1, 6, s["batch"]) if i in s["multi_hot"] else None
+      size = s["batch"] if lengths is None else int(lengths.sum())
+      if i < s["managed"]:
+        keys, rank = zipf_keys(rng, size)
+        rank %= rows
+      else:
+        keys = rank = worker.zipf_ids(rng, rows, size)
+      raw[f"f{i}"], ranks[f"f{i}"] = _feature(keys, lengths), _feature(rank, lengths)
+    dense = tf.constant(rng.standard_normal((s["batch"], worker.DENSE_FEATURES)).astype("f4"))
+    labels = tf.constant(rng.integers(0, 2, (s["batch"], 1)).astype("f4"))
+    yield raw, ranks, dense, labels
+
+
+def _feature(ids: np.ndarray, lengths) -> tf.Tensor:
+  if lengths is None:
+    return tf.constant(ids)
+  return tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lengths))
 
 
 def _timed(fn, *args) -> tuple[float, float]:
-  """(wall, CPU of the whole process) seconds of one call, results fetched."""
+  """(wall, CPU of the whole process) seconds of one call, results fetched (a ragged result
+  by its component tensors: its `numpy()` builds one array per row, ~8 ms at batch 4096)."""
   wall, cpu = time.perf_counter(), time.process_time()
-  tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+  tf.nest.map_structure(lambda t: t.numpy(), fn(*args), expand_composites=True)
   return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -114,19 +148,21 @@ def _fill(layer, s: dict) -> None:
   """Gives every row of every map a key first, so that timed steps evict as a full map does
   (at 10^6 rows a Zipf stream of a few thousand keys a step would take hundreds of steps)."""
   rng = np.random.default_rng(2)
-  layer.remap({f"f{i}": rng.integers(-(2**62), 2**62, s["rows"] - 1) for i in range(s["tables"])})
+  layer.remap(
+    {f"f{i}": rng.integers(-(2**62), 2**62, s["sizes"][i] - 1) for i in range(s["managed"])}
+  )
 
 
 def run_speed(s: dict) -> dict:
   """Each batch runs through every variant in turn (interleaved, so that a change in the
   machine's load hits all of them alike); medians and means of wall and of process CPU time."""
   data = list(_batches(s, s["warmup"] + s["steps"], seed=0))
-  _, premapped_step, embedding_step = _dlrm(s, managed=False)
-  _, map_rows_step, map_rows_embedding_step = _dlrm(s, managed=False)  # its own tables
-  layer, managed_step, _ = _dlrm(s, managed=True)
-  remap_layer, _, _ = _dlrm(s, managed=True)
-  zeros_layer, zeros_step, _ = _dlrm(s, managed=True, initializer=tf.zeros_initializer())
-  twice_layer, twice_step, _ = _dlrm(s, managed=True, min_count=2)
+  _, premapped_step, embedding_step = _model(s, managed=False)
+  _, map_rows_step, map_rows_embedding_step = _model(s, managed=False)  # its own tables
+  layer, managed_step, _ = _model(s, managed=True)
+  remap_layer, _, _ = _model(s, managed=True)
+  zeros_layer, zeros_step, _ = _model(s, managed=True, initializer=tf.zeros_initializer())
+  twice_layer, twice_step, _ = _model(s, managed=True, min_count=2)
   for filled in (layer, remap_layer, zeros_layer, twice_layer):
     _fill(filled, s)
   remap = tf.function(remap_layer.remap)
@@ -137,17 +173,17 @@ def run_speed(s: dict) -> dict:
     return given["rows"]
 
   variants = {
-    "premapped": lambda raw, ranks, y: premapped_step(ranks, y),
-    "managed": lambda raw, ranks, y: managed_step(raw, y),
-    "managed_zeros": lambda raw, ranks, y: zeros_step(raw, y),
-    "managed_twice": lambda raw, ranks, y: twice_step(raw, y),
-    "embedding": lambda raw, ranks, y: embedding_step(ranks),
-    "remap": lambda raw, ranks, y: remapped(raw),
+    "premapped": lambda raw, ranks, x, y: premapped_step(ranks, x, y),
+    "managed": lambda raw, ranks, x, y: managed_step(raw, x, y),
+    "managed_zeros": lambda raw, ranks, x, y: zeros_step(raw, x, y),
+    "managed_twice": lambda raw, ranks, x, y: twice_step(raw, x, y),
+    "embedding": lambda raw, ranks, x, y: embedding_step(ranks),
+    "remap": lambda raw, ranks, x, y: remapped(raw),
     # The same two steps on the rows the map gave: the same lookups as the managed model, so
     # the difference is the remap's own cost (the map gives new keys neighbouring rows, which
     # read faster than rank-ordered ids whose long tail wraps over every row).
-    "premapped_map_rows": lambda raw, ranks, y: map_rows_step(given["rows"], y),
-    "embedding_map_rows": lambda raw, ranks, y: map_rows_embedding_step(given["rows"]),
+    "premapped_map_rows": lambda raw, ranks, x, y: map_rows_step(given["rows"], x, y),
+    "embedding_map_rows": lambda raw, ranks, x, y: map_rows_embedding_step(given["rows"]),
   }
   times = {name: [] for name in variants}
   for i, batch in enumerate(data):
@@ -161,7 +197,7 @@ def run_speed(s: dict) -> dict:
     result[f"{name}_cpu_ms"] = 1e3 * statistics.median(c for _, c in pairs)
     result[f"{name}_mean_ms"] = 1e3 * statistics.mean(w for w, _ in pairs)
   id_map = layer.managed_ids["t0"]
-  result.update(keys_held_t0=int(id_map.size()), rows_t0=s["rows"] - 1)
+  result.update(keys_held_t0=int(id_map.size()), rows_t0=s["sizes"][0] - 1)
   return result
 
 
@@ -172,28 +208,29 @@ def run_pipelined(s: dict, blocks: int = 3) -> dict:
   too); blocks of each alternate. Mean wall and process CPU time a step."""
   per_block = s["steps"] // blocks
   data = list(_batches(s, s["warmup"] + blocks * per_block, seed=1))
-  raw, ranks = ({k: np.stack([b[j][k].numpy() for b in data]) for k in data[0][j]} for j in (0, 1))
-  labels = np.stack([b[2].numpy() for b in data])
-  _, premapped_step, _ = _dlrm(s, managed=False)
-  layer, step, _ = _dlrm(s, managed=True)
+  raw, ranks, dense, labels = (tf.nest.map_structure(_stacked, *part) for part in zip(*data))
+  _, premapped_step, _ = _model(s, managed=False)
+  layer, step, _ = _model(s, managed=True)
   _fill(layer, s)
 
-  @tf.function
-  def train(rows, resets, y):
+  # Resets are padded to the batch's keys, whose number multi-hot features vary: one trace for
+  # every length.
+  @tf.function(reduce_retracing=True)
+  def train(rows, resets, x, y):
     layer.reset_rows(resets)  # before the step's lookup: ordered as written
-    return step(rows, y, True)
+    return step(rows, x, y, True)
 
   options = tf.data.Options()
   options.autotune.enabled = False  # a sequential, stateful map: nothing for it to tune
-  premapped = tf.data.Dataset.from_tensor_slices((ranks, labels)).with_options(options)
+  premapped = tf.data.Dataset.from_tensor_slices((ranks, dense, labels)).with_options(options)
   pipelined = (
-    tf.data.Dataset.from_tensor_slices((raw, labels))
-    .map(lambda keys, y: (layer.remap(keys, defer_resets=True), y))
+    tf.data.Dataset.from_tensor_slices((raw, dense, labels))
+    .map(lambda keys, x, y: (layer.remap(keys, defer_resets=True), x, y))
     .with_options(options)
   )
   loops = {  # made once: a dataset traces its map function when it is made
-    "premapped": (iter(premapped.prefetch(2)), lambda ids, y: premapped_step(ids, y)),
-    "pipelined": (iter(pipelined.prefetch(2)), lambda batch, y: train(*batch, y)),
+    "premapped": (iter(premapped.prefetch(2)), premapped_step),
+    "pipelined": (iter(pipelined.prefetch(2)), lambda batch, x, y: train(*batch, x, y)),
   }
   totals = {name: [0.0, 0.0] for name in loops}
   for block in range(-1, blocks):  # block -1: the warm-up batches, not counted
@@ -207,6 +244,13 @@ def run_pipelined(s: dict, blocks: int = 3) -> dict:
     result[f"{name}_mean_ms"] = 1e3 * wall / (blocks * per_block)
     result[f"{name}_cpu_ms"] = 1e3 * cpu / (blocks * per_block)
   return result
+
+
+def _stacked(*tensors: tf.Tensor) -> tf.Tensor:
+  """One batch's tensors stacked along a new first axis (ragged ones as ragged)."""
+  if isinstance(tensors[0], tf.RaggedTensor):
+    return tf.ragged.stack(list(tensors))
+  return tf.stack(tensors)
 
 
 def _timed_loop(batches, step, count: int) -> tuple[float, float]:
@@ -226,34 +270,35 @@ _DYNAMIC_EMBEDDING_STEPS = 5  # timed, after one warm-up step
 
 
 def run_dynamic_embedding(s: dict) -> dict:
-  """tf_keras's DynamicEmbedding in the same DLRM: keys as decimal strings (its vocabulary
+  """tf_keras's DynamicEmbedding in the stress model: keys as decimal strings (its vocabulary
   rebuild concatenates a string "UNK" token, so int64 keys fail there); the step learns the
   vocabulary's counts, `update_embeddings` (its callback's periodic rebuild) is timed apart."""
   from tf_keras.layers.experimental import DynamicEmbedding
 
-  cells = s["batch"] * s["rows"]
+  rows = s["sizes"][0]
+  cells = s["batch"] * rows
   if cells > _DYNAMIC_EMBEDDING_MAX_CELLS:
     return dict(
       skipped=f"its lookup compares each key with each vocabulary entry: {cells:.1e} booleans "
-      f"per table and step (batch {s['batch']} x {s['rows']} rows) do not fit here"
+      f"per table and step (batch {s['batch']} x {rows} rows) do not fit here"
     )
-  layers = [DynamicEmbedding(s["rows"], s["dim"], tf.string) for _ in range(s["tables"])]
-  top = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
-  optimizer = tf_keras.optimizers.Adagrad(0.05)
+  layers = [DynamicEmbedding(rows, s["dim"], tf.string) for _ in s["sizes"]]
+  towers = worker.dlrm_towers(tf_keras, None, (64, 1))
+  optimizer = tf_keras.optimizers.legacy.Adagrad(worker.LR["adagrad"])
 
   @tf.function
-  def step(inputs, labels):
+  def step(inputs, dense, labels):
     with tf.GradientTape() as tape:
       out = [layer(inputs[f"f{i}"]) for i, layer in enumerate(layers)]
-      logits = top(tf.concat(out, 1))[:, 0]
-      loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
-    variables = [v for x in layers + [top] for v in x.trainable_variables]
+      loss = worker.dlrm_loss(tf, towers, out, dense, labels)
+    variables = [v for x in layers for v in x.trainable_variables]
+    variables += worker.tower_variables(towers)
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return loss
 
   data = [
-    ({k: tf.strings.as_string(v) for k, v in raw.items()}, y)
-    for raw, _, y in _batches(s, _DYNAMIC_EMBEDDING_STEPS + 1, seed=0)
+    ({k: tf.strings.as_string(v) for k, v in raw.items()}, x, y)
+    for raw, _, x, y in _batches(s, _DYNAMIC_EMBEDDING_STEPS + 1, seed=0)
   ]
   times = [_timed(step, *batch)[0] for batch in data][1:]  # seconds a step: a few suffice
   start = time.perf_counter()
@@ -275,8 +320,8 @@ def run_tfra(s: dict) -> dict:
       skipped=f"set {TFRA_ENV} to a Python with tensorflow-cpu==2.16.2 and "
       "tensorflow-recommenders-addons==0.8.1 (TFRA needs TF <= 2.16.2)"
     )
-  settings = {k: s[k] for k in ("tables", "dim", "batch", "warmup", "steps")}
-  settings["distinct"] = DISTINCT_KEYS
+  settings = {k: s[k] for k in ("dim", "batch", "warmup", "steps")}
+  settings.update(tables=len(s["sizes"]), distinct=DISTINCT_KEYS)
   done = subprocess.run(
     [python, os.path.join(HERE, "managed_tfra.py"), json.dumps(settings)],
     capture_output=True,
@@ -410,58 +455,36 @@ def plot(quality: dict, path: str) -> None:
 
 
 def report(result: dict) -> str:
-  sp, mem, q = result["speed"], result["memory"], result["quality"]
-  s = sp["settings"]
-  premapped, premapped_cpu = sp["premapped_ms"], sp["premapped_cpu_ms"]
+  sp, stress, mem, q = result["speed"], result["stress"], result["memory"], result["quality"]
   lines = [
     f"# Managed ids ({'quick' if result['quick'] else 'full'})",
     "",
-    f"DLRM-like: {s['tables']} tables x {s['rows']} rows x dim {s['dim']}, batch {s['batch']}, "
-    f"keys Zipf(1.1) over {DISTINCT_KEYS:.0e} 64-bit values, maps full; variants interleaved "
-    f"batch by batch, medians and means of {s['steps']} steps; load average at the end "
-    f"{', '.join(f'{x:.1f}' for x in sp['load_average'])} on {os.cpu_count()} CPUs.",
+    f"Keys of managed tables Zipf(1.1) over {DISTINCT_KEYS:.0e} 64-bit values, maps full before "
+    "timing; variants interleaved batch by batch, medians and means; "
+    f"{os.cpu_count()} CPUs.",
     "",
-    "| variant | step ms (wall, median) | vs pre-mapped | process CPU ms | vs pre-mapped "
-    "| mean wall ms | vs pre-mapped |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for name, key in (
-    ("pre-mapped row ids (DLRM step)", "premapped"),
-    ("managed ids (DLRM step, remap in the call)", "managed"),
-    ("  the same, tables initialized to zeros (resets draw nothing)", "managed_zeros"),
-    ("  the same, min_count=2 (keys seen once never get a row)", "managed_twice"),
-    ("embedding part alone (pre-mapped ids)", "embedding"),
-    ("remap alone (layer.remap, all tables)", "remap"),
-    ("pre-mapped DLRM step fed the rows the map gave", "premapped_map_rows"),
-    ("embedding part alone, the rows the map gave", "embedding_map_rows"),
-  ):
-    wall, cpu, mean = sp[f"{key}_ms"], sp[f"{key}_cpu_ms"], sp[f"{key}_mean_ms"]
-    lines.append(
-      f"| {name} | {wall:.1f} | {wall / premapped:.2f}x | {cpu:.1f} | {cpu / premapped_cpu:.2f}x "
-      f"| {mean:.1f} | {mean / sp['premapped_mean_ms']:.2f}x |"
-    )
-  lines += [
-    _other_row("tf_keras DynamicEmbedding (string keys; rebuild apart)", result["dynamic"], sp),
-    _other_row("TFRA dynamic embedding (unbounded, TF 2.16)", result["tfra"], sp),
+    f"## The DLRM workload ({_shape(sp['settings'])}), its managed tables' maps",
     "",
+    *_speed_table(sp),
     f"Table t0's map held {sp['keys_held_t0']} keys in {sp['rows_t0']} rows at the end.",
     "",
+    f"## Beyond the issue: the managed tables alone ({_shape(stress['settings'])})",
+    "",
+    *_speed_table(stress, result["dynamic"], result["tfra"]),
     f"Map memory at {mem['rows']} rows: {mem['variables_bytes_per_row']:.0f} B/row of variables "
     f"(key copy 8, count 4, last seen 4) + {mem['hash_table_bytes_per_row']:.0f} B/row of "
     f"{mem['table']} key -> row table + at most "
     f"{mem['index_bytes_per_row']:.1f} B/row of eviction index "
     f"= {_bytes_per_row(mem):.0f} B/row; keys {mem['key_bytes']} B.",
     "",
-    "Targets (issue 28):",
-    _verdict("whole DLRM step <= 1.15x the pre-mapped one", sp, "managed", "premapped", 1.15, "x"),
-    _verdict("remap <= the embedding part's own step", sp, "remap", "embedding", 1.0, "x of it"),
+    "Targets (issue 28), on the DLRM workload:",
+    *_verdicts(sp),
     _pipelined_verdict(result["pipelined"]),
-    "The same two against the steps fed the rows the map gave (the remap's own cost):",
-    _verdict("whole DLRM step <= 1.15x", sp, "managed", "premapped_map_rows", 1.15, "x"),
-    _verdict("remap <= the embedding part", sp, "remap", "embedding_map_rows", 1.0, "x of it"),
     f"- map memory <= 48 B/row + key bytes ({48 + mem['key_bytes']} B): "
     f"{_bytes_per_row(mem):.0f} B/row: "
     f"{'MET' if _bytes_per_row(mem) <= 48 + mem['key_bytes'] else 'NOT MET'}",
+    "The same, on the managed tables alone (no dense part: beyond the issue's workload):",
+    *_verdicts(stress),
   ]
   if q is not None:
     lines += [
@@ -485,6 +508,60 @@ def report(result: dict) -> str:
       f"{result['dynamic']['rebuild_s']:.2f} s for all tables.",
     ]
   return "\n".join(lines) + "\n"
+
+
+def _shape(s: dict) -> str:
+  managed = s["sizes"][: s["managed"]]
+  text = (
+    f"{len(s['sizes'])} tables, {s['managed']} managed of {managed[0]} rows, dim {s['dim']}, "
+    f"batch {s['batch']}, {s['steps']} steps"
+  )
+  if s["multi_hot"]:
+    text += f", features {', '.join(map(str, s['multi_hot']))} multi-hot (1-5 ids)"
+  if s["dense"]:
+    text += ", 13 dense features, bottom MLP 512-256-16, top MLP 512-256-1"
+  else:
+    text += ", no dense features, top MLP 64-1"
+  return text
+
+
+def _speed_table(sp: dict, *others: dict) -> list[str]:
+  premapped, premapped_cpu = sp["premapped_ms"], sp["premapped_cpu_ms"]
+  lines = [
+    "| variant | step ms (wall, median) | vs pre-mapped | process CPU ms | vs pre-mapped "
+    "| mean wall ms | vs pre-mapped |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, key in (
+    ("pre-mapped row ids (whole step)", "premapped"),
+    ("managed ids (whole step, remap in the call)", "managed"),
+    ("  the same, tables initialized to zeros (resets draw nothing)", "managed_zeros"),
+    ("  the same, min_count=2 (keys seen once never get a row)", "managed_twice"),
+    ("embedding part alone (pre-mapped ids)", "embedding"),
+    ("remap alone (layer.remap, all managed tables)", "remap"),
+    ("pre-mapped step fed the rows the map gave", "premapped_map_rows"),
+    ("embedding part alone, the rows the map gave", "embedding_map_rows"),
+  ):
+    wall, cpu, mean = sp[f"{key}_ms"], sp[f"{key}_cpu_ms"], sp[f"{key}_mean_ms"]
+    lines.append(
+      f"| {name} | {wall:.1f} | {wall / premapped:.2f}x | {cpu:.1f} | {cpu / premapped_cpu:.2f}x "
+      f"| {mean:.1f} | {mean / sp['premapped_mean_ms']:.2f}x |"
+    )
+  names = ("tf_keras DynamicEmbedding (string keys; rebuild apart)", "TFRA dynamic embedding "
+           "(unbounded, TF 2.16)")  # fmt: skip
+  lines += [_other_row(name, other, sp) for name, other in zip(names, others)]
+  load = ", ".join(f"{x:.1f}" for x in sp["load_average"])
+  return lines + ["", f"Load average at the end: {load}.", ""]
+
+
+def _verdicts(sp: dict) -> list[str]:
+  return [
+    _verdict("whole DLRM step <= 1.15x the pre-mapped one", sp, "managed", "premapped", 1.15, "x"),
+    _verdict("remap <= the embedding part's own step", sp, "remap", "embedding", 1.0, "x of it"),
+    "  The same two against the steps fed the rows the map gave (the remap's own cost):",
+    _verdict("  whole step <= 1.15x", sp, "managed", "premapped_map_rows", 1.15, "x"),
+    _verdict("  remap <= the embedding part", sp, "remap", "embedding_map_rows", 1.0, "x of it"),
+  ]
 
 
 def _other_row(name: str, other: dict, speed: dict) -> str:
@@ -528,13 +605,16 @@ def main(quick: bool, out_dir: str, speed_only: bool = False) -> None:
   """`speed_only` (`--speed-only`) leaves out the quality stream, the longest part."""
   os.makedirs(out_dir, exist_ok=True)
   result = dict(quick=quick)
-  s = speed_settings(quick)
+  s, stress = speed_settings(quick), stress_settings(quick)
   result["memory"] = run_memory(200_000 if quick else 1_000_000, s["batch"])  # first: small heap
   result["quality"] = None if speed_only else run_quality(quality_settings(quick))
   result["speed"] = run_speed(s)
+  gc.collect()  # each run's models hold GBs of tables in reference cycles (tf.function's)
   result["pipelined"] = run_pipelined(s)
-  result["dynamic"] = run_dynamic_embedding(s)
-  result["tfra"] = run_tfra(s)
+  gc.collect()
+  result["stress"] = run_speed(stress)
+  result["dynamic"] = run_dynamic_embedding(stress)
+  result["tfra"] = run_tfra(stress)
   with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   if result["quality"] is not None:

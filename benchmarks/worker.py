@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402  (after the environment variable above)
 
 ZIPF_A = 1.2
 MULTI_HOT = (0, 1, 2)  # features with 1-5 ids each (ragged, sum combiner)
+DENSE_FEATURES = 13  # the DLRM's, into its bottom MLP
 LR = {"adagrad": 0.01, "adam": 0.001}
 
 
@@ -125,15 +126,9 @@ def build(spec):
   import tf_keras
 
   e = tf.tpu.experimental.embedding
-  impl, opt, dim = spec["impl"], spec["opt"], spec["dim"]
-  # Same values' law for every implementation. RandomUniform, not TF's default TruncatedNormal:
-  # both peak at table + 2 temporaries while initialising, but TruncatedNormal takes 2.5x longer.
-  init = tf.initializers.RandomUniform(-0.05, 0.05)
-  tables = [
-    e.TableConfig(vocabulary_size=int(v), dim=dim, name=f"t{i}", combiner="sum", initializer=init)
-    for i, v in enumerate(spec["sizes"])
-  ]
-  fc = {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
+  impl, opt = spec["impl"], spec["opt"]
+  fc = feature_configs(tf, spec["sizes"], spec["dim"])
+  tables = [f.table for f in fc.values()]
   lr = LR[opt]
   k = (tf.keras if impl == "tfrs" else tf_keras).optimizers
   # The legacy optimizers' sparse updates deduplicate with tf.unique, which XLA cannot compile:
@@ -160,10 +155,51 @@ def build(spec):
   elif impl == "keras-embedding":
     layer = KerasEmbeddings(tables, tf_keras)
   elif impl == "dense-only":
-    layer = ConstantActivations(dim)
+    layer = ConstantActivations(spec["dim"])
   else:
     raise ValueError(impl)
   return layer, keras_opt
+
+
+def feature_configs(tf, sizes, dim: int, initializer=None) -> dict:
+  """{"f<i>": FeatureConfig of table "t<i>" with sizes[i] rows}, sum combiner. The initializer
+  defaults to the workloads' RandomUniform(-0.05, 0.05), the same values' law for every
+  implementation; not TF's default TruncatedNormal: both peak at table + 2 temporaries while
+  initialising, but TruncatedNormal takes 2.5x longer."""
+  e = tf.tpu.experimental.embedding
+  init = initializer or tf.initializers.RandomUniform(-0.05, 0.05)
+  tables = [
+    e.TableConfig(vocabulary_size=int(v), dim=dim, name=f"t{i}", combiner="sum", initializer=init)
+    for i, v in enumerate(sizes)
+  ]
+  return {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
+
+
+def dlrm_towers(tf_keras, bottom=(512, 256, 16), top=(512, 256, 1)) -> tuple:
+  """(bottom MLP or None, top MLP, loss): the DLRM workload's dense part. Relu after every
+  layer but the top's last, which gives the logit."""
+
+  def mlp(units):
+    last = units[-1]
+    return tf_keras.Sequential(
+      [tf_keras.layers.Dense(u, activation="relu") for u in units[:-1]]
+      + [tf_keras.layers.Dense(last, activation="relu" if last > 1 else None)]
+    )
+
+  bce = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+  return (mlp(bottom) if bottom else None), mlp(top), bce
+
+
+def dlrm_loss(tf, towers: tuple, activations: list, dense, labels):
+  """Concat interaction: the bottom MLP's output on the dense features (if there is a bottom)
+  beside every feature's activations, through the top MLP; binary cross-entropy."""
+  bottom, top, bce = towers
+  x = tf.concat(([bottom(dense)] if bottom is not None else []) + activations, axis=1)
+  return bce(labels, top(x))
+
+
+def tower_variables(towers: tuple) -> list:
+  return [v for tower in towers[:2] if tower is not None for v in tower.trainable_variables]
 
 
 class KerasEmbeddings:
@@ -257,7 +293,7 @@ def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
         feats[name] = tf.constant(ids)
       else:
         feats[name] = tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lens))
-    dense = tf.constant(rng.standard_normal((batch, 13)).astype(np.float32))
+    dense = tf.constant(rng.standard_normal((batch, DENSE_FEATURES)).astype(np.float32))
     labels = tf.constant(rng.integers(0, 2, (batch, 1)).astype(np.float32))
     return feats, dense, labels
 
@@ -265,15 +301,7 @@ def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
   del raw
   dlrm = workload == "dlrm"
   if dlrm and "mlp" not in models:
-    mlp = lambda units, last: tf_keras.Sequential(
-      [tf_keras.layers.Dense(u, activation="relu") for u in units]
-      + [tf_keras.layers.Dense(last, activation="relu" if last > 1 else None)]
-    )
-    models["mlp"] = (
-      mlp([512, 256], 16),
-      mlp([512, 256], 1),
-      tf_keras.losses.BinaryCrossentropy(from_logits=True),
-    )
+    models["mlp"] = dlrm_towers(tf_keras)
 
   @tf.function(jit_compile=spec.get("jit_compile", False))
   def step(feats, dense, labels):
@@ -281,14 +309,12 @@ def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
       acts = layer(feats)
       flat = [acts[k] for k in sorted(acts, key=lambda s: int(s[1:]))]
       if dlrm:
-        bottom, top, bce = models["mlp"]
-        x = tf.concat([bottom(dense)] + flat, axis=1)  # concat interaction
-        loss = bce(labels, top(x))
+        loss = dlrm_loss(tf, models["mlp"], flat, dense, labels)
       else:
         loss = tf.add_n([tf.reduce_sum(tf.square(a)) for a in flat])
     variables = list(layer.trainable_variables)
     if dlrm:
-      variables += models["mlp"][0].trainable_variables + models["mlp"][1].trainable_variables
+      variables += tower_variables(models["mlp"])
     grads = tape.gradient(loss, variables)
     opt.apply_gradients(zip(grads, variables))
     return loss
