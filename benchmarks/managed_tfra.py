@@ -1,4 +1,7 @@
-"""TensorFlow Recommenders-Addons' CPU dynamic embedding in the managed-ids DLRM workload.
+"""TensorFlow Recommenders-Addons' CPU dynamic embedding in the managed-ids benchmark's stress
+model (the managed tables alone, one id a sample, a top MLP 64-1); its tables and optimizer are
+TFRA's own (RandomNormal, TFRA's Adagrad wrapper at 0.05), not the workloads' RandomUniform and
+legacy Adagrad 0.01.
 
 Run by `python -m benchmarks managed` in its own environment (TFRA needs TensorFlow <= 2.16;
 `TFRA_PYTHON` names that environment's interpreter), so it imports TensorFlow, tf-keras, TFRA
