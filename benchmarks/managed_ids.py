@@ -124,16 +124,13 @@ def _batches(s: dict, count: int, seed: int):
         rank %= rows
       else:
         keys = rank = worker.zipf_ids(rng, rows, size)
-      raw[f"f{i}"], ranks[f"f{i}"] = _feature(keys, lengths), _feature(rank, lengths)
+      raw[f"f{i}"], ranks[f"f{i}"] = (
+        worker.feature_tensor(tf, keys, lengths),
+        worker.feature_tensor(tf, rank, lengths),
+      )
     dense = tf.constant(rng.standard_normal((s["batch"], worker.DENSE_FEATURES)).astype("f4"))
     labels = tf.constant(rng.integers(0, 2, (s["batch"], 1)).astype("f4"))
     yield raw, ranks, dense, labels
-
-
-def _feature(ids: np.ndarray, lengths) -> tf.Tensor:
-  if lengths is None:
-    return tf.constant(ids)
-  return tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lengths))
 
 
 def _timed(fn, *args) -> tuple[float, float]:

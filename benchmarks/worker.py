@@ -175,6 +175,13 @@ def feature_configs(tf, sizes, dim: int, initializer=None) -> dict:
   return {f"f{i}": e.FeatureConfig(table=t, name=f"f{i}") for i, t in enumerate(tables)}
 
 
+def feature_tensor(tf, ids: np.ndarray, lengths):
+  """One feature's ids as a tensor: dense, or ragged by `lengths` (ids per sample) if given."""
+  if lengths is None:
+    return tf.constant(ids)
+  return tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lengths))
+
+
 def dlrm_towers(tf_keras, bottom=(512, 256, 16), top=(512, 256, 1)) -> tuple:
   """(bottom MLP or None, top MLP, loss): the DLRM workload's dense part. Relu after every
   layer but the top's last, which gives the logit."""
@@ -289,10 +296,7 @@ def prepare(tf, tf_keras, spec, layer, opt, models, sizes, group, m):
   def to_tf(b):
     feats = {}
     for name, (ids, lens) in b.items():
-      if lens is None:
-        feats[name] = tf.constant(ids)
-      else:
-        feats[name] = tf.RaggedTensor.from_row_lengths(tf.constant(ids), tf.constant(lens))
+      feats[name] = feature_tensor(tf, ids, lens)
     dense = tf.constant(rng.standard_normal((batch, DENSE_FEATURES)).astype(np.float32))
     labels = tf.constant(rng.integers(0, 2, (batch, 1)).astype(np.float32))
     return feats, dense, labels
