@@ -9,7 +9,9 @@ import importlib
 from typing import Any
 
 # {public name: "module:name" inside this package}. Filled by the modules as they land.
-_MODULE_OF: dict[str, str] = {}
+_MODULE_OF: dict[str, str] = {
+  "sparse_core_stats": "input_stats",
+}
 
 __all__ = sorted(_MODULE_OF)
 
