@@ -11,6 +11,11 @@ from typing import Any
 # {public name: "module:name" inside this package}. Filled by the modules as they land.
 _MODULE_OF: dict[str, str] = {
   "sparse_core_stats": "input_stats",
+  "sparse_core_config": "limits",
+  "preview_limits": "limits",
+  "emulate_id_dropping": "limits",
+  "LimitsPreview": "limits",
+  "Failure": "limits",
 }
 
 __all__ = sorted(_MODULE_OF)
