@@ -37,16 +37,26 @@ class BatchCounts:
 
 
 def batch_counts(route: routing_lib.Routing, entries: routing_lib.StackEntries) -> BatchCounts:
-  """Counts one stacked table's entries of one batch."""
+  """Counts one stacked table's entries of one batch (a sample's repeated ids already once)."""
   n, cores, chips = route.partitions, route.sparse_cores_per_chip, route.num_chips
-  cell = entries.block * n + entries.partition
-  ids = np.bincount(cell, minlength=chips * cores * n).reshape(chips, cores, n)
-  first_of_id = np.ones(cell.shape, bool)
-  first_of_id[1:] = (entries.block[1:] != entries.block[:-1]) | (
-    entries.column[1:] != entries.column[:-1]
+  cells = chips * cores * n
+  ids = np.bincount(entries.block * n + entries.partition, minlength=cells)
+  unique_ids = np.zeros(cells, np.int64)
+  by_block = np.argsort(entries.block, kind="stable")
+  starts = np.searchsorted(entries.block[by_block], np.arange(chips * cores + 1))
+  latest = np.empty(int(entries.column.max(initial=0)) + 1, np.int64)
+  for block in range(chips * cores):
+    columns = entries.column[by_block[starts[block] : starts[block + 1]]]
+    # Each column's last position in this block: an entry is a column's one representative
+    # where the write that stuck is its own (no clearing needed between blocks).
+    positions = np.arange(columns.size)
+    latest[columns] = positions
+    first = columns[latest[columns] == positions]
+    unique_ids[block * n : (block + 1) * n] = np.bincount(first & (n - 1), minlength=n)
+  shape = (chips, cores, n)
+  return BatchCounts(
+    ids.reshape(shape), unique_ids.reshape(shape), buffer_needed(ids.reshape(chips, cores * n))
   )
-  unique_ids = np.bincount(cell[first_of_id], minlength=chips * cores * n).reshape(chips, cores, n)
-  return BatchCounts(ids, unique_ids, buffer_needed(ids.reshape(chips, cores * n)))
 
 
 def padded(counts: np.ndarray) -> np.ndarray:

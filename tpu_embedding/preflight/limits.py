@@ -331,7 +331,8 @@ def emulate_id_dropping(
         f"{failed[0].count} ids to a partition, over {failed[0].limit_name} {failed[0].limit}."
       )
     dropped = {}  # feature index -> dropped keys (sample * vocabulary + id)
-    for name, entry in entries.items():
+    for name, unordered in entries.items():
+      entry = routing_lib.in_packing_order(unordered, route.partitions)
       runs = counts[name].ids.reshape(num_chips, -1)
       kept = _kept_per_run(runs, limits.buffer[name]).reshape(-1)
       cell = entry.block * route.partitions + entry.partition
@@ -351,10 +352,10 @@ def emulate_id_dropping(
 def _without(
   value: Any, route: routing_lib.FeatureRoute, num_chips: int, dropped: Optional[np.ndarray]
 ) -> tf.RaggedTensor:
-  samples, ids = routing_lib.samples_and_ids(value, route, num_chips)
+  """The feature's ids as given (order and repeats kept) but those in `dropped`."""
+  read = routing_lib.host_rows(value, route.path)
+  samples, ids = read.samples.astype(np.int64), read.ids.astype(np.int64)
   keep = np.ones(ids.shape, bool)
   if dropped is not None:
     keep = ~np.isin(samples * route.vocabulary_size + ids, dropped)
-  return tf.RaggedTensor.from_value_rowids(
-    ids[keep], samples[keep], nrows=route.samples_per_chip * num_chips
-  )
+  return tf.RaggedTensor.from_value_rowids(ids[keep], samples[keep], nrows=read.rows)

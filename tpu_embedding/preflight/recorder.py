@@ -67,10 +67,11 @@ class StatsRecorder:
     values, position = [], 0
     for kind in kinds:
       if kind == "ragged":
-        values.append(tf.RaggedTensor.from_row_splits(*arrays[position : position + 2]))
+        values.append(routing_lib.ragged_rows(*arrays[position : position + 2]))
         position += 2
       elif kind == "sparse":
-        values.append(tf.SparseTensor(*arrays[position : position + 3]))
+        indices, ids, shape = arrays[position : position + 3]
+        values.append(routing_lib.HostRows(ids, indices[:, 0], int(shape[0])))
         position += 3
       else:
         values.append(arrays[position])

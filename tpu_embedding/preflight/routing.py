@@ -60,8 +60,7 @@ class Routing:
 
 @dataclasses.dataclass(frozen=True)
 class StackEntries:
-  """A stacked table's ids in one batch, after TF's per-sample dedup, in the order TF packs
-  them (chip, SparseCore, partition, column, feature, sample)."""
+  """A stacked table's ids in one batch, a sample's repeated ids once (as TF counts them)."""
 
   block: np.ndarray  # chip * sparse_cores_per_chip + SparseCore
   partition: np.ndarray
@@ -117,15 +116,6 @@ def flat_batch(feature_config: Any, batch: Any) -> list[Any]:
     return tf_internals.flatten_up_to(feature_config, batch)
   except (TypeError, ValueError) as error:
     raise ValueError(f"The batch does not have the feature config's structure: {error}") from None
-
-
-def sample_count(value: Any) -> int:
-  """How many samples TF reads in one feature's tensor (see the module docstring)."""
-  if isinstance(value, tf.RaggedTensor):
-    return int(value.nrows())
-  if isinstance(value, tf.SparseTensor):
-    return int(value.dense_shape[0])
-  return int(np.size(value))
 
 
 def routing(
@@ -202,38 +192,64 @@ def _samples_per_chip(feature: Any, path: str, samples: int, num_chips: int) -> 
   return samples // num_chips
 
 
-def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np.ndarray, ...]:
-  """(sample in the global batch, id) of every id in one feature's tensor, checked."""
-  path = route.path
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+  """A feature's ids already on the host (NumPy): each id with its sample, and how many samples
+  (rows) the batch has, empty ones included."""
+
+  ids: np.ndarray
+  samples: np.ndarray  # non-decreasing
+  rows: int
+
+
+def host_rows(value: Any, path: str) -> HostRows:
+  """Any accepted feature tensor read into `HostRows` (see the module docstring)."""
+  if isinstance(value, HostRows):
+    return value
   if isinstance(value, tf.RaggedTensor):
     if value.ragged_rank != 1:
       raise ValueError(f"Feature {path!r}: a RaggedTensor must have ragged_rank 1.")
-    ids = value.flat_values.numpy()
-    samples = value.value_rowids().numpy()
-  elif isinstance(value, tf.SparseTensor):
+    return ragged_rows(value.flat_values.numpy(), value.row_splits.numpy())
+  if isinstance(value, tf.SparseTensor):
     indices = value.indices.numpy()
     if indices.shape[1] != 2:
       raise ValueError(
         f"Feature {path!r}: a SparseTensor must be 2-D ([samples, ids]); got rank "
         f"{indices.shape[1]}."
       )
-    samples = indices[:, 0]
-    if np.any(np.diff(samples) < 0):
-      raise ValueError(
-        f"Feature {path!r}: the SparseTensor's indices are not in row order (TF's kernel "
-        "refuses them); apply tf.sparse.reorder first."
-      )
-    ids = value.values.numpy()
-  else:
-    ids = np.asarray(value).reshape(-1)
-    samples = np.arange(ids.size)
+    return HostRows(value.values.numpy(), indices[:, 0], int(value.dense_shape[0]))
+  ids = np.asarray(value).reshape(-1)
+  return HostRows(ids, np.arange(ids.size), ids.size)
+
+
+def ragged_rows(ids: np.ndarray, row_splits: np.ndarray) -> HostRows:
+  rows = len(row_splits) - 1
+  return HostRows(ids, np.repeat(np.arange(rows), np.diff(row_splits)), rows)
+
+
+def sample_count(value: Any) -> int:
+  """How many samples TF reads in one feature's tensor (see the module docstring)."""
+  if isinstance(value, HostRows):
+    return value.rows
+  if isinstance(value, tf.RaggedTensor):
+    return int(value.nrows())
+  if isinstance(value, tf.SparseTensor):
+    return int(value.dense_shape[0])
+  return int(np.size(value))
+
+
+def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np.ndarray, ...]:
+  """(sample in the global batch, id) of one feature's ids, checked, a sample's repeated ids
+  once (in any order)."""
+  path = route.path
+  read = host_rows(value, path)
+  ids, samples = read.ids, read.samples.astype(np.int64)
   if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"Feature {path!r}: ids must be integers; got {ids.dtype}.")
   expected = route.samples_per_chip * num_chips
-  got = sample_count(value)
-  if got != expected:
+  if read.rows != expected:
     raise ValueError(
-      f"Feature {path!r}: the batch has {got} samples; the config and the first batch say "
+      f"Feature {path!r}: the batch has {read.rows} samples; the config and the first batch say "
       f"{expected} ({route.samples_per_chip} per chip on {num_chips} chips)."
     )
   if ids.size and (ids.min() < 0 or ids.max() >= route.vocabulary_size):
@@ -242,44 +258,42 @@ def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np
       f"Feature {path!r}: id {bad} is outside table {route.table!r} "
       f"(vocabulary_size {route.vocabulary_size})."
     )
-  return samples.astype(np.int64), ids.astype(np.int64)
+  ids = ids.astype(np.int64)
+  steps = np.diff(samples)
+  if np.any(steps < 0):
+    raise ValueError(
+      f"Feature {path!r}: the SparseTensor's indices are not in row order (TF's kernel "
+      "refuses them); apply tf.sparse.reorder first."
+    )
+  if np.all(steps > 0):  # one id a sample at most: nothing to deduplicate
+    return samples, ids
+  distinct = np.unique(samples * route.vocabulary_size + ids)
+  return distinct // route.vocabulary_size, distinct % route.vocabulary_size
 
 
 def stack_entries(routing: Routing, flat_values: list[Any]) -> dict[str, StackEntries]:
-  """Each stacked table's deduplicated ids in one batch, in TF's packing order."""
+  """Each stacked table's ids in one batch, a sample's repeated ids once, in no set order."""
   n = routing.partitions
   cores = routing.sparse_cores_per_chip
   parts: dict[str, list[tuple[np.ndarray, ...]]] = {name: [] for name in routing.stacks}
   for index, (route, value) in enumerate(zip(routing.features, flat_values)):
     samples, ids = samples_and_ids(value, route, routing.num_chips)
-    per_core = route.samples_per_chip // cores
-    block = samples // per_core  # = chip * cores + SparseCore
+    block = samples // (route.samples_per_chip // cores)  # = chip * cores + SparseCore
     column = ((ids + route.col_shift) & (n - 1)) + (ids & ~(n - 1)) + route.col_offset
     feature = np.full(ids.shape, index, np.int64)
     parts[route.stack].append((block, column, feature, samples, ids))
   result = {}
   for name, pieces in parts.items():
     block, column, feature, sample, ids = (np.concatenate(p) for p in zip(*pieces))
-    order = _packing_order(block, column, feature, sample, n)
-    block, column, feature, sample, ids = (
-      block[order],
-      column[order],
-      feature[order],
-      sample[order],
-      ids[order],
-    )
-    fresh = np.ones(block.shape, bool)
-    fresh[1:] = (column[1:] != column[:-1]) | (feature[1:] != feature[:-1])
-    fresh[1:] |= sample[1:] != sample[:-1]
-    result[name] = StackEntries(
-      block=block[fresh],
-      partition=column[fresh] & (n - 1),
-      column=column[fresh],
-      feature=feature[fresh],
-      sample=sample[fresh],
-      id=ids[fresh],
-    )
+    result[name] = StackEntries(block, column & (n - 1), column, feature, sample, ids)
   return result
+
+
+def in_packing_order(entries: StackEntries, n: int) -> StackEntries:
+  """`entries` in the order TF's kernels pack them: (chip and SparseCore, partition, column,
+  feature, sample)."""
+  order = _packing_order(entries.block, entries.column, entries.feature, entries.sample, n)
+  return StackEntries(*(getattr(entries, f.name)[order] for f in dataclasses.fields(entries)))
 
 
 def _packing_order(
