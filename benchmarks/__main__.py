@@ -1,7 +1,8 @@
 """`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
 
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
-(benchmarks/managed_ids.py) on its own.
+(benchmarks/managed_ids.py) on its own; `python -m benchmarks preflight [--quick]
+[--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
 
 Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
 benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
@@ -30,6 +31,14 @@ def main(argv=None) -> None:
     speed_only = "--speed-only" in argv
     name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
     managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
+    return
+  if argv[:1] == ["preflight"]:
+    from benchmarks import preflight
+
+    quick = "--quick" in argv
+    data_dir = argv[argv.index("--data_dir") + 1] if "--data_dir" in argv else None
+    name = "preflight" + ("-quick" if quick else "")
+    preflight.main(quick, os.path.join(HERE, "results", name), data_dir)
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",

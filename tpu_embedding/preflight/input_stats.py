@@ -44,12 +44,12 @@ def batch_counts(route: routing_lib.Routing, entries: routing_lib.StackEntries) 
   unique_ids = np.zeros(cells, np.int64)
   by_block = np.argsort(entries.block, kind="stable")
   starts = np.searchsorted(entries.block[by_block], np.arange(chips * cores + 1))
-  latest = np.empty(int(entries.column.max(initial=0)) + 1, np.int64)
+  latest = np.empty(int(entries.column.max(initial=0)) + 1, np.int32)
   for block in range(chips * cores):
     columns = entries.column[by_block[starts[block] : starts[block + 1]]]
     # Each column's last position in this block: an entry is a column's one representative
     # where the write that stuck is its own (no clearing needed between blocks).
-    positions = np.arange(columns.size)
+    positions = np.arange(columns.size, dtype=np.int32)
     latest[columns] = positions
     first = columns[latest[columns] == positions]
     unique_ids[block * n : (block + 1) * n] = np.bincount(first & (n - 1), minlength=n)

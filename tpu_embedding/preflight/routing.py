@@ -19,6 +19,7 @@ the pip wheel, so nothing here can call them):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -58,16 +59,43 @@ class Routing:
     return self.num_chips * self.sparse_cores_per_chip
 
 
-@dataclasses.dataclass(frozen=True)
 class StackEntries:
-  """A stacked table's ids in one batch, a sample's repeated ids once (as TF counts them)."""
+  """A stacked table's ids in one batch, a sample's repeated ids once (as TF counts them):
+  each field an array with an element per id, joined from its features' on first use (counting
+  needs only `block`, `partition` and `column`)."""
 
-  block: np.ndarray  # chip * sparse_cores_per_chip + SparseCore
-  partition: np.ndarray
-  column: np.ndarray  # in the stack's columns
-  feature: np.ndarray  # index into `Routing.features`
-  sample: np.ndarray  # the sample in the global batch
-  id: np.ndarray  # the id in its own table
+  FIELDS = ("block", "column", "feature", "sample", "id")
+
+  def __init__(self, pieces: list[tuple[np.ndarray, ...]], partitions: int):
+    self._pieces = pieces  # per feature, arrays in FIELDS' order
+    self._partitions = partitions
+
+  def _joined(self, field: str) -> np.ndarray:
+    return np.concatenate([piece[self.FIELDS.index(field)] for piece in self._pieces])
+
+  @functools.cached_property
+  def block(self) -> np.ndarray:  # chip * SparseCores per chip + SparseCore
+    return self._joined("block")
+
+  @functools.cached_property
+  def column(self) -> np.ndarray:  # in the stack's columns
+    return self._joined("column")
+
+  @functools.cached_property
+  def partition(self) -> np.ndarray:
+    return self.column & (self._partitions - 1)
+
+  @functools.cached_property
+  def feature(self) -> np.ndarray:  # index into `Routing.features`
+    return self._joined("feature")
+
+  @functools.cached_property
+  def sample(self) -> np.ndarray:  # the sample in the global batch
+    return self._joined("sample")
+
+  @functools.cached_property
+  def id(self) -> np.ndarray:  # the id in its own table
+    return self._joined("id")
 
 
 def validate_chips(num_chips: Any, sparse_cores_per_chip: Any) -> None:
@@ -200,6 +228,7 @@ class HostRows:
   ids: np.ndarray
   samples: np.ndarray  # non-decreasing
   rows: int
+  one_per_sample: bool = False  # known to hold one id a sample (a dense tensor)
 
 
 def host_rows(value: Any, path: str) -> HostRows:
@@ -219,7 +248,7 @@ def host_rows(value: Any, path: str) -> HostRows:
       )
     return HostRows(value.values.numpy(), indices[:, 0], int(value.dense_shape[0]))
   ids = np.asarray(value).reshape(-1)
-  return HostRows(ids, np.arange(ids.size), ids.size)
+  return HostRows(ids, np.arange(ids.size), ids.size, one_per_sample=True)
 
 
 def ragged_rows(ids: np.ndarray, row_splits: np.ndarray) -> HostRows:
@@ -243,7 +272,7 @@ def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np
   once (in any order)."""
   path = route.path
   read = host_rows(value, path)
-  ids, samples = read.ids, read.samples.astype(np.int64)
+  ids, samples = read.ids, read.samples.astype(np.int64, copy=False)
   if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"Feature {path!r}: ids must be integers; got {ids.dtype}.")
   expected = route.samples_per_chip * num_chips
@@ -258,7 +287,9 @@ def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np
       f"Feature {path!r}: id {bad} is outside table {route.table!r} "
       f"(vocabulary_size {route.vocabulary_size})."
     )
-  ids = ids.astype(np.int64)
+  ids = ids.astype(np.int64, copy=False)
+  if read.one_per_sample:
+    return samples, ids
   steps = np.diff(samples)
   if np.any(steps < 0):
     raise ValueError(
@@ -282,18 +313,14 @@ def stack_entries(routing: Routing, flat_values: list[Any]) -> dict[str, StackEn
     column = ((ids + route.col_shift) & (n - 1)) + (ids & ~(n - 1)) + route.col_offset
     feature = np.full(ids.shape, index, np.int64)
     parts[route.stack].append((block, column, feature, samples, ids))
-  result = {}
-  for name, pieces in parts.items():
-    block, column, feature, sample, ids = (np.concatenate(p) for p in zip(*pieces))
-    result[name] = StackEntries(block, column & (n - 1), column, feature, sample, ids)
-  return result
+  return {name: StackEntries(pieces, n) for name, pieces in parts.items()}
 
 
 def in_packing_order(entries: StackEntries, n: int) -> StackEntries:
   """`entries` in the order TF's kernels pack them: (chip and SparseCore, partition, column,
   feature, sample)."""
   order = _packing_order(entries.block, entries.column, entries.feature, entries.sample, n)
-  return StackEntries(*(getattr(entries, f.name)[order] for f in dataclasses.fields(entries)))
+  return StackEntries([tuple(getattr(entries, f)[order] for f in StackEntries.FIELDS)], n)
 
 
 def _packing_order(
