@@ -275,15 +275,16 @@ def report(result: dict[str, Any]) -> str:
     f"Criteo-shaped: global batch {CRITEO_BATCH})",
     "",
     "| data | topology | stats: max ids / unique per partition (per stack), per-chip figure "
-    "| limits (headroom 0.25) | TF defaults: failed batches, dropped ids | computed limits | "
-    "computed, max_ids_per_chip_per_sample=1 |",
+    "| limits (headroom 0.25): ids / unique per partition; per chip "
+    "| TF defaults: failed batches, dropped ids | computed limits "
+    "| computed, max_ids_per_chip_per_sample=1 |",
     "|---|---|---|---|---|---|---|",
   ]
   for dataset in ("movielens", "criteo"):
     for name, row in limits[dataset].items():
       stats = row["stats"]
       tables = "; ".join(
-        f"{k}: {v['max_ids_per_partition']} / {v['max_unique_ids_per_partition']}"
+        f"{_short(k)}: {v['max_ids_per_partition']} / {v['max_unique_ids_per_partition']}"
         for k, v in stats.items()
         if k != "max_ids_per_chip_per_sample"
       )
@@ -294,10 +295,13 @@ def report(result: dict[str, Any]) -> str:
         for s in ("tf_defaults", "computed", "tight")
       ]
       lim = row["limits"]
+      limits_cell = ", ".join(
+        f"{_short(k)}: {lim['max_ids_per_table'][k]} / {lim['max_unique_ids_per_table'][k]}"
+        for k in lim["max_ids_per_table"]
+      )
       lines.append(
         f"| {dataset} | {name} | {tables}; {stats['max_ids_per_chip_per_sample']} | "
-        f"{lim['max_ids_per_table']}, {lim['max_unique_ids_per_table']}, "
-        f"{lim['max_ids_per_chip_per_sample']} | " + " | ".join(cells) + " |"
+        f"{limits_cell}; {lim['max_ids_per_chip_per_sample']} | " + " | ".join(cells) + " |"
       )
   lines += ["", f"MovieLens test RMSE without dropping: {limits['baseline_rmse']:.4f}."]
   c = result["cost"]
@@ -309,6 +313,12 @@ def report(result: dict[str, Any]) -> str:
     f"off: {c['off_ms_per_step']:.2f} ms/step; on: {c['on_ms_per_step']:.2f} ms/step.",
   ]
   return "\n".join(lines) + "\n"
+
+
+def _short(stack: str) -> str:
+  """A stacked table's name, shortened where it joins many tables."""
+  tables = stack.count("_table") + 1 if stack.startswith("table_") else 0
+  return f"{stack[:8]}..{stack[-8:]} ({tables} tables)" if len(stack) > 40 else stack
 
 
 def _fmt(rmse: Any) -> str:
