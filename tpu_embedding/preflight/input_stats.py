@@ -145,10 +145,9 @@ def sparse_core_stats(
     ValueError: naming the argument or feature, for chip counts TF refuses, batches that do
     not match the config, ids outside their table, or no batches.
   """
-  first, everything = routing_lib.peek(batches)
-  route = routing_lib.routing(
+  route, everything = routing_lib.routed(
     feature_config,
-    first,
+    batches,
     num_chips=num_chips,
     sparse_cores_per_chip=sparse_cores_per_chip,
     stacking=stacking,

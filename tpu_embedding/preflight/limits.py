@@ -243,10 +243,9 @@ def _batches_with_counts(
   config = emb.SparseCoreEmbeddingConfig() if config is None else config
   if not isinstance(config, emb.SparseCoreEmbeddingConfig):
     raise ValueError(f"config must be a SparseCoreEmbeddingConfig or None; got {type(config)}.")
-  first, everything = routing_lib.peek(batches)
-  route = routing_lib.routing(
+  route, everything = routing_lib.routed(
     feature_config,
-    first,
+    batches,
     num_chips=num_chips,
     sparse_cores_per_chip=sparse_cores_per_chip,
     stacking=not config.disable_table_stacking,

@@ -209,6 +209,28 @@ def routing(
   )
 
 
+def routed(
+  feature_config: Any,
+  batches: Iterable[Any],
+  *,
+  num_chips: int,
+  sparse_cores_per_chip: int,
+  stacking: bool,
+  optimizer: Any,
+) -> tuple[Routing, Iterator[Any]]:
+  """`routing` from the first of `batches`, and an iterator over all of them."""
+  first, everything = peek(batches)
+  route = routing(
+    feature_config,
+    first,
+    num_chips=num_chips,
+    sparse_cores_per_chip=sparse_cores_per_chip,
+    stacking=stacking,
+    optimizer=optimizer,
+  )
+  return route, everything
+
+
 def _samples_per_chip(feature: Any, path: str, samples: int, num_chips: int) -> int:
   if feature.output_shape.rank:
     return math.prod(int(d) for d in feature.output_shape)
