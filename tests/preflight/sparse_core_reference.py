@@ -56,12 +56,13 @@ def batch_counts(feature_config, batch, table_layouts, num_chips, cores):
     ids[stack] = np.zeros((num_chips, cores, n), int)
     unique[stack] = np.zeros((num_chips, cores, n), int)
     needed[stack] = [0] * num_chips
+  read = {path: id_lists(batch[path]) for path in feature_config}
   for chip in range(num_chips):
     for core in range(cores):
       pairs, columns = {}, {}
       for path in sorted(feature_config):  # tf.nest's order for a dict
         layout = table_layouts[feature_config[path].table.name]
-        samples = id_lists(batch[path])
+        samples = read[path]
         per_chip = len(samples) // num_chips
         per_core = per_chip // cores
         start = chip * per_chip + core * per_core
