@@ -9,7 +9,13 @@ import importlib
 from typing import Any
 
 # {public name: "module:name" inside this package}. Filled by the modules as they land.
-_MODULE_OF: dict[str, str] = {}
+_MODULE_OF: dict[str, str] = {
+  "MemoryPlan": "memory_plan",
+  "TableMemory": "memory_plan",
+  "Topology": "topologies",
+  "memory_plan": "memory_plan",
+  "topology": "topologies",
+}
 
 __all__ = sorted(_MODULE_OF)
 
