@@ -35,9 +35,9 @@ tf_versions.require_checked(__name__)
 
 try:  # TF 2.16 on: SparseCore (TPUEmbeddingV2), its table layouts and TF's functions undoing them.
   from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
-  from tensorflow.python.tpu import tpu_embedding_v3_utils
+  from tensorflow.python.tpu import tpu_embedding_v3, tpu_embedding_v3_utils
 except ImportError:  # TF 2.15
-  sparse_core_layout_pb2 = tpu_embedding_v3_utils = None
+  sparse_core_layout_pb2 = tpu_embedding_v3 = tpu_embedding_v3_utils = None
 HAS_SPARSE_CORE = tpu_embedding_v3_utils is not None
 try:  # TF 2.17 on: converts checkpoints between per-table and SparseCore's stacked layouts.
   from tensorflow.python.tpu import tpu_embedding_v3_checkpoint_adapter as SPARSE_CORE_CHECKPOINTS
@@ -194,6 +194,33 @@ def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bo
   `mid_level` (it holds the tables in another layout)."""
   adapter = SPARSE_CORE_CHECKPOINTS.TpuEmbeddingV3CheckpointAdapter
   return adapter.create_from_checkpoint(path).is_applicable(mid_level)
+
+
+def sparse_core_stacking(
+  feature_config: Any,
+  optimizer: Any,
+  num_chips: int,
+  sparse_cores_per_chip: int,
+  sparse_core_embedding_config: Any,
+) -> tuple[Any, list[tuple[str, Any]]]:
+  """How `TPUEmbeddingV2` on `num_chips` chips would stack, pad and rotate the tables of
+  `feature_config`: (TF's `TableStacking`, [(feature path, cloned feature)] in TF's order).
+
+  Runs TF's own stacker (its C++ `SparseCoreLayoutStacker`, which runs on CPU) on clones, as
+  the constructor does, so the user's configs are left as they were. Tables without an optimizer
+  take `optimizer`, as TF's base class gives them. Raises `NoSparseCore` on TF 2.15."""
+  if not HAS_SPARSE_CORE:
+    raise NoSparseCore(f"TensorFlow {tf.__version__} has no SparseCore (TPUEmbeddingV2).")
+  cloned = tpu_embedding_v3._clone_feature_config(feature_config)
+  flat_features = nest.flatten_with_joined_string_paths(cloned)
+  tables = list({id(feature.table): feature.table for _, feature in flat_features}.values())
+  for table in tables:
+    if table.optimizer is None:
+      table.optimizer = optimizer
+  stacking = tpu_embedding_v3._stack_tables_with_same_table_dim_and_optimizer(
+    tables, flat_features, num_chips, sparse_cores_per_chip, sparse_core_embedding_config
+  )
+  return stacking, flat_features
 
 
 def escape_checkpoint_name(name: str) -> str:

@@ -14,6 +14,7 @@ _MODULE_OF: dict[str, str] = {
   "TableMemory": "memory_plan",
   "Topology": "topologies",
   "memory_plan": "memory_plan",
+  "sparse_core_stats": "input_stats",
   "topology": "topologies",
 }
 
