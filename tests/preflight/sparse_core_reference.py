@@ -114,3 +114,43 @@ def stats(feature_config, batches, num_chips, cores=4, stacking=True) -> dict:
     x += 1
   result["max_ids_per_chip_per_sample"] = x
   return result
+
+
+def dropped_ids(feature_config, batch, table_layouts, num_chips, cores, per_sample) -> set:
+  """{(feature path, sample, id)} TF's buffer drops with allow_id_dropping, by replaying its
+  packing loop: per chip, SparseCore by SparseCore and partition by partition, each partition's
+  ids in column order (then feature, then sample), each run padded to 8."""
+  n = num_chips * cores
+  paths = sorted(feature_config)
+  lost = set()
+  for chip in range(num_chips):
+    runs = {}  # (stack, core, partition) -> [(column, feature order, sample, id)]
+    for order, path in enumerate(paths):
+      layout = table_layouts[feature_config[path].table.name]
+      samples = id_lists(batch[path])
+      per_chip = len(samples) // num_chips
+      for sample in range(chip * per_chip, (chip + 1) * per_chip):
+        core = (sample - chip * per_chip) // (per_chip // cores)
+        for id_ in set(samples[sample]):
+          rotated = ((id_ + layout.sparse_core_shard_rotation) % n) + (id_ // n) * n
+          column = rotated + layout.sparse_core_shard_row_offset * n
+          key = (layout.stacked_table_name, core, column % n)
+          runs.setdefault(key, []).append((column, order, sample, id_, path))
+    for stack in {key[0] for key in runs}:
+      stack_samples = sum(
+        len(id_lists(batch[p])) // num_chips
+        for p in paths
+        if table_layouts[feature_config[p].table.name].stacked_table_name == stack
+      )
+      buffer, position = per_sample * stack_samples, 0
+      for core in range(cores):
+        for partition in range(n):
+          run = sorted(runs.get((stack, core, partition), []))
+          if position + len(run) > buffer:
+            keep = max(buffer - position, 0)
+            lost.update((path, sample, id_) for _, _, sample, id_, path in run[keep:])
+            position = buffer
+          else:
+            position += len(run)
+            position = -(-position // 8) * 8
+  return lost

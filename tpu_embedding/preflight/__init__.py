@@ -16,6 +16,11 @@ _MODULE_OF: dict[str, str] = {
   "memory_plan": "memory_plan",
   "sparse_core_stats": "input_stats",
   "topology": "topologies",
+  "sparse_core_config": "limits",
+  "preview_limits": "limits",
+  "emulate_id_dropping": "limits",
+  "LimitsPreview": "limits",
+  "Failure": "limits",
 }
 
 __all__ = sorted(_MODULE_OF)

@@ -68,6 +68,7 @@ class StackEntries:
   column: np.ndarray  # in the stack's columns
   feature: np.ndarray  # index into `Routing.features`
   sample: np.ndarray  # the sample in the global batch
+  id: np.ndarray  # the id in its own table
 
 
 def validate_chips(num_chips: Any, sparse_cores_per_chip: Any) -> None:
@@ -254,12 +255,19 @@ def stack_entries(routing: Routing, flat_values: list[Any]) -> dict[str, StackEn
     per_core = route.samples_per_chip // cores
     block = samples // per_core  # = chip * cores + SparseCore
     column = ((ids + route.col_shift) & (n - 1)) + (ids & ~(n - 1)) + route.col_offset
-    parts[route.stack].append((block, column, np.full(ids.shape, index, np.int64), samples))
+    feature = np.full(ids.shape, index, np.int64)
+    parts[route.stack].append((block, column, feature, samples, ids))
   result = {}
   for name, pieces in parts.items():
-    block, column, feature, sample = (np.concatenate(p) for p in zip(*pieces))
+    block, column, feature, sample, ids = (np.concatenate(p) for p in zip(*pieces))
     order = _packing_order(block, column, feature, sample, n)
-    block, column, feature, sample = block[order], column[order], feature[order], sample[order]
+    block, column, feature, sample, ids = (
+      block[order],
+      column[order],
+      feature[order],
+      sample[order],
+      ids[order],
+    )
     fresh = np.ones(block.shape, bool)
     fresh[1:] = (column[1:] != column[:-1]) | (feature[1:] != feature[:-1])
     fresh[1:] |= sample[1:] != sample[:-1]
@@ -269,6 +277,7 @@ def stack_entries(routing: Routing, flat_values: list[Any]) -> dict[str, StackEn
       column=column[fresh],
       feature=feature[fresh],
       sample=sample[fresh],
+      id=ids[fresh],
     )
   return result
 
