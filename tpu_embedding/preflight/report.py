@@ -36,7 +36,7 @@ class SparseCoreSection:
 
   stats: Optional[dict] = None  # sparse_core_stats
   config: Any = None  # sparse_core_config(stats): the suggested SparseCoreEmbeddingConfig
-  preview: Any = None  # preview_limits at TF's defaults
+  preview: Any = None  # preview_limits at TF's defaults (a LimitsPreview)
   batches: int = 0
   note: str = ""
 
@@ -81,8 +81,6 @@ def build_report(
 
 
 def _sparse_core_section(model, batches, chips, stacking, total, stream) -> SparseCoreSection:
-  if "sparse_core_stats" not in preflight.__all__:
-    return SparseCoreSection(note="not available (tpu_embedding.preflight.sparse_core_stats)")
   read = list(progress.progress(batches, total=total, stream=stream))
   where = dict(
     num_chips=chips.num_chips,
@@ -90,14 +88,11 @@ def _sparse_core_section(model, batches, chips, stacking, total, stream) -> Spar
     optimizer=model.optimizer,
   )
   stats = preflight.sparse_core_stats(model.feature_config, read, stacking=stacking, **where)
-  config = preview = None
-  if "sparse_core_config" in preflight.__all__:
-    config = preflight.sparse_core_config(stats, stacking=stacking)
-  if "preview_limits" in preflight.__all__:
-    defaults = tf.tpu.experimental.embedding.SparseCoreEmbeddingConfig(
-      disable_table_stacking=not stacking
-    )
-    preview = preflight.preview_limits(model.feature_config, read, defaults, **where)
+  config = preflight.sparse_core_config(stats, stacking=stacking)
+  defaults = tf.tpu.experimental.embedding.SparseCoreEmbeddingConfig(
+    disable_table_stacking=not stacking
+  )
+  preview = preflight.preview_limits(model.feature_config, read, defaults, **where)
   return SparseCoreSection(stats=stats, config=config, preview=preview, batches=len(read))
 
 
@@ -187,18 +182,20 @@ def _sparse_core_markdown(section: SparseCoreSection) -> list[str]:
       continue
     ids, unique = counts["max_ids_per_partition"], counts["max_unique_ids_per_partition"]
     over = "yes" if max(ids, unique) > TF_DEFAULT_PER_PARTITION else "no"
-    advice = "-"
-    if suggested is not None:
-      advice = f"{suggested.max_ids_per_table[name]} / {suggested.max_unique_ids_per_table[name]}"
+    advice = f"{suggested.max_ids_per_table[name]} / {suggested.max_unique_ids_per_table[name]}"
     lines.append(f"| {name} | {ids:,} | {unique:,} | {over} | {advice} |")
   per_chip = section.stats[PER_CHIP]
   lines += [
     "",
-    f"max_ids_per_chip_per_sample needed: {per_chip} (TF's default {TF_DEFAULT_PER_CHIP})"
-    + (f"; suggested {suggested.max_ids_per_chip_per_sample}." if suggested else "."),
+    f"max_ids_per_chip_per_sample needed: {per_chip} (TF's default {TF_DEFAULT_PER_CHIP}); "
+    f"suggested {suggested.max_ids_per_chip_per_sample}.",
+    "",
+    "At TF's default limits:",
+    "",
+    "```",
+    section.preview.summary(),
+    "```",
   ]
-  if section.preview is not None:
-    lines += ["", "At TF's default limits:", "", "```", section.preview.summary(), "```"]
   return lines
 
 
@@ -241,15 +238,14 @@ def _ids_panel(axis: Any, stats: dict, suggested: Any) -> None:
   axis.bar([p - 0.2 for p in positions], ids, 0.4, label="max ids / partition")
   axis.bar([p + 0.2 for p in positions], unique, 0.4, label="max unique ids / partition")
   axis.axhline(TF_DEFAULT_PER_PARTITION, color="red", linestyle="--", label="TF's default limit")
-  if suggested is not None:
-    axis.scatter(
-      positions,
-      [suggested.max_ids_per_table[n] for n in names],
-      marker="_",
-      s=400,
-      color="black",
-      label="suggested limit",
-    )
+  axis.scatter(
+    positions,
+    [suggested.max_ids_per_table[n] for n in names],
+    marker="_",
+    s=400,
+    color="black",
+    label="suggested limit",
+  )
   short = [name if len(name) <= 24 else name[:21] + "..." for name in names]
   axis.set_xticks(list(positions), short, rotation=30, ha="right", fontsize=7)
   axis.set_ylabel("ids")
