@@ -10,10 +10,10 @@ from typing import Any
 
 # {public name: "module:name" inside this package}. Filled by the modules as they land.
 _MODULE_OF: dict[str, str] = {
-  "MemoryPlan": "memory_plan",
-  "TableMemory": "memory_plan",
+  "MemoryPlan": "memory",
+  "TableMemory": "memory",
   "Topology": "topologies",
-  "memory_plan": "memory_plan",
+  "memory_plan": "memory",
   "sparse_core_stats": "input_stats",
   "topology": "topologies",
   "sparse_core_config": "limits",

@@ -11,10 +11,10 @@ from typing import Any, Iterable, Optional, TextIO
 import tensorflow as tf
 
 from tpu_embedding import preflight
-from tpu_embedding.preflight import memory_plan as memory_plan_lib
+from tpu_embedding.preflight import memory as memory_lib
 from tpu_embedding.preflight import progress, sources, topologies
 
-gib = memory_plan_lib.gib
+gib = memory_lib.gib
 # TF's limits when SparseCoreEmbeddingConfig gives none (per partition, and the per-chip buffer).
 TF_DEFAULT_PER_PARTITION = 256
 TF_DEFAULT_PER_CHIP = 64
@@ -45,7 +45,7 @@ class SparseCoreSection:
 class Report:
   source: str
   batch_size: int
-  plan: memory_plan_lib.MemoryPlan
+  plan: memory_lib.MemoryPlan
   sparse_core: SparseCoreSection
 
 
@@ -62,7 +62,7 @@ def build_report(
 ) -> Report:
   """The plan for `model` on `topology`, and on a SparseCore topology the statistics of
   `batches` (read once, with a progress bar on `stream`; each the global batch)."""
-  plan = memory_plan_lib.memory_plan(
+  plan = memory_lib.memory_plan(
     model.feature_config,
     model.optimizer,
     topology=topology,
@@ -143,10 +143,10 @@ def markdown(report: Report) -> str:
 
 
 def _rows(*rows: tuple[str, int]) -> list[str]:
-  return [f"| {label} | {count:,} | {count / memory_plan_lib.GIB:.2f} |" for label, count in rows]
+  return [f"| {label} | {count:,} | {count / memory_lib.GIB:.2f} |" for label, count in rows]
 
 
-def _threshold(plan: memory_plan_lib.MemoryPlan) -> str:
+def _threshold(plan: memory_lib.MemoryPlan) -> str:
   if not plan.fits:
     return "none fits (0 shards every table, the least most tables cost)."
   if plan.partial_size_threshold is None:
@@ -253,9 +253,9 @@ def _ids_panel(axis: Any, stats: dict, suggested: Any) -> None:
   axis.legend(fontsize=7)
 
 
-def _memory_panel(axis: Any, plan: memory_plan_lib.MemoryPlan) -> None:
+def _memory_panel(axis: Any, plan: memory_lib.MemoryPlan) -> None:
   threshold = plan.partial_size_threshold
-  replicated_side = memory_plan_lib.bytes_with_threshold(plan.per_table, threshold)
+  replicated_side = memory_lib.bytes_with_threshold(plan.per_table, threshold)
   label = "replicate all" if threshold is None else f"threshold {threshold:,}"
   bars = {
     "tables + slots": (plan.tables_bytes_per_chip + plan.slots_bytes_per_chip, replicated_side),
@@ -264,12 +264,12 @@ def _memory_panel(axis: Any, plan: memory_plan_lib.MemoryPlan) -> None:
   }
   bottoms = [0.0, 0.0]
   for name, values in bars.items():
-    heights = [v / memory_plan_lib.GIB for v in values]
+    heights = [v / memory_lib.GIB for v in values]
     axis.bar(["all on engine", label], heights, bottom=bottoms, label=name)
     bottoms = [b + h for b, h in zip(bottoms, heights)]
   for position, top in enumerate(bottoms):
     axis.text(position, top, f"{top:.2f} GiB", ha="center", va="bottom", fontsize=8)
-  axis.axhline(plan.hbm_bytes_per_chip / memory_plan_lib.GIB, color="red", label="HBM")
+  axis.axhline(plan.hbm_bytes_per_chip / memory_lib.GIB, color="red", label="HBM")
   axis.set_ylabel("GiB per chip")
   axis.set_title("Memory per chip")
   axis.legend(fontsize=7)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tpu_embedding import hardware, tf_internals, tf_mid_level
-from tpu_embedding.preflight import memory_plan, topologies
+from tpu_embedding.preflight import memory, topologies
 
 import tpu_harness
 
@@ -74,7 +74,7 @@ def test_v1_bytes_are_those_of_tf_tpu_embedding(monkeypatch, optimizer, chips):
   assert cores == chips
   assert all(len(by_slot) == 1 + SLOTS[optimizer] for by_slot in variables.values())
   # v4's layout on `chips` chips (an explicit (HBM, chips, SparseCores) plans for V2):
-  plan = memory_plan.memory_plan(
+  plan = memory.memory_plan(
     _config(),
     OPTIMIZERS[optimizer](),
     topology=topologies.Topology("v1", chips, 32 * GIB, 4, topologies.V1),
@@ -133,7 +133,7 @@ def test_v2_bytes_are_those_of_tf_tpu_embedding_v2(
         tables += fullest
       else:
         slots += fullest
-  plan = memory_plan.memory_plan(
+  plan = memory.memory_plan(
     _config(output_shape=[BATCH]),
     OPTIMIZERS[optimizer](),
     topology=(32 * GIB, chips, sparse_cores),
@@ -193,7 +193,7 @@ def test_the_threshold_fits_and_no_larger_candidate_does(workload, name):
     dense = chips.hbm_bytes_per_chip - cost(candidate)
     if dense < 0:
       continue
-    plan = memory_plan.memory_plan(
+    plan = memory.memory_plan(
       config, optimizer, topology=name, batch_size=batch, dense_bytes_per_chip=dense
     )
     assert plan.fits
@@ -216,7 +216,7 @@ def test_the_dlrm_tables_on_v6e_8_by_hand():
   config = {
     f"f{i}": emb.FeatureConfig(emb.TableConfig(v, dim, name=f"t{i}")) for i, v in enumerate(sizes)
   }
-  plan = memory_plan.memory_plan(config, optimizer, topology="v6e-8", batch_size=batch)
+  plan = memory.memory_plan(config, optimizer, topology="v6e-8", batch_size=batch)
   assert plan.num_chips == 8 and plan.hbm_bytes_per_chip == 32 * 10**9
   assert (plan.per_table["t0"].table_bytes, plan.per_table["t0"].slot_bytes) == (8000512, 8000512)
   assert plan.per_table["t10"].rows_per_chip == 128 // 8  # 100 rows padded to 128
@@ -226,7 +226,7 @@ def test_the_dlrm_tables_on_v6e_8_by_hand():
 
 
 def test_without_embedding_hardware_every_table_is_whole_on_every_chip():
-  plan = memory_plan.memory_plan(_config(), "adam", topology="v5litepod-4", batch_size=BATCH)
+  plan = memory.memory_plan(_config(), "adam", topology="v5litepod-4", batch_size=BATCH)
   assert plan.embedding == topologies.REPLICATED and plan.num_chips == 4
   assert plan.tables_bytes_per_chip == sum(rows * dim * 4 for rows, dim in SHAPES)
   assert plan.slots_bytes_per_chip == 2 * plan.tables_bytes_per_chip
@@ -243,7 +243,7 @@ def test_activations_are_forward_and_backward_float32_per_chip():
     "b": emb.FeatureConfig(table("b", 2), max_sequence_length=3),
     "c": emb.FeatureConfig(table("c", 8), output_shape=[3, 5]),
   }
-  plan = memory_plan.memory_plan(config, "sgd", topology=(GIB, 4, 4), batch_size=10)
+  plan = memory.memory_plan(config, "sgd", topology=(GIB, 4, 4), batch_size=10)
   assert plan.activations_bytes_per_chip == 1200
 
 
@@ -290,18 +290,16 @@ def test_every_generation_cites_its_source():
 )
 def test_bad_topologies_are_refused_by_name(topology, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-    memory_plan.memory_plan(_config(), "sgd", topology=topology, batch_size=BATCH)
+    memory.memory_plan(_config(), "sgd", topology=topology, batch_size=BATCH)
 
 
 def test_unknown_optimizers_and_bad_sizes_are_refused_by_name():
   with pytest.raises(ValueError, match="unknown optimizer name 'rmsprop'"):
-    memory_plan.memory_plan(_config(), "rmsprop", topology="v5p-8", batch_size=BATCH)
+    memory.memory_plan(_config(), "rmsprop", topology="v5p-8", batch_size=BATCH)
   with pytest.raises(ValueError, match="batch_size=0; expected an int >= 1"):
-    memory_plan.memory_plan(_config(), "sgd", topology="v5p-8", batch_size=0)
+    memory.memory_plan(_config(), "sgd", topology="v5p-8", batch_size=0)
   with pytest.raises(ValueError, match="dense_bytes_per_chip=-1"):
-    memory_plan.memory_plan(
-      _config(), "sgd", topology="v5p-8", batch_size=1, dense_bytes_per_chip=-1
-    )
+    memory.memory_plan(_config(), "sgd", topology="v5p-8", batch_size=1, dense_bytes_per_chip=-1)
 
 
 def test_a_table_that_fits_nowhere_is_named_with_its_bytes():
@@ -311,10 +309,19 @@ def test_a_table_that_fits_nowhere_is_named_with_its_bytes():
     "small": emb.FeatureConfig(emb.TableConfig(10, 8, name="small")),
     "huge": emb.FeatureConfig(emb.TableConfig(4 * 10**9, 128, name="huge")),
   }
-  plan = memory_plan.memory_plan(config, "adagrad", topology="v6e-8", batch_size=BATCH)
+  plan = memory.memory_plan(config, "adagrad", topology="v6e-8", batch_size=BATCH)
   assert not plan.fits and plan.partial_size_threshold == 0
   assert plan.per_table["huge"].bytes == 5 * 10**8 * 128 * 4 * 2
   assert plan.verdict.startswith(
     "does not fit on v6e-8: table 'huge' needs 476.84 GiB per chip (512,000,000,000 B"
   )
   assert plan.verdict.endswith("the chip has 29.80 GiB")
+
+
+def test_the_package_gives_the_function_on_every_use():
+  """`tpu_embedding.preflight.memory_plan` stays the function after its module is imported (a
+  module of the same name would replace it on the package after the first call)."""
+  from tpu_embedding import preflight
+
+  for _ in range(2):
+    assert preflight.memory_plan(_config(), "sgd", topology="v5p-8", batch_size=8).num_chips == 4

@@ -245,10 +245,10 @@ def _verdict(
       f"does not fit on {chips.name}: table {name!r} needs {gib(table.bytes)} per chip "
       f"({table.bytes:,} B, table + slots), everything {gib(used)}; the chip has {gib(hbm)}"
     )
-  setting = "None (every table replicated)" if threshold is None else str(threshold)
+  setting = "None), every table replicated," if threshold is None else f"{threshold})"
   return (
     f"fits on {chips.name} ({chips.num_chips} chip(s)): PartialTPUEmbedding(size_threshold="
-    f"{setting}) uses {gib(used)} of {gib(hbm)} per chip"
+    f"{setting} uses {gib(used)} of {gib(hbm)} per chip"
   )
 
 
