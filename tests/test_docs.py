@@ -13,10 +13,11 @@ import pytest
 
 import tpu_embedding
 import tpu_embedding.keras
+import tpu_embedding.preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-PUBLIC_MODULES = {"tpu_embedding", "tpu_embedding.keras"}
+PUBLIC_MODULES = {"tpu_embedding", "tpu_embedding.keras", "tpu_embedding.preflight"}
 # Pages other branches add; the README links them before they land.
 PAGES_TO_COME = {"managed-ids.md", "compatibility.md", "keras-rs.md", "restoring.md"}
 PAGES_TO_COME.add("cluster-security.md")
@@ -44,6 +45,8 @@ DEPRECATED = {"Path"}  # documented as the former name of ExecutionPath; still w
 def _exported(module: str, name: str) -> bool:
   if module == "tpu_embedding":
     return name in tpu_embedding.__all__ or name in DEPRECATED or name == "keras"
+  if module == "tpu_embedding.preflight":
+    return name in tpu_embedding.preflight.__all__
   return module == "tpu_embedding.keras" and name in tpu_embedding.keras.__all__
 
 
@@ -65,8 +68,8 @@ def test_names_used_through_the_package_are_exported(page):
   """`tpu_embedding.<name>` in the text is a public name (commands run `python -m` on the
   examples, which are programs, not names to import)."""
   text = _read(page)
-  for module, name in re.findall(r"(tpu_embedding(?:\.keras)?)\.(\w+)", text):
-    if name != "examples" and not (module == "tpu_embedding" and name == "keras"):
+  for module, name in re.findall(r"(tpu_embedding(?:\.keras|\.preflight)?)\.(\w+)", text):
+    if name != "examples" and not (module == "tpu_embedding" and name in ("keras", "preflight")):
       assert _exported(module, name), f"{os.path.basename(page)}: {module}.{name}"
 
 
