@@ -223,3 +223,19 @@ def test_the_command_line_on_movielens_writes_the_markdown_and_the_plot(tmp_path
   assert "**Verdict:** fits on v6e-8 (8 chip(s))" in text
   assert "/97 batches" in completed.stderr  # the progress bar: 100,000 ratings // 1024
   assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_command_line_on_the_dlrm_configuration(tmp_path, capsys):
+  """In process (no child): the benchmarks' DLRM tables and 8 Zipf batches of 4096 on v5p-8."""
+  output, plot = tmp_path / "dlrm.md", tmp_path / "dlrm.png"
+  argv = ["--config", "benchmarks.preflight_dlrm", "--data", "benchmarks.preflight_dlrm:batches"]
+  argv += ["--topology", "v5p-8", "--batch-size", "4096", "--output", str(output)]
+  assert cli.main(argv + ["--plot", str(plot)]) == 0
+  text = output.read_text()
+  # Ten 10^6-row tables padded to 1000064 rows (a multiple of 8 x 16 SparseCores), 250016 a
+  # chip at width 16: 16,001,024 B each, as much for Adagrad's accumulators.
+  assert "| t0 | 1,000,000 | 16 | accumulators | 250,016 | 16 | 16,001,024 | 16,001,024 |" in text
+  assert "PartialTPUEmbedding(size_threshold=None), every table replicated" in text
+  assert "Over 8 batch(es)" in text and "8 batches would fail the step" in text
+  assert "8/8 batches" in capsys.readouterr().err
+  assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
