@@ -6,7 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
 
-.PHONY: demo test test-matrix test-matrix-all bench bench-quick clean
+JAX_VENV := .venv-jax
+JAX_STAMP := $(JAX_VENV)/.installed
+# jax-tpu-embedding, for tests/preflight/test_jax_comparison.py and `python -m benchmarks
+# preflight` (a child process in its own environment; they skip, saying so, without it).
+JAX_PINS := jax-tpu-embedding==0.1.0 jax==0.10.2 jaxlib==0.10.2
+
+.PHONY: demo test test-matrix test-matrix-all bench bench-quick clean jax-env
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -19,7 +25,15 @@ $(STAMP): setup.cfg setup.py build_backend.py pyproject.toml constraints.txt tpu
 demo: $(STAMP)
 	$(PY) -m tpu_embedding.examples.movielens_ranking --output_dir $(DEMO_DIR)
 
-test: $(STAMP)
+# Optional: where jax-tpu-embedding does not install, its comparisons skip and say why.
+$(JAX_STAMP):
+	test -x $(JAX_VENV)/bin/python || $(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet $(JAX_PINS) && touch $(JAX_STAMP) \
+		|| echo "jax-tpu-embedding did not install: its comparisons will be skipped"
+
+jax-env: $(JAX_STAMP)
+
+test: $(STAMP) $(JAX_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests
@@ -40,4 +54,4 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks all --quick
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) build dist *.egg-info tpu_embedding/engine/_kernels*.so
+	rm -rf $(VENV) $(JAX_VENV) $(DEMO_DIR) build dist *.egg-info tpu_embedding/engine/_kernels*.so

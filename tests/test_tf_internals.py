@@ -141,6 +141,27 @@ def test_sparse_core_helpers():
   )
 
 
+@pytest.mark.skipif(not tf_internals.HAS_SPARSE_CORE, reason="TF 2.15 has no SparseCore")
+def test_sparse_core_stacking_is_tfs_on_clones():
+  """TF's stacker on 2 chips of 4 SparseCores: "a" and "b" (same optimizer) share the stack
+  "a_b", "b" after "a"'s 64 padded rows (8 a shard: column offset 8 * 8) and rotated by 4;
+  "c" (another optimizer) alone. The user's tables keep their sizes and optimizers."""
+  tables = [emb.TableConfig(64, 4, name=n) for n in "ab"]
+  tables.append(emb.TableConfig(16, 4, name="c", optimizer=emb.SGD(0.5)))
+  config = {t.name: emb.FeatureConfig(t, output_shape=[8]) for t in tables}
+  stacking, flat = tf_internals.sparse_core_stacking(
+    config, emb.Adagrad(0.1), 2, 4, emb.SparseCoreEmbeddingConfig()
+  )
+  assert [path for path, _ in flat] == ["a", "b", "c"]
+  assert stacking.table_to_stacked_table_offset == {
+    "a": ("a_b", 0, 0),
+    "b": ("a_b", 64, 4),
+    "c": ("c", 0, 0),
+  }
+  assert stacking.table_to_sample_count == {"a_b": 16, "c": 8}
+  assert [(t.vocabulary_size, t.dim, t.optimizer) for t in tables[:2]] == [(64, 4, None)] * 2
+
+
 def test_sparse_core_exists_from_tf_2_16():
   assert tf_internals.HAS_SPARSE_CORE == (MINOR >= (2, 16))
   assert tf_internals.HAS_SPARSE_CORE == hasattr(emb, "TPUEmbeddingV2")

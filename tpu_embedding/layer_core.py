@@ -24,6 +24,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding.backends import keras_trained
 from tpu_embedding.engine import serving_lookup
+from tpu_embedding.preflight import recorder as stats_recorder
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -115,6 +116,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       self._row_resets = self.row_resets_for(managed_ids_lib.specs(self._managed))
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
+    self._stats_recorder = None
 
   @property
   def execution_path(self) -> hardware.ExecutionPath:
@@ -160,8 +162,44 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     if serving_config is not None:
       return self._serving_lookup(features, weights, serving_config)
     self._check_strategy()
+    if self._stats_recorder is not None:
+      self._stats_recorder.record(features)
     trap = getattr(self, TRAP_NAME, None)
     return self._backend.lookup(features, weights, trap)
+
+  def collect_sparse_core_stats(
+    self, *, num_chips: int, sparse_cores_per_chip: int = 4, stacking: bool = True
+  ) -> None:
+    """Counts, from now on, the ids of every training or evaluation lookup as SparseCore on
+    `num_chips` chips would (see `tpu_embedding.preflight.sparse_core_stats`; each call's
+    features are one global batch); `sparse_core_stats()` reads the maxima. Off by default: it
+    adds a host round trip per step (docs/preflight.md measures it). Start it before the first
+    call of a compiled step (Keras traces `fit`'s step once); not under `jit_compile`.
+    Off TPU only: on SparseCore, TF's own preprocessing counts them."""
+    if self.execution_path is not hardware.ExecutionPath.CPU:
+      raise ValueError(
+        f"collect_sparse_core_stats runs on the CPU/GPU path; this layer is on "
+        f"{self.execution_path.value}."
+      )
+    self._stats_recorder = self._no_dependency(
+      stats_recorder.StatsRecorder(
+        self._config.feature_config,
+        self._config.optimizer,
+        num_chips=num_chips,
+        sparse_cores_per_chip=sparse_cores_per_chip,
+        stacking=stacking,
+      )
+    )
+
+  def sparse_core_stats(self) -> dict[str, Any]:
+    """The SparseCore statistics of the lookups since `collect_sparse_core_stats`, in
+    `tpu_embedding.preflight.sparse_core_stats`'s form."""
+    if self._stats_recorder is None:
+      raise ValueError(
+        "This layer collects no SparseCore statistics: call "
+        "layer.collect_sparse_core_stats(num_chips=...) before training."
+      )
+    return self._stats_recorder.result()
 
   def _serving_lookup(self, features: Any, weights: Any, serving_config: Any) -> Any:
     """A CPU lookup through `serving_config`, reading this layer's current tables."""

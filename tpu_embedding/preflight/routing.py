@@ -119,7 +119,7 @@ def flat_batch(feature_config: Any, batch: Any) -> list[Any]:
     raise ValueError(f"The batch does not have the feature config's structure: {error}") from None
 
 
-def sample_count(value: Any, path: str) -> int:
+def sample_count(value: Any) -> int:
   """How many samples TF reads in one feature's tensor (see the module docstring)."""
   if isinstance(value, tf.RaggedTensor):
     return int(value.nrows())
@@ -146,7 +146,7 @@ def routing(
   for (path, feature), value in zip(flat, values):
     if not isinstance(feature, emb.FeatureConfig):
       raise ValueError(f"Feature {path!r} is a {type(feature)}, not a FeatureConfig.")
-    per_chip = _samples_per_chip(feature, path, sample_count(value, path), num_chips)
+    per_chip = _samples_per_chip(feature, path, sample_count(value), num_chips)
     if per_chip % sparse_cores_per_chip:
       raise ValueError(
         f"Feature {path!r}: {per_chip} samples per chip do not split evenly over "
@@ -230,7 +230,7 @@ def samples_and_ids(value: Any, route: FeatureRoute, num_chips: int) -> tuple[np
   if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"Feature {path!r}: ids must be integers; got {ids.dtype}.")
   expected = route.samples_per_chip * num_chips
-  got = sample_count(value, path)
+  got = sample_count(value)
   if got != expected:
     raise ValueError(
       f"Feature {path!r}: the batch has {got} samples; the config and the first batch say "
