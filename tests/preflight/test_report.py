@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -153,13 +154,20 @@ def test_a_saved_keras_layer_config_is_read_with_its_optimizers(tmp_path):
   }
   path = tmp_path / "model.json"
   path.write_text(json.dumps(document))
-  loaded = sources.load_config(str(path))
-  tables = {f.table.name: f.table for f in loaded.feature_config.values()}
-  assert {name: (t.vocabulary_size, t.dim) for name, t in tables.items()} == {
-    "user": (100, 8),
-    "movie": (50, 4),
-  }
-  assert all(isinstance(t.optimizer, emb.Adam) for t in tables.values())
+  keras_file = tmp_path / "model.keras"  # a zip holding config.json, as Keras 3 saves
+  with zipfile.ZipFile(keras_file, "w") as archive:
+    archive.writestr("config.json", json.dumps(document))
+  for saved in (path, keras_file):
+    loaded = sources.load_config(str(saved))
+    tables = {f.table.name: f.table for f in loaded.feature_config.values()}
+    assert {name: (t.vocabulary_size, t.dim) for name, t in tables.items()} == {
+      "user": (100, 8),
+      "movie": (50, 4),
+    }
+    assert all(isinstance(t.optimizer, emb.Adam) for t in tables.values())
+  path.write_text(json.dumps({"config": {}}))
+  with pytest.raises(ValueError, match="holds no embedding layer config"):
+    sources.load_config(str(path))
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,7 @@ def memory_plan(
   per_table = {table.name: _table_memory(table, chips) for table in config.tables}
   activations = _activations_bytes(config, chips.num_chips, batch_size)
   fixed = activations + dense_bytes_per_chip
-  threshold, used = _threshold(config, per_table, chips, fixed)
+  threshold, used = _threshold(per_table, chips, fixed)
   fits = used <= chips.hbm_bytes_per_chip
   return MemoryPlan(
     topology=chips.name,
@@ -172,7 +172,8 @@ def _table_memory(table: Any, chips: topologies.Topology) -> TableMemory:
   n = chips.num_chips
   if chips.embedding == topologies.V2:
     cores = SPARSE_CORE_ALIGNMENT * n * chips.sparse_cores_per_chip
-    rows, width = _round_up(table.vocabulary_size, cores) // n, _round_up(table.dim, 8)
+    rows = _round_up(table.vocabulary_size, cores) // n
+    width = _round_up(table.dim, SPARSE_CORE_ALIGNMENT)
   elif chips.embedding == topologies.V1:
     rows, width = math.ceil(table.vocabulary_size / n), table.dim
   else:
@@ -202,10 +203,7 @@ def _outputs_per_sample(feature: Any) -> int:
 
 
 def _threshold(
-  config: config_lib.EmbeddingConfig,
-  per_table: dict[str, TableMemory],
-  chips: topologies.Topology,
-  fixed: int,
+  per_table: dict[str, TableMemory], chips: topologies.Topology, fixed: int
 ) -> tuple[Optional[int], int]:
   """(the largest fitting threshold, None for "replicate all"; the bytes per chip it uses). If
   none fits, (0, what sharding everything uses)."""
