@@ -178,6 +178,8 @@ def test_a_saved_keras_layer_config_is_read_with_its_optimizers(tmp_path):
     (["--config", "missing.keras"], "'missing.keras': no such file"),
     (["--topology", "v9-8"], "Unknown TPU topology 'v9-8'"),
     (["--data", "plain"], "expected a .csv or .tfrecord file"),
+    (["--data", "no_such_module_43:batches"], "--data 'no_such_module_43:batches': cannot import"),
+    (["--data", "tpu_embedding.preflight:nothing"], "has no 'nothing'"),
     (["--batch-size", "0"], "batch_size=0"),
   ],
 )

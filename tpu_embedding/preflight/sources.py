@@ -34,19 +34,29 @@ def load_config(spec: str) -> ModelConfig:
   (tables with their optimizers)."""
   if spec.endswith((".keras", ".json")):
     return _saved_config(spec)
+  module, value = _attribute("--config", spec, CONFIG_ATTRIBUTE)
+  feature_config = value() if callable(value) else value
+  return ModelConfig(feature_config, getattr(module, OPTIMIZER_ATTRIBUTE, None), spec)
+
+
+def _attribute(flag: str, spec: str, default: Optional[str]) -> tuple[Any, Any]:
+  """(the module, its attribute) that `spec` ("package.module:name") names."""
   module_name, _, name = spec.partition(":")
+  name = name or default
+  if not name:
+    raise ValueError(
+      f"{flag} {spec!r}: expected a .csv or .tfrecord file, or 'package.module:function'."
+    )
   try:
     module = importlib.import_module(module_name)
   except ImportError as error:
     raise ValueError(
-      f"--config {spec!r}: cannot import {module_name!r} ({error}); expected a Python module "
-      "path such as 'my_package.model_config[:feature_config]', or a .keras/.json file."
+      f"{flag} {spec!r}: cannot import {module_name!r} ({error}); expected a Python module "
+      "path such as 'my_package.model:name'."
     ) from error
-  value = getattr(module, name or CONFIG_ATTRIBUTE, None)
-  if value is None:
-    raise ValueError(f"--config {spec!r}: {module_name} has no {name or CONFIG_ATTRIBUTE!r}.")
-  feature_config = value() if callable(value) else value
-  return ModelConfig(feature_config, getattr(module, OPTIMIZER_ATTRIBUTE, None), spec)
+  if not hasattr(module, name):
+    raise ValueError(f"{flag} {spec!r}: {module_name} has no {name!r}.")
+  return module, getattr(module, name)
 
 
 def _saved_config(path: str) -> ModelConfig:
@@ -104,12 +114,7 @@ def load_batches(
     else:
       dataset = _tfrecord(spec, names, batch_size)
     return dataset, None
-  module_name, _, name = spec.partition(":")
-  if not name:
-    raise ValueError(
-      f"--data {spec!r}: expected a .csv or .tfrecord file, or 'package.module:function'."
-    )
-  batches = getattr(importlib.import_module(module_name), name)()
+  batches = _attribute("--data", spec, None)[1]()
   total = None
   if isinstance(batches, tf.data.Dataset):
     cardinality = int(batches.cardinality())
