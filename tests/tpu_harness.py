@@ -187,13 +187,14 @@ TPU_STRATEGY_CLASSES = (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)
 
 
 def tpu_strategy(
-  monkeypatch, feature: EmbeddingFeature, replicas: int = 1
+  monkeypatch, feature: EmbeddingFeature, replicas: int = 1, sparse_cores: int = 4
 ) -> tuple[StandInTPUStrategy, Recorded]:
-  """A stand-in TPU strategy, with the TPU runtime stubbed for the rest of the test."""
+  """A stand-in TPU strategy (`sparse_cores` per chip), with the TPU runtime stubbed for the
+  rest of the test."""
   recorded = Recorded()
   for module, name, replacement in runtime_stubs(recorded):
     monkeypatch.setattr(module, name, replacement)  # raises if TF no longer has `name`
-  return StandInTPUStrategy(feature, replicas), recorded
+  return StandInTPUStrategy(feature, replicas, sparse_cores), recorded
 
 
 # ---------------------------------------------------------------------------------------------

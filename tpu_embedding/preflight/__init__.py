@@ -10,7 +10,12 @@ from typing import Any
 
 # {public name: "module:name" inside this package}. Filled by the modules as they land.
 _MODULE_OF: dict[str, str] = {
+  "MemoryPlan": "memory",
+  "TableMemory": "memory",
+  "Topology": "topologies",
+  "memory_plan": "memory",
   "sparse_core_stats": "input_stats",
+  "topology": "topologies",
   "sparse_core_config": "limits",
   "preview_limits": "limits",
   "emulate_id_dropping": "limits",
