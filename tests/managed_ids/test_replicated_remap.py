@@ -109,6 +109,16 @@ def test_raw_keys_in_each_replica_equal_one_device_fed_the_global_batch(key_dtyp
       np.testing.assert_allclose(copy.numpy(), expected_tables[name], rtol=1e-5)
 
 
+def test_deferred_resets_inside_one_of_several_replicas_are_refused_unchanged():
+  strategy = _mirrored()
+  with strategy.scope():
+    layer = _shared_table_layer(tf.int64)
+  features = {"a": tf.constant([1, 2], tf.int64), "b": tf.constant([3, 4], tf.int64)}
+  with pytest.raises(ValueError, match="'tpu_embedding.*defer_resets=True.*outside strategy.run"):
+    strategy.run(lambda: layer.remap(features, defer_resets=True))
+  assert int(layer.managed_ids["items"].step.read_value()) == 0
+
+
 def test_a_layer_made_in_the_scope_keeps_one_plain_map_on_the_host():
   """Not mirrored: Keras calls the layer outside a replica step too (a functional build),
   where a mirrored map's variables cannot be read."""

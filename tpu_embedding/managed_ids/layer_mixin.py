@@ -42,6 +42,13 @@ class ManagedIdsMixin:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
     if not defer_resets:
       return self._remap(self._config, features, bool(training))
+    if replicated.in_replica_of_several():
+      raise ValueError(
+        f"Layer {self.name!r}: remap(..., defer_resets=True) was called inside one of several "
+        "replicas; its resets travel with a whole batch. Call it on the global batch outside "
+        "strategy.run (e.g. in the input pipeline), or call the layer with raw keys inside "
+        "strategy.run. Nothing was changed."
+      )
     self._managed.check_resets_returned(self.name)
     self._row_resets.check_resets_returned(self.name)
     given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
