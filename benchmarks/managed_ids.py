@@ -73,10 +73,9 @@ def zipf_keys(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarr
   return keys, ranks.astype(np.int64)
 
 
-def _model(s: dict, managed: bool, initializer=None, min_count: int = 1):
-  """(layer, training step, embedding-only step) of the workload `s`: the second trains the
-  layer alone on the sum of its outputs, the embedding part's own step. `initializer`: the
-  tables' (None: the workloads' RandomUniform); `min_count`: the maps'."""
+def model_parts(s: dict, managed: bool, initializer=None, min_count: int = 1) -> tuple:
+  """(layer, DLRM towers, their optimizer) of the workload `s`. `initializer`: the tables'
+  (None: the workloads' RandomUniform); `min_count`: the maps'."""
   features = worker.feature_configs(tf, s["sizes"], s["dim"], initializer)
   kwargs = {}
   if managed:
@@ -87,17 +86,30 @@ def _model(s: dict, managed: bool, initializer=None, min_count: int = 1):
   towers = (
     worker.dlrm_towers(tf_keras) if s["dense"] else worker.dlrm_towers(tf_keras, None, (64, 1))
   )
-  optimizer = tf_keras.optimizers.legacy.Adagrad(learning_rate)
+  return layer, towers, tf_keras.optimizers.legacy.Adagrad(learning_rate)
+
+
+def train_step(parts: tuple, s: dict, inputs, dense, labels, remapped: bool = False):
+  """One training step of `model_parts`' model on one batch; its loss."""
+  layer, towers, optimizer = parts
+  with tf.GradientTape() as tape:
+    out = layer(inputs, remapped=remapped)
+    flat = [out[f"f{i}"] for i in range(len(s["sizes"]))]
+    loss = worker.dlrm_loss(tf, towers, flat, dense, labels)
+  variables = layer.trainable_variables + worker.tower_variables(towers)
+  optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+  return loss
+
+
+def _model(s: dict, managed: bool, initializer=None, min_count: int = 1):
+  """(layer, training step, embedding-only step) of the workload `s` (`model_parts`): the
+  second trains the layer alone on the sum of its outputs, the embedding part's own step."""
+  parts = model_parts(s, managed, initializer, min_count)
+  layer = parts[0]
 
   @tf.function
   def step(inputs, dense, labels, remapped=False):
-    with tf.GradientTape() as tape:
-      out = layer(inputs, remapped=remapped)
-      flat = [out[f"f{i}"] for i in range(len(s["sizes"]))]
-      loss = worker.dlrm_loss(tf, towers, flat, dense, labels)
-    variables = layer.trainable_variables + worker.tower_variables(towers)
-    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-    return loss
+    return train_step(parts, s, inputs, dense, labels, remapped)
 
   @tf.function
   def embedding_step(inputs):
@@ -109,7 +121,7 @@ def _model(s: dict, managed: bool, initializer=None, min_count: int = 1):
   return layer, step, embedding_step
 
 
-def _batches(s: dict, count: int, seed: int):
+def batches(s: dict, count: int, seed: int):
   """(raw keys, pre-mapped ids, dense features, labels) of `count` batches. A managed table's
   feature takes raw keys (`zipf_keys`); pre-mapped, their Zipf ranks modulo its rows. Other
   features take the DLRM workload's ids in both. Features in `multi_hot`: 1-5 ids a sample."""
@@ -133,7 +145,7 @@ def _batches(s: dict, count: int, seed: int):
     yield raw, ranks, dense, labels
 
 
-def _timed(fn, *args) -> tuple[float, float]:
+def timed(fn, *args) -> tuple[float, float]:
   """(wall, CPU of the whole process) seconds of one call, results fetched (a ragged result
   by its component tensors: its `numpy()` builds one array per row, ~8 ms at batch 4096)."""
   wall, cpu = time.perf_counter(), time.process_time()
@@ -141,7 +153,18 @@ def _timed(fn, *args) -> tuple[float, float]:
   return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _fill(layer, s: dict, min_count: int = 1) -> None:
+def summary(times: dict) -> dict:
+  """{name}_ms, _cpu_ms (medians of wall and process CPU) and _mean_ms (mean wall) of the
+  timed steps {name: [(wall, cpu) seconds]}, in milliseconds."""
+  result = {}
+  for name, pairs in times.items():
+    result[f"{name}_ms"] = 1e3 * statistics.median(w for w, _ in pairs)
+    result[f"{name}_cpu_ms"] = 1e3 * statistics.median(c for _, c in pairs)
+    result[f"{name}_mean_ms"] = 1e3 * statistics.mean(w for w, _ in pairs)
+  return result
+
+
+def fill(layer, s: dict, min_count: int = 1) -> None:
   """Gives every row of every map a key first, so that timed steps evict as a full map does
   (at 10^6 rows a Zipf stream of a few thousand keys a step would take hundreds of steps): each
   key `min_count` times, the maps' admission count."""
@@ -153,7 +176,7 @@ def _fill(layer, s: dict, min_count: int = 1) -> None:
 def run_speed(s: dict) -> dict:
   """Each batch runs through every variant in turn (interleaved, so that a change in the
   machine's load hits all of them alike); medians and means of wall and of process CPU time."""
-  data = list(_batches(s, s["warmup"] + s["steps"], seed=0))
+  data = list(batches(s, s["warmup"] + s["steps"], seed=0))
   _, premapped_step, embedding_step = _model(s, managed=False)
   _, map_rows_step, map_rows_embedding_step = _model(s, managed=False)  # its own tables
   layer, managed_step, _ = _model(s, managed=True)
@@ -161,8 +184,8 @@ def run_speed(s: dict) -> dict:
   zeros_layer, zeros_step, _ = _model(s, managed=True, initializer=tf.zeros_initializer())
   twice_layer, twice_step, _ = _model(s, managed=True, min_count=2)
   for filled in (layer, remap_layer, zeros_layer):
-    _fill(filled, s)
-  _fill(twice_layer, s, min_count=2)
+    fill(filled, s)
+  fill(twice_layer, s, min_count=2)
   remap = tf.function(remap_layer.remap)
   given = {}  # the rows the remap just gave this batch (the managed model's rows)
 
@@ -186,14 +209,10 @@ def run_speed(s: dict) -> dict:
   times = {name: [] for name in variants}
   for i, batch in enumerate(data):
     for name, fn in variants.items():
-      timed = _timed(fn, *batch)
+      took = timed(fn, *batch)
       if i >= s["warmup"]:
-        times[name].append(timed)
-  result = dict(settings=s, load_average=os.getloadavg())
-  for name, pairs in times.items():
-    result[f"{name}_ms"] = 1e3 * statistics.median(w for w, _ in pairs)
-    result[f"{name}_cpu_ms"] = 1e3 * statistics.median(c for _, c in pairs)
-    result[f"{name}_mean_ms"] = 1e3 * statistics.mean(w for w, _ in pairs)
+        times[name].append(took)
+  result = dict(settings=s, load_average=os.getloadavg(), **summary(times))
   result.update(
     keys_held_t0=int(layer.managed_ids["t0"].size()),
     keys_held_t0_min_count_2=int(twice_layer.managed_ids["t0"].size()),
@@ -208,11 +227,11 @@ def run_pipelined(s: dict, blocks: int = 3) -> dict:
   against the pre-mapped model's loop over the same batches (ids from a prefetching `tf.data`
   too); blocks of each alternate. Mean wall and process CPU time a step."""
   per_block = s["steps"] // blocks
-  data = list(_batches(s, s["warmup"] + blocks * per_block, seed=1))
+  data = list(batches(s, s["warmup"] + blocks * per_block, seed=1))
   raw, ranks, dense, labels = (tf.nest.map_structure(_stacked, *part) for part in zip(*data))
   _, premapped_step, _ = _model(s, managed=False)
   layer, step, _ = _model(s, managed=True)
-  _fill(layer, s)
+  fill(layer, s)
 
   # Resets are padded to the batch's keys, whose number multi-hot features vary: one trace for
   # every length.
@@ -235,8 +254,8 @@ def run_pipelined(s: dict, blocks: int = 3) -> dict:
   }
   totals = {name: [0.0, 0.0] for name in loops}
   for block in range(-1, blocks):  # block -1: the warm-up batches, not counted
-    for name, (batches, step_of) in loops.items():
-      wall, cpu = _timed_loop(batches, step_of, s["warmup"] if block < 0 else per_block)
+    for name, (iterator, step_of) in loops.items():
+      wall, cpu = _timed_loop(iterator, step_of, s["warmup"] if block < 0 else per_block)
       if block >= 0:
         totals[name][0] += wall
         totals[name][1] += cpu
@@ -299,9 +318,9 @@ def run_dynamic_embedding(s: dict) -> dict:
 
   data = [
     ({k: tf.strings.as_string(v) for k, v in raw.items()}, x, y)
-    for raw, _, x, y in _batches(s, _DYNAMIC_EMBEDDING_STEPS + 1, seed=0)
+    for raw, _, x, y in batches(s, _DYNAMIC_EMBEDDING_STEPS + 1, seed=0)
   ]
-  times = [_timed(step, *batch)[0] for batch in data][1:]  # seconds a step: a few suffice
+  times = [timed(step, *batch)[0] for batch in data][1:]  # seconds a step: a few suffice
   start = time.perf_counter()
   for layer in layers:
     layer.update_embeddings(tf.distribute.get_strategy())
@@ -328,6 +347,20 @@ def run_tfra(s: dict) -> dict:
     capture_output=True,
     text=True,
     timeout=1800,
+  )
+  if done.returncode != 0:
+    return dict(skipped=f"failed: {done.stderr.strip().splitlines()[-1:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_mirrored(s: dict) -> dict:
+  """benchmarks/managed_mirrored.py in its own process (2 logical CPUs, MirroredStrategy)."""
+  done = subprocess.run(
+    [sys.executable, "-m", "benchmarks.managed_mirrored", json.dumps(s)],
+    cwd=os.path.dirname(HERE),
+    capture_output=True,
+    text=True,
+    timeout=3600,
   )
   if done.returncode != 0:
     return dict(skipped=f"failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -487,6 +520,8 @@ def report(result: dict) -> str:
     f"{'MET' if _bytes_per_row(mem) <= 48 + mem['key_bytes'] else 'NOT MET'}",
     "The same, on the managed tables alone (no dense part: beyond the issue's workload):",
     *_verdicts(stress, "whole step of the managed tables alone"),
+    "",
+    *_mirrored_section(result.get("mirrored"), sp),
   ]
   if q is not None:
     lines += [
@@ -566,6 +601,36 @@ def _verdicts(sp: dict, whole: str) -> list[str]:
   ]
 
 
+def _mirrored_section(mirrored: dict, single: dict) -> list[str]:
+  """The DLRM workload under MirroredStrategy (issue 44) beside the single-device figures."""
+  lines = ["## The DLRM workload under MirroredStrategy, 2 logical CPUs (issue 44)", ""]
+  if mirrored is None or "skipped" in mirrored:
+    return lines + [f"Not run: {(mirrored or {}).get('skipped', 'no result')}."]
+  lines += [
+    "Raw keys inside `strategy.run` (the replicas' keys gathered, one map step per global "
+    "batch) against the same model fed pre-mapped rows; single-device figures of this run "
+    "beside them.",
+    "",
+    "| | pre-mapped ms (median wall) | managed ms | ratio | ratio, process CPU "
+    "| ratio, mean wall |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, sp in (("MirroredStrategy, 2 replicas", mirrored), ("one device", single)):
+    ratios = [sp[f"managed{p}"] / sp[f"premapped{p}"] for p in ("_ms", "_cpu_ms", "_mean_ms")]
+    lines.append(
+      f"| {name} | {sp['premapped_ms']:.1f} | {sp['managed_ms']:.1f} | "
+      + " | ".join(f"{r:.2f}x" for r in ratios)
+      + " |"
+    )
+  load = ", ".join(f"{x:.1f}" for x in mirrored["load_average"])
+  return lines + [
+    "",
+    _verdict("MirroredStrategy step <= 1.15x the pre-mapped one", mirrored, "managed",
+             "premapped", 1.15, "x"),
+    f"Load average at its end: {load}.",
+  ]  # fmt: skip
+
+
 def _other_row(name: str, other: dict, speed: dict) -> str:
   if "skipped" in other:
     return f"| {name} | not run | | | | | |"
@@ -614,6 +679,7 @@ def main(quick: bool, out_dir: str, speed_only: bool = False) -> None:
   gc.collect()  # each run's models hold GBs of tables in reference cycles (tf.function's)
   result["pipelined"] = run_pipelined(s)
   gc.collect()
+  result["mirrored"] = run_mirrored(s)
   result["stress"] = run_speed(stress)
   result["dynamic"] = run_dynamic_embedding(stress)
   result["tfra"] = run_tfra(stress)

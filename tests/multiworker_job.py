@@ -1,6 +1,7 @@
 """One process of the multi-worker test: trains a fixed set of global batches, writes the table
-(`plain.npy`); then, under the same strategy, the managed-ids run of `multiworker_managed_job`
-(`managed_ids.npy`). A process makes one MultiWorkerMirroredStrategy, so both share it.
+(`plain.npy`); then, under the same strategy, the managed-ids runs of `multiworker_managed_job`
+(`managed_ids.npy`: remapped outside strategy.run; `managed_raw_keys.npy`: raw keys inside it).
+A process makes one MultiWorkerMirroredStrategy, so all share it.
 
 Run as `python multiworker_job.py OUT_DIR` with TF_CONFIG set for MultiWorkerMirroredStrategy,
 or without TF_CONFIG for the single-process reference run on the same global batches.
@@ -74,6 +75,7 @@ def main(out_dir: str) -> None:
   strategy = strategy_of_this_process()
   train(strategy, os.path.join(out_dir, "plain.npy"))
   multiworker_managed_job.train(strategy, os.path.join(out_dir, "managed_ids.npy"))
+  multiworker_managed_job.train_raw_keys(strategy, os.path.join(out_dir, "managed_raw_keys.npy"))
   if "TF_CONFIG" in os.environ:
     print(json.dumps({"task": json.loads(os.environ["TF_CONFIG"])["task"]}))
 

@@ -1,7 +1,6 @@
 """Managed ids where the remap runs outside the step: XLA-compiled steps and MirroredStrategy."""
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tpu_embedding
@@ -92,12 +91,3 @@ def test_mirrored_two_replicas_equal_one_replica_with_the_global_batch():
   _assert_equals_eager_reference(layer)
   copies = layer.variables_by_table["movies"]["parameters"].values
   np.testing.assert_array_equal(copies[0].numpy(), copies[1].numpy())
-
-
-def test_raw_keys_inside_one_of_several_replicas_are_refused():
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-  with strategy.scope():
-    layer = _layer()
-  with pytest.raises(ValueError, match="inside one of 2 replicas.*layer.remap"):
-    strategy.run(lambda: layer({"movie": tf.constant([1, 2], tf.int64)}))
-  assert int(layer.managed_ids["movies"].step.read_value()) == 0

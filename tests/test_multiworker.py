@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import loopback
 
@@ -26,6 +27,7 @@ def _env(**extra):
   return env
 
 
+@pytest.mark.integration
 def test_two_workers_on_loopback_equal_one_process(tmp_path):
   for run in ("worker0", "worker1", "single"):
     (tmp_path / run).mkdir()
@@ -54,7 +56,7 @@ def test_two_workers_on_loopback_equal_one_process(tmp_path):
     for process in processes:
       output, _ = process.communicate(timeout=400)
       assert process.returncode == 0, output[-3000:]
-  for name in ("plain.npy", "managed_ids.npy"):
+  for name in ("plain.npy", "managed_ids.npy", "managed_raw_keys.npy"):
     reference = np.load(tmp_path / "single" / name)
     for index in range(2):
       np.testing.assert_allclose(

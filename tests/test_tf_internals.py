@@ -89,6 +89,21 @@ def test_uninitialized_variable_takes_its_value_from_an_assign():
   np.testing.assert_array_equal(variable.numpy(), np.ones([2, 3]))
 
 
+def test_undistributed_variables_are_plain_yet_owned_by_the_strategy_in_scope():
+  strategy = tf.distribute.MirroredStrategy(
+    ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+  )
+  with strategy.scope():
+    with tf_internals.undistributed_variables(), tf.device("/cpu:1"):
+      plain = tf.Variable([1, 2])
+    mirrored = tf.Variable([1, 2])
+  assert not isinstance(plain, tf.distribute.DistributedValues)
+  assert isinstance(mirrored, tf.distribute.DistributedValues)
+  assert tf.DeviceSpec.from_string(plain.device).device_index == 1
+  assert strategy.extended.variable_created_in_scope(plain)
+  np.testing.assert_array_equal(plain.numpy(), [1, 2])
+
+
 def test_slot_names_and_initializers_of_the_mid_level_optimizers():
   adam = emb.Adam(0.1)
   assert tf_internals.slot_names(emb.SGD(0.1)) == []

@@ -16,7 +16,8 @@ SparseCore-stacked tables is refused rather than read).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
@@ -133,6 +134,23 @@ def host_address_space() -> str:
 def kernel_device_types(op: str) -> set[str]:
   """The device types with a registered kernel for the op type `op`."""
   return {k.device_type for k in kernels.get_registered_kernels_for_op(op).kernel}
+
+
+@contextlib.contextmanager
+def undistributed_variables() -> Iterator[None]:
+  """Variables created within are plain resource variables of the current device, even under a
+  strategy's scope (whose variable creator would mirror them): state that one copy holds. They
+  still count as the strategy's own (`variable_created_in_scope`, which Keras checks of every
+  variable of a model compiled in the scope)."""
+  strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+  def create(next_creator: Callable, **kwargs: Any) -> tf.Variable:
+    del next_creator  # the strategy's creator and those below it are skipped
+    kwargs["distribute_strategy"] = strategy
+    return resource_variable_ops.default_variable_creator_v2(None, **kwargs)
+
+  with tf.variable_creator_scope(create):
+    yield
 
 
 def uninitialized_variable(**kwargs: Any) -> tf.Variable:

@@ -19,7 +19,7 @@ from tpu_embedding.managed_ids.row_resets import (
   reset_variables,
 )
 from tpu_embedding.managed_ids.spec import ManagedIds
-from tpu_embedding.managed_ids.tables import ManagedTables, refuse_per_replica_remap
+from tpu_embedding.managed_ids.tables import ManagedTables
 
 __all__ = [
   "CHECKPOINT_KEY",
@@ -32,7 +32,6 @@ __all__ = [
   "ManagedTables",
   "RoutedResets",
   "create",
-  "refuse_per_replica_remap",
   "reset_variables",
   "specs",
   "table_names",

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
+from tpu_embedding.managed_ids import replicated
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
@@ -41,6 +42,13 @@ class ManagedIdsMixin:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
     if not defer_resets:
       return self._remap(self._config, features, bool(training))
+    if replicated.in_replica_of_several():
+      raise ValueError(
+        f"Layer {self.name!r}: remap(..., defer_resets=True) was called inside one of several "
+        "replicas; its resets travel with a whole batch. Call it on the global batch outside "
+        "strategy.run (e.g. in the input pipeline), or call the layer with raw keys inside "
+        "strategy.run. Nothing was changed."
+      )
     self._managed.check_resets_returned(self.name)
     self._row_resets.check_resets_returned(self.name)
     given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
@@ -101,15 +109,22 @@ class ManagedIdsMixin:
     admits: bool,
     reset: Optional[ResetRows] = None,
   ) -> Any:
-    """`reset`: where the rows given to new keys go (by default, this path's resets)."""
+    """`reset`: where the rows given to new keys go (by default, this path's resets). A training
+    remap inside one of several replicas is one step for all of them (`replicated`)."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
-    if admits:
-      self._row_resets.check_training_remap()
-    rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
-    if admits:
-      self._row_resets.end_step()
-    return self._row_resets.visible(config, rows)
+    managed = self._managed.keys_of(config, features)
+
+    def step(keys: list[tf.Tensor]) -> list[tf.Tensor]:
+      if admits:
+        self._row_resets.check_training_remap()
+      rows = self._managed.step(managed.tables, keys, admits, reset or self._row_resets.reset)
+      if admits:
+        self._row_resets.end_step()
+      return rows
+
+    rows = replicated.run_once(step, managed.keys) if admits else step(managed.keys)
+    return self._row_resets.visible(config, managed.with_rows(rows))
 
   def _refuse_keys_in_tpu_step(self) -> None:
     """Hash tables do not compile for the TPU: keys are remapped on the host, before the step."""

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
@@ -41,8 +42,15 @@ def new_map(
 ) -> KeyRowMap:
   """The map of a managed table created now: under PSS split with the rows of `table()` (the
   table's variable, created by this call if it does not exist yet)."""
-  if Distribution.current() is not Distribution.PARAMETER_SERVERS:
+  distribution = Distribution.current()
+  if distribution is Distribution.LOCAL:
     return IdMap(spec, table_name, capacity)
+  if distribution is Distribution.REPLICATED:
+    # One map, on this process's CPU, not a copy per replica: every replica's keys reach it in
+    # one step (`replicated`), also where Keras calls the layer outside a replica step.
+    host = f"{tf_internals.host_address_space()}/device:CPU:0"
+    with tf.init_scope(), tf_internals.undistributed_variables(), tf.device(host):
+      return IdMap(spec, table_name, capacity)
   return ShardedIdMap(spec, table_name, table())
 
 

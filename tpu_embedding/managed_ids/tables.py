@@ -69,39 +69,55 @@ class ManagedTables(tf.Module):
         "them. Call the layer with raw keys inside strategy.run. Nothing was changed."
       )
 
-  def remap(
-    self,
-    config: config_lib.EmbeddingConfig,
-    features: Any,
-    training: bool,
-    reset_rows: ResetRows,
-  ) -> Any:
-    """`features` with each managed table's raw keys replaced by rows (int64).
-
-    All keys of one table (its features in feature order, each flattened row-major) form one
-    stream, so one call is one step of that table's map. With `training`, `reset_rows(table,
-    rows)` is told the rows given to new keys (the path resets them in its memory).
-    """
-    if training:
-      refuse_per_replica_remap()
+  def keys_of(self, config: config_lib.EmbeddingConfig, features: Any) -> ManagedKeys:
+    """The raw keys of each managed feature of `features`, flat, in the layer's feature order."""
     pairs = config_lib.match_structure(config, features, subset=True)
-    streams: dict[str, list[tuple[int, tf.Tensor]]] = {}
-    for index, (feature, ids) in enumerate(pairs):
-      if feature.table.name in self.maps:
-        keys = _keys_of(feature, ids, self.maps[feature.table.name])
-        streams.setdefault(feature.table.name, []).append((index, keys))
-    leaves = [ids for _, ids in pairs]
-    for name, parts in streams.items():
-      streams_keys = [keys for _, keys in parts]
-      keys = tf.concat(streams_keys, 0) if len(parts) > 1 else streams_keys[0]
+    managed = [
+      (index, feature.table.name, _keys_of(feature, ids, self.maps[feature.table.name]))
+      for index, (feature, ids) in enumerate(pairs)
+      if feature.table.name in self.maps
+    ]
+    return ManagedKeys(features, [ids for _, ids in pairs], managed)
+
+  def step(
+    self, tables: list[str], keys: list[tf.Tensor], training: bool, reset_rows: ResetRows
+  ) -> list[tf.Tensor]:
+    """The rows of `keys` (the flat keys of features of `tables`, one entry each): all keys of
+    one table, in order, form one stream, so this is one step of each table's map. With
+    `training`, `reset_rows(table, rows)` is told the rows given to new keys (the path resets
+    them in its memory)."""
+    streams: dict[str, list[int]] = {}
+    for position, name in enumerate(tables):
+      streams.setdefault(name, []).append(position)
+    rows: list[Optional[tf.Tensor]] = [None] * len(keys)
+    for name, positions in streams.items():
+      parts = [keys[p] for p in positions]
+      stream = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
       reset = functools.partial(reset_rows, self._tables[name])
-      rows, _ = self.maps[name].remap(keys, training, reset)
-      pieces = [rows]  # one feature, the usual case: no concat and split around the map
+      got, _ = self.maps[name].remap(stream, training, reset)
+      pieces = [got]  # one feature, the usual case: no concat and split around the map
       if len(parts) > 1:
-        pieces = tf.split(rows, tf.stack([tf.size(k) for k in streams_keys]))
-      for (index, _), piece in zip(parts, pieces):
-        leaves[index] = _with_rows(leaves[index], piece)
-    return tf.nest.pack_sequence_as(features, leaves)
+        pieces = tf.split(got, tf.stack([tf.size(k) for k in parts]))
+      for position, piece in zip(positions, pieces):
+        rows[position] = piece
+    return rows
+
+
+class ManagedKeys:
+  """A feature nest's managed keys (`ManagedTables.keys_of`), to put their rows back in."""
+
+  def __init__(self, features: Any, leaves: list[Any], managed: list[tuple[int, str, tf.Tensor]]):
+    self._features, self._leaves = features, leaves
+    self._indices = [index for index, _, _ in managed]
+    self.tables = [name for _, name, _ in managed]  # each managed feature's table
+    self.keys = [keys for _, _, keys in managed]
+
+  def with_rows(self, rows: list[tf.Tensor]) -> Any:
+    """The features with each managed feature's keys replaced by `rows` (one entry each)."""
+    leaves = list(self._leaves)
+    for index, piece in zip(self._indices, rows):
+      leaves[index] = _with_rows(leaves[index], piece)
+    return tf.nest.pack_sequence_as(self._features, leaves)
 
 
 def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
@@ -137,17 +153,3 @@ def _with_rows(ids: Any, rows: tf.Tensor) -> Any:
   if isinstance(ids, tf.RaggedTensor):
     return ids.with_flat_values(rows)
   return tf.reshape(rows, tf.shape(ids))
-
-
-def refuse_per_replica_remap() -> None:
-  """A training remap inside one replica of several would give the replicas different maps."""
-  if tf.distribute.in_cross_replica_context():
-    return
-  replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-  if replicas > 1:
-    raise ValueError(
-      f"A layer with managed_ids was called with raw keys inside one of {replicas} replicas; "
-      "every replica must see one key -> row map. Remap the global batch once, outside "
-      "strategy.run: rows = layer.remap(global_features); then distribute the rows and call "
-      "layer(rows, remapped=True) in the replica step."
-    )
