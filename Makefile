@@ -17,7 +17,7 @@ $(STAMP): setup.cfg setup.py build_backend.py pyproject.toml constraints.txt tpu
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tpu_embedding.examples.movielens_ranking --output_dir $(DEMO_DIR)
+	$(PY) -m examples.movielens_ranking --output_dir $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from tpu_embedding.examples import private_network
-from tpu_embedding.examples.local_cluster import (
+from examples import private_network
+from examples.local_cluster import (
   LocalCluster,
   free_ports,  # noqa: F401 (for the tests)
   open_network,

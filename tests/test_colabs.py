@@ -1,6 +1,7 @@
 """Every notebook in colabs/ runs top to bottom in fast mode, on the venv's own Python."""
 
 import json
+import os
 import pathlib
 import sys
 
@@ -11,7 +12,8 @@ nbclient = pytest.importorskip("nbclient")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
-COLABS = pathlib.Path(__file__).resolve().parent.parent / "colabs"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COLABS = ROOT / "colabs"
 NOTEBOOKS = sorted(COLABS.glob("*.ipynb"))
 KERNEL = "tpu-embedding-test"
 
@@ -36,7 +38,8 @@ def test_notebooks_are_up_to_date_and_have_no_outputs():
 
 @pytest.fixture(scope="module")
 def kernel_specs(tmp_path_factory):
-  """A kernelspec running this interpreter, whatever `python` is on PATH."""
+  """A kernelspec running this interpreter, whatever `python` is on PATH, with the repository's
+  root on the path: the notebooks read their data through `examples/`, which is not installed."""
   kernels = tmp_path_factory.mktemp("jupyter") / "kernels"
   spec_dir = kernels / KERNEL
   spec_dir.mkdir(parents=True)
@@ -44,7 +47,11 @@ def kernel_specs(tmp_path_factory):
     "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
     "display_name": "tpu_embedding tests",
     "language": "python",
-    "env": {"TPU_EMBEDDING_FAST": "1", "MPLBACKEND": "Agg"},
+    "env": {
+      "TPU_EMBEDDING_FAST": "1",
+      "MPLBACKEND": "Agg",
+      "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    },
   }
   (spec_dir / "kernel.json").write_text(json.dumps(spec))
   return KernelSpecManager(kernel_dirs=[str(kernels)])

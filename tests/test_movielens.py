@@ -1,4 +1,4 @@
-"""Tests for tpu_embedding.data.movielens: the three sources, the split, and the input pipeline."""
+"""Tests for examples.data.movielens: the three sources, the split, and the input pipeline."""
 
 import dataclasses
 import time
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embedding.data import movielens
-from tpu_embedding.data.movielens import MovieLens
+from examples.data import movielens
+from examples.data.movielens import MovieLens
 
 
 def _pairs(data: MovieLens) -> set[tuple[int, int]]:

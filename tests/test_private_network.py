@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tpu_embedding.examples import private_network
+from examples import private_network
 
 import loopback
 

@@ -19,7 +19,7 @@ def demo(tmp_path_factory):
   command = [
     sys.executable,
     "-m",
-    "tpu_embedding.examples.movielens_ranking",
+    "examples.movielens_ranking",
     "--output_dir",
     str(output_dir),
     "--epochs",
@@ -47,7 +47,7 @@ def test_prints_its_own_progress_not_tensorflows_messages(demo):
 
 
 def test_verbose_shows_tensorflows_messages(tmp_path):
-  command = [sys.executable, "-m", "tpu_embedding.examples.movielens_ranking", "--verbose"]
+  command = [sys.executable, "-m", "examples.movielens_ranking", "--verbose"]
   command += ["--output_dir", str(tmp_path), "--epochs", "1", "--batch_size", "1024"]
   result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=USER_ENV)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -10,7 +10,7 @@ from child_process import ROOT
 
 SCRIPT = """
 import os, sys
-from tpu_embedding.examples import quiet
+from examples import quiet
 with quiet.tensorflow_start_up(verbose={verbose}):
   os.write(2, b"native start-up message\\n")
   print("python start-up message", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The launcher `python -m tpu_embedding.examples.sharded_dlrm`, run as a user runs it.
+"""The launcher `python -m examples.sharded_dlrm`, run as a user runs it.
 
 While it runs, the socket tables of its processes (`/proc/<pid>/net/tcp{,6}`) say where they
 listen: on a machine that allows private networks, nothing an interface other than loopback
@@ -18,7 +18,7 @@ import tensorflow as tf
 import loopback
 from child_process import tensorflow_log_lines
 
-LAUNCHER = [sys.executable, "-m", "tpu_embedding.examples.sharded_dlrm"]
+LAUNCHER = [sys.executable, "-m", "examples.sharded_dlrm"]
 SMALL = ["--tables", "1", "--vocabulary", "20000", "--batch", "32", "--steps", "3"]
 PRIVATE = loopback.private_networks()
 # On a machine without private networks the runs below go on exposed, as CI must still pass.

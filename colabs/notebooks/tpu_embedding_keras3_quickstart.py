@@ -46,7 +46,7 @@ print("Keras", keras.__version__, "on", keras.backend.backend(), "|", type(strat
 # `({"user_id", "movie_id"}, rating in [0, 1])`.
 
 # %%
-from tpu_embedding.data import movielens
+from examples.data import movielens
 
 data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
 train, test = movielens.train_test_split(data, test_fraction=0.2, seed=42)

@@ -9,7 +9,7 @@ only loopback reaches (`private_network`); a coordinator must run there too:
 cluster refuses to start unless `allow_exposed=True`, and says which ports would be exposed on
 which interfaces. Leaving the `with` block stops every process, whatever happened inside it.
 
-    python -m tpu_embedding.examples.local_cluster [--verbose]   # run one task from TF_CONFIG
+    python -m examples.local_cluster [--verbose]   # run one task from TF_CONFIG
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Protocol, Sequence
 
-from tpu_embedding.examples import private_network, quiet
+from examples import private_network, quiet
 
 SIOCGIFADDR = 0x8915
 # A task's steps hold inter-op threads while they wait on other tasks (receives from the ps
@@ -202,7 +202,7 @@ class LocalCluster:
   def _spawn(self, job: str, index: int) -> None:
     env = dict(os.environ)
     env["TF_CONFIG"] = json.dumps({"cluster": self.spec, "task": {"type": job, "index": index}})
-    task = [sys.executable, "-m", "tpu_embedding.examples.local_cluster"]
+    task = [sys.executable, "-m", "examples.local_cluster"]
     if self._verbose:
       task.append("--verbose")
     output = None if self._verbose else subprocess.DEVNULL

@@ -1,6 +1,6 @@
 """A DLRM-shaped model whose tables are row-sharded over parameter servers, end to end.
 
-    python -m tpu_embedding.examples.sharded_dlrm --ps 2 --workers 2
+    python -m examples.sharded_dlrm --ps 2 --workers 2
 
 starts the ps and worker tasks as local processes (`LocalCluster`: free ports, one TF_CONFIG per
 process, in a private network that only loopback reaches, all stopped at the end), then runs
@@ -9,7 +9,7 @@ whose `variable_partitioner` shards every embedding table (and its optimizer slo
 the ps tasks trains on synthetic clicks, writes a checkpoint, restores it into an unsharded
 model and exports that one for CPU serving. The coordinator ends before the tasks are stopped.
 
-On a real cluster, run `python -m tpu_embedding.examples.local_cluster` on every ps and worker
+On a real cluster, run `python -m examples.local_cluster` on every ps and worker
 machine with that machine's TF_CONFIG, and this script with `--cluster '<the cluster spec as
 JSON>'` on the coordinator (see docs/sharded-tables.md, and docs/cluster-security.md for what
 such a cluster exposes).
@@ -25,8 +25,8 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
-from tpu_embedding.examples import quiet
-from tpu_embedding.examples.local_cluster import ExposedClusterError, LocalCluster
+from examples import quiet
+from examples.local_cluster import ExposedClusterError, LocalCluster
 
 # Every task is a process on this machine: more than this many per job only share its cores.
 MAX_LOCAL_TASKS = 8
@@ -97,7 +97,7 @@ def _timeout(seconds: int) -> None:
 
 def coordinator_command(spec: dict[str, list[str]], args: argparse.Namespace) -> list[str]:
   """This script, as a real cluster's coordinator runs it, with the same settings."""
-  command = [sys.executable, "-m", "tpu_embedding.examples.sharded_dlrm", "--cluster"]
+  command = [sys.executable, "-m", "examples.sharded_dlrm", "--cluster"]
   command.append(json.dumps(spec))
   for name in ("tables", "vocabulary", "batch", "steps", "output_dir", "timeout"):
     command += [f"--{name}", str(getattr(args, name))]
@@ -111,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   _timeout(args.timeout)
   if args.cluster:
     with quiet.tensorflow_start_up(verbose=args.verbose):
-      from tpu_embedding.examples import dlrm
+      from examples import dlrm
 
     dlrm.run_on_cluster(args.cluster, args)
     return

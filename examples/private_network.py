@@ -6,8 +6,8 @@ namespace, which needs no privileges where the kernel allows it) listen on its o
 its own `lo`, that nothing outside the namespace can reach. A process must be inside the same
 namespace to talk to them: `PrivateNetwork.command` wraps a command line so that it runs there.
 
-    python -m tpu_embedding.examples.private_network hold        # create one, wait on stdin
-    python -m tpu_embedding.examples.private_network join PID -- COMMAND...
+    python -m examples.private_network hold        # create one, wait on stdin
+    python -m examples.private_network join PID -- COMMAND...
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 TCP_LISTEN = "0A"
 READY = "ready"
-MODULE = "tpu_embedding.examples.private_network"
+MODULE = "examples.private_network"
 
 
 class Unavailable(RuntimeError):

@@ -1,7 +1,7 @@
 """MovieLens ranking quick start: train, evaluate, checkpoint, export, reload and recommend.
 
-    python -m tpu_embedding.examples.movielens_ranking --output_dir demo_output
-    python -m tpu_embedding.examples.movielens_ranking --source local --data_dir ~/ml-100k
+    python -m examples.movielens_ranking --output_dir demo_output
+    python -m examples.movielens_ranking --source local --data_dir ~/ml-100k
 
 The model of the Keras SparseCore ranking tutorial: user and movie ids looked up in one
 `TPUEmbedding` layer (two tables of dimension 32, trained by Adam exactly as the TPU embedding
@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tpu_embedding.examples import quiet
+from examples import quiet
 
 # Run as a script, TensorFlow's start-up messages are dropped unless --verbose is given.
 with quiet.tensorflow_start_up(verbose=__name__ != "__main__" or "--verbose" in sys.argv[1:]):
@@ -28,8 +28,8 @@ with quiet.tensorflow_start_up(verbose=__name__ != "__main__" or "--verbose" in 
   import tf_keras
 
   import tpu_embedding
+  from examples.data import movielens
   from tpu_embedding import serving
-  from tpu_embedding.data import movielens
 
 EMBEDDING_DIM = 32
 # Tuned on the synthetic data for the 5 default epochs (batch 256): embedding rates 0.001..0.03
