@@ -324,7 +324,7 @@ def test_expected_shapes_are_what_the_engine_creates():
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints written by tf-recommenders 0.7.7 itself (tests/tfrs_checkpoint_writer.py)
+# Checkpoints written by tf-recommenders 0.7.7 itself (tests/jobs/tfrs_checkpoint_writer.py)
 
 sys.path.insert(0, HERE)
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
@@ -343,7 +343,7 @@ def tfrs_checkpoints(tmp_path_factory):
   """{(layer, optimizer): checkpoint path}, written by tf-recommenders in a subprocess."""
   directory = tmp_path_factory.mktemp("tfrs")
   result = subprocess.run(
-    [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
+    [sys.executable, os.path.join(HERE, "jobs", "tfrs_checkpoint_writer.py"), str(directory)],
     env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
     capture_output=True,
     text=True,
@@ -485,7 +485,7 @@ def test_our_checkpoint_loads_back_into_tfrs(tmp_path, layer_name, table_updates
   result = subprocess.run(
     [
       sys.executable,
-      os.path.join(HERE, "tfrs_checkpoint_writer.py"),
+      os.path.join(HERE, "jobs", "tfrs_checkpoint_writer.py"),
       "--read",
       path,
       out,

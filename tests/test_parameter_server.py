@@ -1,6 +1,6 @@
 """ParameterServerStrategy for real: tables on a ps task, steps scheduled on two workers.
 
-The cluster runs in a subprocess (`parameter_server_job.py`), since connecting to a cluster changes
+The cluster runs in a subprocess (`tests/jobs/parameter_server_job.py`), since connecting to a cluster changes
 TensorFlow's global context, in a network of its own where one can be made. Expected values are
 worked out by hand from the job's batches (see its docstring for why they do not depend on the order
 the workers run steps in).
@@ -15,7 +15,7 @@ import numpy as np
 
 import loopback
 
-JOB = pathlib.Path(__file__).with_name("parameter_server_job.py")
+JOB = pathlib.Path(__file__).parent / "jobs" / "parameter_server_job.py"
 
 
 def _adagrad_step(row, accumulator, gradient):

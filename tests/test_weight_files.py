@@ -134,7 +134,7 @@ def test_a_file_of_other_tables_is_refused_by_name_and_changes_nothing(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
-# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed (tests/tpu_harness.py).
+# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed (tests/support/tpu_harness.py).
 # TF splits each table over hosts (V1, host copies of the TPU's memory) or devices (V2): every
 # format holds the pieces, V1's copied out of the TPU's memory before they are read and loaded
 # back after they are assigned.
@@ -389,7 +389,7 @@ def test_hdf5_strings_this_layer_did_not_write_are_refused_before_anything_chang
 
 # ---------------------------------------------------------------------------------------------
 # Managed ids in the legacy HDF5 files: a PartialTPUEmbedding with a map on each side (TPU V0:
-# tests/test_managed_ids_tpu_v0.py).
+# tests/managed_ids/test_tpu_v0.py).
 
 PARTIAL_KEYS = {"a": [3, -(2**40), 3, 7, 11], "b": [b"x", b"y\x00", b"", b"x", b"zz"]}
 

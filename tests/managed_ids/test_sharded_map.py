@@ -1,5 +1,5 @@
 """`ShardedIdMap`'s layout, resets and refusals, on row blocks in this process (the cluster tests
-are in `test_managed_ids_sharded.py`)."""
+are in `tests/managed_ids/test_sharded.py`)."""
 
 import types
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.managed_ids_reference import ReferenceMap
 from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap, ManagedIds
+
+from managed_ids_reference import ReferenceMap
 
 
 def _map(capacity: int, eviction: str = "lru") -> IdMap:

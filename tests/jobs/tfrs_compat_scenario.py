@@ -1,6 +1,6 @@
 """tf-recommenders' own layer test scenario, runnable with either layer; used by test_tfrs_compat.
 
-Run as `TF_USE_LEGACY_KERAS=1 python tests/tfrs_compat_scenario.py OUT.json`. tf-recommenders
+Run as `TF_USE_LEGACY_KERAS=1 python tests/jobs/tfrs_compat_scenario.py OUT.json`. tf-recommenders
 needs `tf.keras` to be Keras 2, which TensorFlow decides when it is first imported, so this runs
 in its own process. The scenario is written as code for tf-recommenders is written (`tf.keras`,
 `tf.keras.optimizers.legacy`, `strategy.run` in a `tf.function`); the only thing that changes

@@ -1,7 +1,7 @@
 """Tables row-sharded over parameter servers, with real ps and worker processes on loopback.
 
 One `LocalCluster` (3 ps, 2 workers, each its own process) serves the module; the coordinator runs
-in a subprocess (`sharded_job.py`) in the cluster's network, since connecting to a cluster changes
+in a subprocess (`tests/jobs/sharded_job.py`) in the cluster's network, since connecting to a cluster changes
 TensorFlow's global context. Its steps are built so that the result does not depend on the order in
 which the workers run them (see the job's docstring), so the sharded tables must equal a
 single-process run of the same steps: exactly for SGD and Adagrad, to float32 rounding for the
@@ -23,7 +23,7 @@ from tpu_embedding.engine import sharded
 import loopback
 import sharded_job
 
-JOB = pathlib.Path(__file__).with_name("sharded_job.py")
+JOB = pathlib.Path(__file__).parents[1] / "jobs" / "sharded_job.py"
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ import tensorflow as tf
 import tf_keras
 
 import tpu_embedding
-from tests import tpu_harness
-from tests.managed_ids_reference import ReferenceMap
 from tpu_embedding import hardware
+
+import tpu_harness
+from managed_ids_reference import ReferenceMap
 
 E = tf.tpu.experimental.embedding
 CAPACITY, DIM, BATCH, ACC = 6, 2, 4, 0.1

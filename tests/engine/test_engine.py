@@ -1,6 +1,6 @@
 """The CPU engine through the layer: TPU semantics over several steps, pipelining, table modes.
 
-The property test compares the engine with `tests/reference.py`, a float64 NumPy transcription of
+The property test compares the engine with `tests/support/reference.py`, a float64 NumPy transcription of
 the semantics spec written independently of the engine.
 """
 
@@ -366,7 +366,7 @@ def test_keras_schedule_drives_table_learning_rate_step_by_step():
   step(tf.constant([1]))  # iterations 0 -> lr 1.0, gradient 1 (dense kernel is ones)
   row_after_one = layer.embedding_tables[table].numpy()[1].copy()
   # iterations 1 -> lr 0.25, gradient 1: the kernel as step 1 left it (moved by -1.0 * activation
-  # = 0), not as this step's own update leaves it (tests/test_trap.py)
+  # = 0), not as this step's own update leaves it (tests/engine/test_trap.py)
   step(tf.constant([1]))
   np.testing.assert_allclose(row_after_one, [-1.0, -1.0])
   np.testing.assert_allclose(layer.embedding_tables[table].numpy()[1], [-1.25, -1.25])

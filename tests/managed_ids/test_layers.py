@@ -160,7 +160,7 @@ SETTINGS.update(reset_every_steps=1, min_count=1)
 @pytest.mark.parametrize("kind", ["keras.TPUEmbedding", "keras.PartialTPUEmbedding"])
 def test_keras3_config_holds_managed_ids_as_json_and_rebuilds_them(kind):
   """The settings travel in the config (a .keras file's JSON); keys, rows and counts travel with
-  the weights (tests/test_keras_saving.py reloads them in a fresh process)."""
+  the weights (tests/keras/test_saving.py reloads them in a fresh process)."""
   layer = LAYERS[kind]()
   config = json.loads(json.dumps(layer.get_config()))
   assert config["managed_ids"] == {

@@ -12,7 +12,7 @@ nbclient = pytest.importorskip("nbclient")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / "colabs"
 NOTEBOOKS = sorted(COLABS.glob("*.ipynb"))
 KERNEL = "tpu-embedding-test"

@@ -5,8 +5,9 @@ import pytest
 import tensorflow as tf
 
 import tpu_embedding
-from tests import reference
-from tests.managed_ids_reference import ReferenceMap
+
+import reference
+from managed_ids_reference import ReferenceMap
 
 E = tf.tpu.experimental.embedding
 CAPACITY, DIM, LR, INIT, ACC = 5, 3, 0.3, 0.5, 0.1
@@ -263,8 +264,9 @@ def test_errors_name_feature_and_table():
 
 
 def test_tpu_v0_refuses_managed_ids_without_the_keras_optimizer_object(monkeypatch):
-  from tests import tpu_harness
   from tpu_embedding import hardware
+
+  import tpu_harness
 
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.UNSUPPORTED)
   with strategy.scope():

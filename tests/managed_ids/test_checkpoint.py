@@ -7,8 +7,9 @@ import pytest
 import tensorflow as tf
 
 import tpu_embedding
-from tests.child_process import run_python
 from tpu_embedding import serving
+
+from child_process import run_python
 
 E = tf.tpu.experimental.embedding
 

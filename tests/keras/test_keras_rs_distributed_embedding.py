@@ -16,7 +16,7 @@
 # ef983222f394463fc31db1066851725232d1181d), file keras_rs/src/layers/embedding/distributed_embedding_test.py.
 # Modified: only the imports, so that the tests run against tpu_embedding:
 #   keras_rs.src.testing -> keras_rs_testing (keras-rs's test base, not shipped in its wheel;
-#   tests/keras_rs_testing.py is this project's own), and keras-rs's distributed_embedding
+#   tests/support/keras_rs_testing.py is this project's own), and keras-rs's distributed_embedding
 #   module -> tpu_embedding.keras.distributed (DistributedEmbedding).
 # Every test and assertion is upstream's, unchanged. The formatting is upstream's (4 spaces);
 # ruff skips this file (pyproject.toml).

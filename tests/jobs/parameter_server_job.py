@@ -1,6 +1,6 @@
 """ParameterServerStrategy for real: one ps and two worker servers on 127.0.0.1, in this process.
 
-Run as `python parameter_server_job.py OUT.npz`. The coordinator (this process) schedules
+Run as `python tests/jobs/parameter_server_job.py OUT.npz`. The coordinator (this process) schedules
 `len(BATCHES)` training steps on the workers through a `ClusterCoordinator`; the tables live on
 the ps task and every step updates them with the engine. Workers run steps asynchronously, in
 an order nobody chooses, so the test uses updates whose result does not depend on that order:

@@ -1,6 +1,6 @@
 """Tests of `tpu_embedding.engine.updates` against the spec's worked examples
 (SPEC §2.1-2.9, literal numbers) and against the float64 reference
-(`tests/reference.py`) on random tables, ids and optimizer settings."""
+(`tests/support/reference.py`) on random tables, ids and optimizer settings."""
 
 from __future__ import annotations
 

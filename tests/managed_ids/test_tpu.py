@@ -1,4 +1,4 @@
-"""managed_ids on TPU V1 and SparseCore (V2), on TF's real mid-level classes (tests/tpu_harness.py).
+"""managed_ids on TPU V1 and SparseCore (V2), on TF's real mid-level classes (tests/support/tpu_harness.py).
 
 The harness runs TF's `TPUEmbedding` / `TPUEmbeddingV2` with only the TPU runtime stubbed: V1's
 copies between host and TPU memory are traced and counted, not run, so the host copies stand for
@@ -12,10 +12,11 @@ import pytest
 import tensorflow as tf
 
 import tpu_embedding
-from tests import tpu_harness
-from tests.managed_ids_reference import ReferenceMap
 from tpu_embedding import hardware, sparse_core
 from tpu_embedding import keras as keras3
+
+import tpu_harness
+from managed_ids_reference import ReferenceMap
 
 E = tf.tpu.experimental.embedding
 place = sparse_core.row_placement

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.managed_ids_reference import ReferenceMap
 from tpu_embedding.managed_ids import IdMap, ManagedIds
+
+from managed_ids_reference import ReferenceMap
 
 POLICIES = [
   dict(eviction="lfu", half_life=3),

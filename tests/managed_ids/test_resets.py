@@ -1,5 +1,5 @@
 """Tests of `tpu_embedding.managed_ids.resets`: which initializers the reset kernel draws, with
-which parameters and seeds (the draws themselves: tests/test_native.py)."""
+which parameters and seeds (the draws themselves: tests/engine/test_native.py)."""
 
 import zlib
 
