@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make demo` and `make test` (and `make test-fast`, the inner
+# loop: every test but those that start processes, marked `integration`).
 # Each creates .venv when it is missing and installs the pinned dependencies.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -6,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
 
-.PHONY: demo test test-matrix test-matrix-all bench bench-quick clean
+.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -22,7 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest tests -m "not integration" --durations=25
 
 # The core tests under other TensorFlow versions, one cached environment each (.ci/matrix;
 # docs/compatibility.md). Need no .venv: each environment is built from .ci/constraints/.

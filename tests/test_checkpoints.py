@@ -329,6 +329,8 @@ def test_expected_shapes_are_what_the_engine_creates():
 sys.path.insert(0, HERE)
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 # The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
 TFRS_SLOTS = {
   "sgd": {},

@@ -12,8 +12,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import loopback
+
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
 # Each process trains the plain table, then the managed-ids one (each worker remaps the global
 # batch with its own copy of the map: tests/jobs/multiworker_managed_job.py), under one strategy.

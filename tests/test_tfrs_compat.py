@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "jobs" / "tfrs_compat_scenario.py"
 KEYS = ["watched", "favorited", "friends"]

@@ -26,6 +26,8 @@ import tpu_harness
 from child_process import run_python
 from managed_ids_reference import ReferenceMap
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -134,7 +136,8 @@ def test_a_file_of_other_tables_is_refused_by_name_and_changes_nothing(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
-# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed (tests/support/tpu_harness.py).
+# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed
+# (tests/support/tpu_harness.py).
 # TF splits each table over hosts (V1, host copies of the TPU's memory) or devices (V2): every
 # format holds the pieces, V1's copied out of the TPU's memory before they are read and loaded
 # back after they are assigned.

@@ -2,7 +2,8 @@
 refusals shared by every path.
 
 TPU paths use TF's real classes under `tpu_harness.StandInTPUStrategy` with the TPU runtime
-stubbed (tests/support/tpu_harness.py); nothing here runs on a TPU. Path-specific behaviour is tested in
+stubbed (tests/support/tpu_harness.py); nothing here runs on a TPU. Path-specific behaviour is
+tested in
 tests/backends/test_tpu_v0.py, tests/backends/test_tpu_v1.py and tests/backends/test_tpu_v2.py.
 """
 

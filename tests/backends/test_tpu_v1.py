@@ -1,7 +1,8 @@
 """The V1 path (tpu_embedding.backends.TpuV1Backend) on TF's real `TPUEmbedding` class.
 
 The strategy is `tpu_harness.StandInTPUStrategy` and the TPU runtime is stubbed (see
-tests/support/tpu_harness.py); the config proto, the variables and the enqueue / receive / send graph are
+tests/support/tpu_harness.py); the config proto, the variables and the enqueue / receive / send
+graph are
 built by TF's own code. Steps are traced, never run: nothing here executes on a TPU.
 """
 

@@ -12,6 +12,8 @@ nbclient = pytest.importorskip("nbclient")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLABS = ROOT / "colabs"
 NOTEBOOKS = sorted(COLABS.glob("*.ipynb"))

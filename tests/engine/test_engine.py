@@ -1,6 +1,7 @@
 """The CPU engine through the layer: TPU semantics over several steps, pipelining, table modes.
 
-The property test compares the engine with `tests/support/reference.py`, a float64 NumPy transcription of
+The property test compares the engine with `tests/support/reference.py`, a float64 NumPy
+transcription of
 the semantics spec written independently of the engine.
 """
 

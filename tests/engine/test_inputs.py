@@ -85,6 +85,7 @@ for path, switch in (("native", "1"), ("tf_ops", "0")):  # the engine's two path
 """
 
 
+@pytest.mark.integration  # starts a process
 def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting():
   """On both engine paths, in one child (each path as the `engine_path` fixture sets it)."""
   stdout = child_process.run_python(

@@ -203,6 +203,7 @@ for name, (count, _) in {counts}.items():
 """
 
 
+@pytest.mark.integration  # starts a process
 def test_kernels_refuse_bad_counts_without_aborting():
   """Run in a child process: an abort (a failed CHECK) there fails this test, not pytest."""
   script = _HOSTILE_COUNTS.format(counts=repr(_BAD_COUNTS))
@@ -243,6 +244,7 @@ def test_kernels_built_for_another_tensorflow_are_not_loaded(tmp_path, caplog, b
   assert tf.__version__ in warning and "runs on TF ops" in warning
 
 
+@pytest.mark.integration  # starts a process
 @pytest.mark.parametrize("built_for", ["2.14.0", tf.__version__])
 def test_a_package_loads_only_kernels_of_its_tensorflow_and_else_looks_up_on_tf_ops(
   tmp_path, built_for
@@ -428,6 +430,7 @@ def test_a_parameter_servers_variables_are_left_to_tf_ops(device, local, same):
   )
 
 
+@pytest.mark.integration  # starts a process
 def test_a_saved_training_function_traced_with_the_kernels_runs_with_tensorflow_alone(tmp_path):
   """`tf.saved_model.save` traces it again, and then the engine keeps to TF's ops (the saved
   function loads where the package and its kernels are not)."""
@@ -578,6 +581,7 @@ for dtype in (tf.float64, tf.int32):
 """
 
 
+@pytest.mark.integration  # starts a process
 def test_kernels_refuse_variables_of_another_dtype_without_aborting():
   """A float64 or int32 variable whose buffer is also held elsewhere: TF's locking helpers,
   instantiated for float32, would copy it as float32 and abort the process; the kernels refuse

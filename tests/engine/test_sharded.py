@@ -1,7 +1,8 @@
 """Tables row-sharded over parameter servers, with real ps and worker processes on loopback.
 
 One `LocalCluster` (3 ps, 2 workers, each its own process) serves the module; the coordinator runs
-in a subprocess (`tests/jobs/sharded_job.py`) in the cluster's network, since connecting to a cluster changes
+in a subprocess (`tests/jobs/sharded_job.py`) in the cluster's network, since connecting to a
+cluster changes
 TensorFlow's global context. Its steps are built so that the result does not depend on the order in
 which the workers run them (see the job's docstring), so the sharded tables must equal a
 single-process run of the same steps: exactly for SGD and Adagrad, to float32 rounding for the
@@ -22,6 +23,8 @@ from tpu_embedding.engine import sharded
 
 import loopback
 import sharded_job
+
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
 JOB = pathlib.Path(__file__).parents[1] / "jobs" / "sharded_job.py"
 

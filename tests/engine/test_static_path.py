@@ -1,6 +1,7 @@
 """The static-shape engine path: chosen under XLA, compiled by it, and exact against the reference.
 
-`tests/engine/test_engine.py` runs the property test on this path too; here: which path is chosen, every
+`tests/engine/test_engine.py` runs the property test on this path too; here: which path is chosen,
+every
 input kind and optimizer family in one `jit_compile` step, and both update formulations.
 """
 

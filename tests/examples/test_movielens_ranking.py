@@ -9,6 +9,8 @@ import pytest
 
 from child_process import tensorflow_log_lines
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 # A user who set no TensorFlow log level (the tests' own environment sets one).
 USER_ENV = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
 

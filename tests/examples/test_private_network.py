@@ -12,6 +12,8 @@ from examples import private_network
 
 import loopback
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 # Listens on every interface of its network (as TensorFlow's servers do) until stdin closes.
 SERVER = """
 import socket, sys

@@ -8,6 +8,8 @@ import pytest
 
 from child_process import ROOT
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 SCRIPT = """
 import os, sys
 from examples import quiet

@@ -18,6 +18,8 @@ import tensorflow as tf
 import loopback
 from child_process import tensorflow_log_lines
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 LAUNCHER = [sys.executable, "-m", "examples.sharded_dlrm"]
 SMALL = ["--tables", "1", "--vocabulary", "20000", "--batch", "32", "--steps", "3"]
 PRIVATE = loopback.private_networks()

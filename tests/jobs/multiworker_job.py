@@ -2,7 +2,8 @@
 (`plain.npy`); then, under the same strategy, the managed-ids run of `multiworker_managed_job`
 (`managed_ids.npy`). A process makes one MultiWorkerMirroredStrategy, so both share it.
 
-Run as `python tests/jobs/multiworker_job.py OUT_DIR` with TF_CONFIG set for MultiWorkerMirroredStrategy,
+Run as `python tests/jobs/multiworker_job.py OUT_DIR` with TF_CONFIG set for
+MultiWorkerMirroredStrategy,
 or without TF_CONFIG for the single-process reference run on the same global batches.
 """
 

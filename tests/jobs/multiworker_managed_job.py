@@ -1,4 +1,5 @@
-"""The managed-ids part of a multi-worker test process (`tests/jobs/multiworker_job.py` runs it under its
+"""The managed-ids part of a multi-worker test process (`tests/jobs/multiworker_job.py` runs it
+under its
 strategy): every worker remaps each global batch with its own copy of the map (outside
 strategy.run), trains its half; writes the table and the rows of every key seen.
 """

@@ -19,6 +19,9 @@ import tensorflow as tf  # noqa: E402
 
 import tpu_embedding  # noqa: E402
 
+# Run as a script from tests/jobs: its helpers are in tests/support.
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(TESTS, "support"))
 import loopback  # noqa: E402
 
 E = tf.tpu.experimental.embedding

@@ -1,6 +1,7 @@
 """Tables row-sharded over ps tasks: the coordinator side of `tests/engine/test_sharded.py`.
 
-Run as `python tests/jobs/sharded_job.py PHASE CLUSTER_JSON DIR`, where CLUSTER_JSON is the cluster spec
+Run as `python tests/jobs/sharded_job.py PHASE CLUSTER_JSON DIR`, where CLUSTER_JSON is the cluster
+spec
 of processes already running (`LocalCluster`) and DIR is shared between the phases. The phases
 `train`, `hammer` and `worker_fault` share one strategy, so one process runs them in turn
 (`two_shards PID`); each other phase connects its own: a process's coordinator cannot run

@@ -1,6 +1,8 @@
-"""Managed ids under ParameterServerStrategy: the coordinator side of `tests/managed_ids/test_sharded.py`.
+"""Managed ids under ParameterServerStrategy: the coordinator side of
+`tests/managed_ids/test_sharded.py`.
 
-Run as `python tests/jobs/sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running `LocalCluster`;
+Run as `python tests/jobs/sharded_managed_job.py PHASE CLUSTER_JSON DIR` against a running
+`LocalCluster`;
 the table is cut into 2 row blocks (`FixedShardsPartitioner(2)`) and its map split with them.
 Two processes run the phases: `two_ps_cluster` (2 ps, 2 workers) runs `concurrent`,
 `sequential` and `keras_trained` under one strategy, writes `SEQUENTIAL_DONE` after

@@ -1,6 +1,7 @@
 """Writes checkpoints with tf-recommenders 0.7.7's own layers; used by the checkpoint tests.
 
-Run as `TF_USE_LEGACY_KERAS=1 python tests/jobs/tfrs_checkpoint_writer.py OUT_DIR`. tf-recommenders needs
+Run as `TF_USE_LEGACY_KERAS=1 python tests/jobs/tfrs_checkpoint_writer.py OUT_DIR`. tf-recommenders
+needs
 `tf.keras` to be Keras 2, decided when TensorFlow is first imported, hence a subprocess. For every
 (layer, optimizer) in `CASES` it trains a two-table model for two steps with `model.fit`, as a
 tf-recommenders user does (the layer and `compile` share one Keras optimizer), and saves

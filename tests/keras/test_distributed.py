@@ -1,5 +1,6 @@
 """`tpu_embedding.keras.DistributedEmbedding`: keras-rs's layer, every table trained by its own
-optimizer. keras-rs's own tests run against it in tests/keras/test_keras_rs_distributed_embedding.py;
+optimizer. keras-rs's own tests run against it in
+tests/keras/test_keras_rs_distributed_embedding.py;
 these check the values, what differs from keras-rs, and every refusal."""
 
 import keras

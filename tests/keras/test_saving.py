@@ -14,6 +14,8 @@ from tpu_embedding.keras import DistributedEmbedding, PartialTPUEmbedding, TPUEm
 from child_process import run_python
 from managed_ids_reference import ReferenceMap
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
 IDS = {"f": np.arange(8, dtype=np.int32).reshape(8, 1)}
 LAYERS = [TPUEmbedding, PartialTPUEmbedding, DistributedEmbedding]

@@ -11,6 +11,8 @@ from tpu_embedding import serving
 
 from child_process import run_python
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
 
 

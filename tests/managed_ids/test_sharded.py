@@ -2,7 +2,8 @@
 
 One `LocalCluster` (2 ps, 2 workers, each its own process) serves the module, and one of 1 ps
 and 1 worker the restores across ps counts; each has its coordinator in a subprocess
-(`tests/jobs/sharded_managed_job.py`), the small cluster's started and run while the other's runs. The
+(`tests/jobs/sharded_managed_job.py`), the small cluster's started and run while the other's runs.
+The
 table is cut into 2 row blocks and the map split with them by key hash, each shard giving rows
 of its own block: every expectation is worked out here from the batches, each shard against the
 plain-Python reference map fed that shard's part of the stream.
@@ -24,6 +25,8 @@ import tensorflow as tf
 import loopback
 from child_process import run_python
 from managed_ids_reference import ReferenceMap
+
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
 JOB = pathlib.Path(__file__).parents[1] / "jobs" / "sharded_managed_job.py"
 PS_TASKS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)]

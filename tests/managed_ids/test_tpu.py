@@ -1,4 +1,5 @@
-"""managed_ids on TPU V1 and SparseCore (V2), on TF's real mid-level classes (tests/support/tpu_harness.py).
+"""managed_ids on TPU V1 and SparseCore (V2), on TF's real mid-level classes
+(tests/support/tpu_harness.py).
 
 The harness runs TF's `TPUEmbedding` / `TPUEmbeddingV2` with only the TPU runtime stubbed: V1's
 copies between host and TPU memory are traced and counted, not run, so the host copies stand for
