@@ -19,6 +19,8 @@ import tpu_embedding
 from tpu_embedding import checkpoints
 
 E = tf.tpu.experimental.embedding
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS = 3
@@ -326,10 +328,8 @@ def test_expected_shapes_are_what_the_engine_creates():
 # ---------------------------------------------------------------------------------------------
 # Checkpoints written by tf-recommenders 0.7.7 itself (tests/jobs/tfrs_checkpoint_writer.py)
 
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "jobs"))  # also for this module imported by a child
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
-
-pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
 # The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
 TFRS_SLOTS = {

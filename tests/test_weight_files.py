@@ -29,7 +29,7 @@ from managed_ids_reference import ReferenceMap
 pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
 E = tf.tpu.experimental.embedding
-TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 
 # The legacy HDF5 formats first: with pipelining, the first save finds an update held back, and
 # must apply it itself (every format does, as a checkpoint save does).
@@ -65,7 +65,7 @@ def reloaded_in_a_fresh_process(tmp_path_factory) -> dict:
     saved[kind] = (scenario.state(layer), model.predict(scenario.ids(kind), verbose=0), out)
     runs.append((kind, str(out), paths))
   run_python(
-    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s\n"
+    f"import sys; sys.path.insert(0, {SUPPORT!r}); import weight_files_scenario as s\n"
     f"for kind, out, paths in {runs!r}:\n  s.main(kind, out, paths)",
     timeout=600,
   )

@@ -43,10 +43,11 @@ HOSTILE_SPARSE = {  # name: (indices, values, dense_shape, what the refusal says
   "indices_without_values": ([[0, 0], [1, 0]], [1], [2, 3], "one row per value"),
 }
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 _CHILD = """
 import json, os, sys
 import tensorflow as tf
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {folders!r}
 from test_inputs import HOSTILE_SPARSE, layer
 from tpu_embedding.engine import native
 
@@ -89,7 +90,7 @@ for path, switch in (("native", "1"), ("tf_ops", "0")):  # the engine's two path
 def test_hostile_sparse_inputs_are_refused_naming_the_feature_without_aborting():
   """On both engine paths, in one child (each path as the `engine_path` fixture sets it)."""
   stdout = child_process.run_python(
-    _CHILD.format(tests=os.path.join(child_process.ROOT, "tests")), 300
+    _CHILD.format(folders=[HERE, os.path.join(child_process.ROOT, "tests", "support")]), 300
   )
   lines = [json.loads(line) for line in stdout.splitlines()]
   results = dict(zip(map(tuple, lines[::2]), lines[1::2]))
