@@ -67,28 +67,33 @@ class ReferenceMap:
       totals = {k: occurrences[k] for k in new}
     eligible = [k for k in new if totals[k] >= self.min_count]
     free = [r for r in range(1, self.capacity) if r not in self.key_of]
-    victims = [r for r in self.key_of if self.last[r] < step]
-    if self.eviction == "lfu":
-      victims.sort(key=lambda r: (self.aged(r, epoch), self.last[r], r))
-    else:
-      victims.sort(key=lambda r: (self.last[r], r))
-    given = list(zip(eligible, free + victims))
+    given = list(zip(eligible, free + self._victims(step, epoch)))
     for key, row in given:
       if row in self.key_of:
         self._free(row)
       self.row_of[key], self.key_of[row] = row, key
       self.count[row], self.last[row] = (totals[key], epoch), step
     if self.min_count > 1:
-      admitted = {k for k, _ in given}
-      for key in new:
-        if key in admitted:
-          self.candidates.pop(key, None)
-        else:
-          self.candidates[key] = totals[key]
-      if len(self.candidates) > 2 * self.candidate_capacity:
-        kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], tie_key(kv[0])))
-        self.candidates = dict(kept[: self.candidate_capacity])
+      self._remember_candidates(new, totals, {k for k, _ in given})
     return self.lookup(keys), [r for _, r in given]
+
+  def _victims(self, step: int, epoch: int) -> list[int]:
+    """Rows that may be given away this step, the first to go first."""
+    victims = [r for r in self.key_of if self.last[r] < step]
+    if self.eviction == "lfu":
+      return sorted(victims, key=lambda r: (self.aged(r, epoch), self.last[r], r))
+    return sorted(victims, key=lambda r: (self.last[r], r))
+
+  def _remember_candidates(self, new: list, totals: dict, admitted: set) -> None:
+    """Counts of the new keys not admitted (min_count > 1), the most frequent kept."""
+    for key in new:
+      if key in admitted:
+        self.candidates.pop(key, None)
+      else:
+        self.candidates[key] = totals[key]
+    if len(self.candidates) > 2 * self.candidate_capacity:
+      kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], tie_key(kv[0])))
+      self.candidates = dict(kept[: self.candidate_capacity])
 
   def _free(self, row: int) -> None:
     del self.row_of[self.key_of.pop(row)]
