@@ -3,7 +3,7 @@
 #
 # The quick start's ranking model, written for Keras 3 (`tf.keras` on TensorFlow 2.16+, and
 # keras-rs users) with `tpu_embedding.keras.DistributedEmbedding`, keras-rs's layer under
-# this package's import (see docs/keras-rs.md): a functional model trained by
+# this package's import (see docs/keras3.md): a functional model trained by
 # `model.fit`, evaluated, saved as a `.keras` file and exported for serving. The tables are
 # configured with keras-rs's `TableConfig`/`FeatureConfig`, as in the keras-rs tutorial, and
 # trained with their own optimizer exactly as the TPU embedding engine trains them; the

@@ -5,7 +5,7 @@ With a loss linear in the activations (`reduce_sum(dense(layer(ids)))`) their gr
 read of the dense kernel times a constant, so the table's update, inside the trap's backward,
 reads that kernel; the kernel's own update must wait for that read. Grappler used to cut that
 order when the trap's zero gradient depended on the table's update, or was a constant
-(docs/development.md, "The gradient trap and grappler"); which of the two then ran first
+(docs/engine.md, "The gradient trap and grappler"); which of the two then ran first
 depended on the trace, so the values are checked over fresh traces.
 """
 
