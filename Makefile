@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make demo` and `make test` (and `make test-fast`, the inner
+# loop: every test but those that start processes, marked `integration`).
 # Each creates .venv when it is missing and installs the pinned dependencies.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,7 +13,7 @@ JAX_STAMP := $(JAX_VENV)/.installed
 # preflight` (a child process in its own environment; they skip, saying so, without it).
 JAX_PINS := jax-tpu-embedding==0.1.0 jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: demo test test-matrix test-matrix-all bench bench-quick clean jax-env
+.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -23,7 +24,7 @@ $(STAMP): setup.cfg setup.py build_backend.py pyproject.toml constraints.txt tpu
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tpu_embedding.examples.movielens_ranking --output_dir $(DEMO_DIR)
+	$(PY) -m examples.movielens_ranking --output_dir $(DEMO_DIR)
 
 # Optional: where jax-tpu-embedding does not install, its comparisons skip and say why.
 $(JAX_STAMP):
@@ -36,7 +37,11 @@ jax-env: $(JAX_STAMP)
 test: $(STAMP) $(JAX_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest tests -m "not integration" --durations=25
 
 # The core tests under other TensorFlow versions, one cached environment each (.ci/matrix;
 # docs/compatibility.md). Need no .venv: each environment is built from .ci/constraints/.

@@ -118,57 +118,10 @@ def plan(cases: set[str], s: Settings) -> list[tuple[str, str, dict]]:
   impls = h.IMPLS + ((h.DENSE_ONLY,) if "dlrm" in cases else ())
   for r, opt, impl in h.schedule(OPTS, impls, s.rounds):
     if impl == h.DENSE_ONLY:
-      jobs.append(
-        (
-          "train",
-          f"round {r + 1}: {opt} {impl}",
-          dict(
-            base_spec(s, impl, opt, 16),
-            groups=[
-              {
-                "kind": "dlrm",
-                "sizes": dlrm_sizes(),
-                "dim": 16,
-                "multi_hot": [0, 1, 2],
-                "measure": [{"workload": "dlrm", "batch": DLRM_BATCH}],
-              }
-            ],
-          ),
-        )
-      )
-      continue
-    groups = []
-    one_table = lambda n: {
-      "kind": "table",
-      "sizes": [n],
-      "dim": 32,
-      "multi_hot": [],
-      "measure": [{"workload": "emb", "batch": 4096}],
-    }
-    if cases & {"table-size", "memory"}:
-      groups.append(one_table(max(s.table_sizes)))
-    measure = []
-    if "dlrm" in cases:
-      measure += [
-        {"workload": "emb", "batch": DLRM_BATCH},
-        {"workload": "dlrm", "batch": DLRM_BATCH},
-      ]
-    if "batch" in cases and opt == "adagrad":
-      if "dlrm" not in cases:
-        measure.append({"workload": "emb", "batch": DLRM_BATCH})
-      measure += [{"workload": "emb", "batch": b} for b in s.batches if b != DLRM_BATCH]
-    if measure:
-      groups.append(
-        {
-          "kind": "dlrm",
-          "sizes": dlrm_sizes(),
-          "dim": 16,
-          "multi_hot": [0, 1, 2],
-          "measure": measure,
-        }
-      )
-    if "table-size" in cases:
-      groups += [one_table(n) for n in sorted(s.table_sizes, reverse=True)[1:]]
+      dlrm = [{"workload": "dlrm", "batch": DLRM_BATCH}]
+      groups = [_dlrm_group(dlrm)]
+    else:
+      groups = _training_groups(cases, s, opt)
     if groups:
       jobs.append(
         ("train", f"round {r + 1}: {opt} {impl}", dict(base_spec(s, impl, opt, 16), groups=groups))
@@ -190,6 +143,50 @@ def plan(cases: set[str], s: Settings) -> list[tuple[str, str, dict]]:
       )
     )
   return jobs
+
+
+def _one_table(n: int) -> dict:
+  return {
+    "kind": "table",
+    "sizes": [n],
+    "dim": 32,
+    "multi_hot": [],
+    "measure": [{"workload": "emb", "batch": 4096}],
+  }
+
+
+def _dlrm_group(measure: list[dict]) -> dict:
+  return {
+    "kind": "dlrm",
+    "sizes": dlrm_sizes(),
+    "dim": 16,
+    "multi_hot": [0, 1, 2],
+    "measure": measure,
+  }
+
+
+def _training_groups(cases: set[str], s: Settings, opt: str) -> list[dict]:
+  """What one (optimizer, implementation) process trains: the 1e7-row table first (case 5's
+  peak RSS is a fresh process's), then the DLRM tables (cases 1 and 3), then the smaller
+  single tables (case 2)."""
+  groups = []
+  if cases & {"table-size", "memory"}:
+    groups.append(_one_table(max(s.table_sizes)))
+  measure = []
+  if "dlrm" in cases:
+    measure += [
+      {"workload": "emb", "batch": DLRM_BATCH},
+      {"workload": "dlrm", "batch": DLRM_BATCH},
+    ]
+  if "batch" in cases and opt == "adagrad":
+    if "dlrm" not in cases:
+      measure.append({"workload": "emb", "batch": DLRM_BATCH})
+    measure += [{"workload": "emb", "batch": b} for b in s.batches if b != DLRM_BATCH]
+  if measure:
+    groups.append(_dlrm_group(measure))
+  if "table-size" in cases:
+    groups += [_one_table(n) for n in sorted(s.table_sizes, reverse=True)[1:]]
+  return groups
 
 
 def impl_label(impl: str, jit_compile: bool) -> str:

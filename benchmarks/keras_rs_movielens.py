@@ -15,7 +15,7 @@ any model must clear), and the median time per training step over epochs 2..N (e
 tracing) of every round. Each round trains each implementation once, in its own fresh process,
 alternating, so that load from other processes on the machine falls on both alike.
 
-Data: `tpu_embedding.data.movielens` (synthetic MovieLens 100K by default, no network; pass
+Data: `examples.data.movielens` (synthetic MovieLens 100K by default, no network; pass
 --source local --data_dir ~/ml-100k for the real files).
 
 Usage: python benchmarks/keras_rs_movielens.py [--epochs 5] [--rounds 3] [--source ...]
@@ -49,7 +49,7 @@ def _train(implementation: str, args: argparse.Namespace, result_file: str) -> N
   import keras
   import keras_rs
 
-  from tpu_embedding.data import movielens
+  from examples.data import movielens
   from tpu_embedding.keras import DistributedEmbedding
 
   keras.utils.set_random_seed(SEED)

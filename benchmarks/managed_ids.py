@@ -32,7 +32,7 @@ import tf_keras
 
 import tpu_embedding
 from benchmarks import cases, worker
-from tpu_embedding.data import drifting_ratings
+from examples.data import drifting_ratings
 from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap
 

@@ -45,8 +45,8 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tpu_embedding  # noqa: E402
-from tpu_embedding.examples import private_network  # noqa: E402
-from tpu_embedding.examples.local_cluster import LocalCluster  # noqa: E402
+from examples import private_network  # noqa: E402
+from examples.local_cluster import LocalCluster  # noqa: E402
 
 E = tf.tpu.experimental.embedding
 DIM = 16

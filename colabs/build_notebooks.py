@@ -5,7 +5,7 @@
 Each notebook is a Python file in the percent format: `# %%` starts a code cell,
 `# %% [markdown]` a Markdown cell whose lines are comments (`# ` stripped), and a code line
 `# %magic` is the IPython magic `%magic`. Edit the sources, not the notebooks, so that the code
-stays reviewable and ruff checks it; `tests/test_colabs.py` checks the notebooks match their
+stays reviewable and ruff checks it; `tests/colabs/test_colabs.py` checks the notebooks match their
 sources and runs every notebook top to bottom in fast mode.
 """
 

@@ -1,12 +1,19 @@
-"""Test session setup: quiet TensorFlow and two logical CPU devices for MirroredStrategy tests.
+"""Test session setup: helpers on the path, quiet TensorFlow, and two logical CPU devices for
+MirroredStrategy tests.
 
 Logical devices can only be configured before TensorFlow initialises its runtime, so this runs
 at import time, before any test module creates a tensor.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Test helpers (tests/support) and the scripts child processes run (tests/jobs) are imported by
+# their bare names from any test folder: `import reference`, `import sharded_job`.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_TESTS, "support"), os.path.join(_TESTS, "jobs")]
 
 import tensorflow as tf  # noqa: E402
 

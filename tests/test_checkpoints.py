@@ -19,6 +19,8 @@ import tpu_embedding
 from tpu_embedding import checkpoints
 
 E = tf.tpu.experimental.embedding
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS = 3
@@ -324,9 +326,9 @@ def test_expected_shapes_are_what_the_engine_creates():
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints written by tf-recommenders 0.7.7 itself (tests/tfrs_checkpoint_writer.py)
+# Checkpoints written by tf-recommenders 0.7.7 itself (tests/jobs/tfrs_checkpoint_writer.py)
 
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "jobs"))  # also for this module imported by a child
 import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 
 # The engine's name of each slot, and tf-recommenders' (its Keras optimizer's).
@@ -343,7 +345,7 @@ def tfrs_checkpoints(tmp_path_factory):
   """{(layer, optimizer): checkpoint path}, written by tf-recommenders in a subprocess."""
   directory = tmp_path_factory.mktemp("tfrs")
   result = subprocess.run(
-    [sys.executable, os.path.join(HERE, "tfrs_checkpoint_writer.py"), str(directory)],
+    [sys.executable, os.path.join(HERE, "jobs", "tfrs_checkpoint_writer.py"), str(directory)],
     env=dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3"),
     capture_output=True,
     text=True,
@@ -485,7 +487,7 @@ def test_our_checkpoint_loads_back_into_tfrs(tmp_path, layer_name, table_updates
   result = subprocess.run(
     [
       sys.executable,
-      os.path.join(HERE, "tfrs_checkpoint_writer.py"),
+      os.path.join(HERE, "jobs", "tfrs_checkpoint_writer.py"),
       "--read",
       path,
       out,

@@ -27,21 +27,31 @@ def _module_files() -> dict[str, str]:
 FILES = _module_files()
 
 
-def direct_imports(module: str) -> set[str]:
-  """The package modules `module` imports (`from package import module` included)."""
+def imported_names(module: str) -> set[str]:
+  """Every absolute name `module` imports (`from package import module` as both names)."""
   with open(FILES[module]) as f:
     tree = ast.parse(f.read())
   found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
-      names = [alias.name for alias in node.names]
+      found.update(alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-      names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-    else:
-      continue
-    found.update(name for name in names if name in FILES)
-  found.discard(module)
+      found.add(node.module)
+      found.update(f"{node.module}.{alias.name}" for alias in node.names)
   return found
+
+
+def direct_imports(module: str) -> set[str]:
+  """The package modules `module` imports."""
+  return {name for name in imported_names(module) if name in FILES} - {module}
+
+
+def test_the_package_holds_the_library_and_no_example():
+  """Demos, their data and the cluster launcher live in the root's examples/, outside the wheel."""
+  assert [m for m in FILES if m.split(".")[1:2] in (["examples"], ["data"])] == []
+  uses = sorted(m for m in FILES if any(n.split(".")[0] == "examples" for n in imported_names(m)))
+  assert uses == []
+  assert os.path.isfile(os.path.join(os.path.dirname(PACKAGE), "examples", "movielens_ranking.py"))
 
 
 def reachable(module: str) -> set[str]:

@@ -703,6 +703,7 @@ mark("MARK end")
 """
 
 
+@pytest.mark.integration  # starts a process
 @pytest.mark.parametrize(
   "layer,tables",
   [

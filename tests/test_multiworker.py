@@ -16,9 +16,11 @@ import pytest
 
 import loopback
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 # Each process trains the plain table, then the managed-ids one (each worker remaps the global
-# batch with its own copy of the map: multiworker_managed_job.py), under one strategy.
-JOB = pathlib.Path(__file__).with_name("multiworker_job.py")
+# batch with its own copy of the map: tests/jobs/multiworker_managed_job.py), under one strategy.
+JOB = pathlib.Path(__file__).parent / "jobs" / "multiworker_job.py"
 
 
 def _env(**extra):

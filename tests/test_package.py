@@ -14,6 +14,8 @@ import pytest
 
 from tpu_embedding import tf_versions
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

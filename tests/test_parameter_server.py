@@ -1,6 +1,7 @@
 """ParameterServerStrategy for real: tables on a ps task, steps scheduled on two workers.
 
-The cluster runs in a subprocess (`parameter_server_job.py`), since connecting to a cluster changes
+The cluster runs in a subprocess (`tests/jobs/parameter_server_job.py`), since connecting to a
+cluster changes
 TensorFlow's global context, in a network of its own where one can be made. Expected values are
 worked out by hand from the job's batches (see its docstring for why they do not depend on the order
 the workers run steps in).
@@ -12,10 +13,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import loopback
 
-JOB = pathlib.Path(__file__).with_name("parameter_server_job.py")
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
+JOB = pathlib.Path(__file__).parent / "jobs" / "parameter_server_job.py"
 
 
 def _adagrad_step(row, accumulator, gradient):

@@ -20,6 +20,8 @@ import tfrs_checkpoint_writer as tfrs_writer  # noqa: E402
 from unchanged import assert_unchanged as assert_same  # noqa: E402
 from unchanged import snapshot  # noqa: E402
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
 IDS = {"user": tf.constant([1, 2, 3]), "movie": tf.constant([0, 4, 4])}
 

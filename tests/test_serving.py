@@ -22,6 +22,8 @@ import tf_keras
 import tpu_embedding
 from tpu_embedding import serving
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

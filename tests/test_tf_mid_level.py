@@ -1,5 +1,6 @@
 """tpu_embedding.tf_mid_level on TF's real mid-level classes, with only the TPU runtime stubbed
-(tests/tpu_harness.py): a TF upgrade that moves what the adapter reads fails here, by name."""
+(tests/support/tpu_harness.py): a TF upgrade that moves what the adapter reads fails here, by
+name."""
 
 import numpy as np
 import pytest

@@ -13,6 +13,8 @@ from tpu_embedding import tf_versions
 
 from child_process import run_python
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 ADAPTERS = ("tpu_embedding.tf_internals", "tpu_embedding.tf_mid_level", "tpu_embedding.tf_restore")
 
 

@@ -2,7 +2,7 @@
 
 tf-recommenders 0.7.7 needs `tf.keras` to be Keras 2 (TF_USE_LEGACY_KERAS=1), which must be set
 before TensorFlow is imported, so its own layer-test scenario runs in one subprocess
-(tests/tfrs_compat_scenario.py): functional `tf.keras.Model` on sparse or ragged
+(tests/jobs/tfrs_compat_scenario.py): functional `tf.keras.Model` on sparse or ragged
 `tf.keras.Input`s, three features on two tables, `experimental_distribute_dataset`, a
 `tf.function` step with `strategy.run`, `tf.keras.optimizers.legacy` SGD/Adagrad/Adam, training
 on and off; once with `from tpu_embedding import TPUEmbedding`, once with tf-recommenders' layer.
@@ -20,8 +20,10 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 HERE = pathlib.Path(__file__).resolve().parent
-SCRIPT = HERE / "tfrs_compat_scenario.py"
+SCRIPT = HERE / "jobs" / "tfrs_compat_scenario.py"
 KEYS = ["watched", "favorited", "friends"]
 BATCH = 4
 

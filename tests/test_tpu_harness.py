@@ -1,4 +1,4 @@
-"""Guards tests/tpu_harness.py: every TF internal it stubs or imitates still exists in TF.
+"""Guards tests/support/tpu_harness.py: every TF internal it stubs or imitates still exists in TF.
 
 A TF upgrade that renames or moves one of them fails here, by name, instead of making the
 real-class tests pass or fail for the wrong reason.

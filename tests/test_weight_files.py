@@ -26,8 +26,10 @@ import tpu_harness
 from child_process import run_python
 from managed_ids_reference import ReferenceMap
 
+pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
+
 E = tf.tpu.experimental.embedding
-TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 
 # The legacy HDF5 formats first: with pipelining, the first save finds an update held back, and
 # must apply it itself (every format does, as a checkpoint save does).
@@ -63,7 +65,7 @@ def reloaded_in_a_fresh_process(tmp_path_factory) -> dict:
     saved[kind] = (scenario.state(layer), model.predict(scenario.ids(kind), verbose=0), out)
     runs.append((kind, str(out), paths))
   run_python(
-    f"import sys; sys.path.insert(0, {TESTS!r}); import weight_files_scenario as s\n"
+    f"import sys; sys.path.insert(0, {SUPPORT!r}); import weight_files_scenario as s\n"
     f"for kind, out, paths in {runs!r}:\n  s.main(kind, out, paths)",
     timeout=600,
   )
@@ -134,7 +136,8 @@ def test_a_file_of_other_tables_is_refused_by_name_and_changes_nothing(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
-# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed (tests/tpu_harness.py).
+# TPU V1 and SparseCore (V2): TF's own classes, the TPU runtime stubbed
+# (tests/support/tpu_harness.py).
 # TF splits each table over hosts (V1, host copies of the TPU's memory) or devices (V2): every
 # format holds the pieces, V1's copied out of the TPU's memory before they are read and loaded
 # back after they are assigned.
@@ -389,7 +392,7 @@ def test_hdf5_strings_this_layer_did_not_write_are_refused_before_anything_chang
 
 # ---------------------------------------------------------------------------------------------
 # Managed ids in the legacy HDF5 files: a PartialTPUEmbedding with a map on each side (TPU V0:
-# tests/test_managed_ids_tpu_v0.py).
+# tests/managed_ids/test_tpu_v0.py).
 
 PARTIAL_KEYS = {"a": [3, -(2**40), 3, 7, 11], "b": [b"x", b"y\x00", b"", b"x", b"zz"]}
 

@@ -168,30 +168,13 @@ def _adopt_tfrs_partial_layout(
   to the checkpoint's object graph and put under `tables_key`. None if there is no such node.
   """
   nodes, proto = restore.nodes, restore.node
-
-  def child(node: Any, name: str) -> Optional[int]:
-    for reference in node.children:
-      if reference.local_name == name:
-        return reference.node_id
-    return None
-
-  def follow(*names: str) -> Optional[int]:
-    node_id, node = None, proto
-    for name in names:
-      node_id = child(node, name)
-      if node_id is None:
-        return None
-      node = nodes[node_id]
-    return node_id
-
-  tables_node = child(proto, tables_key)
+  tables_node = _child(proto, tables_key)
   if tables_node is not None and any(
-    child(nodes[tables_node], table.name) is not None for table in config.tables
+    _child(nodes[tables_node], table.name) is not None for table in config.tables
   ):
     return nodes[tables_node]  # this package's layout (which also has tf-recommenders' names)
-  if (
-    child(proto, _KERAS_LAYERS) is None and follow(tables_key, checkpoint_names.TABLES_KEY) is None
-  ):
+  tfrs_sharded = _follow(nodes, proto, tables_key, checkpoint_names.TABLES_KEY)
+  if _child(proto, _KERAS_LAYERS) is None and tfrs_sharded is None:
     return None if tables_node is None else nodes[tables_node]
   adopted = nodes.add()
   for table in config.tables:
@@ -199,17 +182,39 @@ def _adopt_tfrs_partial_layout(
       (_KERAS_LAYERS, feature.path, checkpoint_names.TFRS_KERAS_EMBEDDINGS_KEY)
       for feature in config.features_of(table)
     ]
-    for names in candidates:
-      node_id = follow(*names)
-      if node_id is not None:
-        adopted.children.add(node_id=node_id, local_name=table.name)
-        if names[0] == "_keras_embedding_layers":
-          unslotted.add(table.name)  # decided by `_adopt_keras_slots`
-        break
-  adopted_id = len(nodes) - 1
-  for reference in proto.children:
-    if reference.local_name == tables_key:
-      reference.node_id = adopted_id
-      return adopted
-  proto.children.add(node_id=adopted_id, local_name=tables_key)
+    found = [(names, _follow(nodes, proto, *names)) for names in candidates]
+    names, node_id = next(((n, i) for n, i in found if i is not None), (None, None))
+    if node_id is not None:
+      adopted.children.add(node_id=node_id, local_name=table.name)
+      if names[0] == _KERAS_LAYERS:
+        unslotted.add(table.name)  # decided by `_adopt_keras_slots`
+  _put_under(proto, tables_key, len(nodes) - 1)
   return adopted
+
+
+def _child(node: Any, name: str) -> Optional[int]:
+  """The id of `node`'s child called `name` in a checkpoint's object graph."""
+  for reference in node.children:
+    if reference.local_name == name:
+      return reference.node_id
+  return None
+
+
+def _follow(nodes: Any, node: Any, *names: str) -> Optional[int]:
+  """The id of the node reached from `node` through children called `names`, in order."""
+  node_id = None
+  for name in names:
+    node_id = _child(node, name)
+    if node_id is None:
+      return None
+    node = nodes[node_id]
+  return node_id
+
+
+def _put_under(proto: Any, key: str, node_id: int) -> None:
+  """Makes `node_id` the child `key` of `proto`, replacing one of that name."""
+  for reference in proto.children:
+    if reference.local_name == key:
+      reference.node_id = node_id
+      return
+  proto.children.add(node_id=node_id, local_name=key)

@@ -30,6 +30,7 @@ import tensorflow as tf
 from tpu_embedding import (
   backends,
   checkpoint_names,
+  checkpoint_views,
   checkpoints,
   hardware,
   optimizers,
@@ -90,14 +91,6 @@ class ReplicatedTable:
   @property
   def output_dim(self) -> int:
     return self.table.dim
-
-
-class CheckpointNode(tf_internals.AutoTrackable):
-  """A node of the checkpoint's object graph whose children are named freely: table names,
-  `<table>/<slot>` and feature paths, which need not be Python identifiers."""
-
-  def add(self, name: str, child: Any) -> None:
-    self._track_trackable(child, name=name, overwrite=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,10 +189,7 @@ class PartialTPUEmbeddingCore(
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
       self._row_resets = self._managed_row_resets(managed_ids_lib.specs(self._managed))
 
-    self._tables_view = self._no_dependency(CheckpointNode())
-    # tf-recommenders' names for the same variables (see `_track_tables`).
-    self._tfrs_sharded_view = self._no_dependency(CheckpointNode())
-    self._tfrs_keras_layers_view = self._no_dependency(CheckpointNode())
+    self._checkpoint_views = self._no_dependency(checkpoint_views.PartialLayerViews())
     self._track_tables()
 
   def _managed_row_resets(self, specs: dict[str, Any]) -> managed_ids_lib.RoutedResets:
@@ -376,31 +366,11 @@ class PartialTPUEmbeddingCore(
     return {} if self._replicated is None else self._replicated.variables_by_table
 
   def _track_tables(self) -> None:
-    """Registers every existing table and slot under `<table>` / `<table>/<slot>`.
-
-    Tracking (rather than only listing them at save time) lets a restore issued before the
-    tables exist wait for them: the value is applied when the name is tracked here.
-
-    Each table is also tracked under the names tf-recommenders' `PartialTPUEmbedding` restores,
-    whatever its threshold (`_keras_embedding_layers/<feature>/embeddings` and
-    `_tpu_embedding/_tpu_embedding/<table>`), so its tables load into that class too. A checkpoint
-    stores a variable once, however many names lead to it.
-    """
-    variables_by_table = self.variables_by_table
-    for table_name, variables in variables_by_table.items():
-      for key, variable in variables.items():
-        self._tables_view.add(checkpoint_names.variable_key(table_name, key), variable)
-      self._tfrs_sharded_view.add(table_name, variables["parameters"])
-    self._tables_view.add(checkpoint_names.TABLES_KEY, self._tfrs_sharded_view)
-    for feature in self._config.features:
-      if feature.table.name not in variables_by_table:
-        continue
-      keras_layer = CheckpointNode()
-      keras_layer.add(
-        checkpoint_names.TFRS_KERAS_EMBEDDINGS_KEY,
-        variables_by_table[feature.table.name]["parameters"],
-      )
-      self._tfrs_keras_layers_view.add(feature.path, keras_layer)
+    """Registers every existing table and slot under this package's names and tf-recommenders'
+    (`checkpoint_views`). Tracking (rather than only listing them at save time) lets a restore
+    issued before the tables exist wait for them: the value is applied when the name is tracked
+    here."""
+    self._checkpoint_views.track(self.variables_by_table, self._config.features)
 
   def _checkpoint_adapter(self, path: str) -> Any:
     """TF's restore hook, asked before any variable of this layer is bound to the checkpoint.
@@ -454,8 +424,7 @@ class PartialTPUEmbeddingCore(
     sharded = children.pop("_sharded", None)
     if sharded is not None and self._sharded.execution_path is not hardware.ExecutionPath.CPU:
       children[checkpoint_names.SHARDED_LAYER_KEY] = sharded
-    children[checkpoint_names.TABLES_KEY] = self._tables_view
-    children[checkpoint_names.TFRS_KERAS_LAYERS_KEY] = self._tfrs_keras_layers_view
+    children.update(self._checkpoint_views.children())
     return children
 
   # -------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 import tpu_embedding
-from tpu_embedding.data import drifting_ratings
+from examples.data import drifting_ratings
 
 if FAST:
   STREAM = dict(days=5, batches_per_day=6, batch=256, new_items_per_day=100)

@@ -25,7 +25,7 @@ os.makedirs(OUTPUT_DIR, exist_ok=True)
 import tensorflow as tf
 import tf_keras
 
-from tpu_embedding.examples.movielens_ranking import choose_strategy
+from examples.movielens_ranking import choose_strategy
 
 # TPUStrategy when a TPU is attached (Colab TPU runtime, Cloud TPU VM), else the default strategy.
 # This is the only line that knows about the hardware: everything below runs unchanged on both.

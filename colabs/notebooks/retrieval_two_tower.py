@@ -24,7 +24,7 @@ os.makedirs(OUTPUT_DIR, exist_ok=True)
 import tensorflow as tf
 import tf_keras
 
-from tpu_embedding.examples.movielens_ranking import choose_strategy
+from examples.movielens_ranking import choose_strategy
 
 # TPUStrategy when a TPU is attached (Colab TPU runtime, Cloud TPU VM), else the default strategy.
 # This is the only line that knows about the hardware: everything below runs unchanged on both.
@@ -34,7 +34,7 @@ print(type(strategy).__name__, "with", strategy.num_replicas_in_sync, "replica(s
 # %%
 import numpy as np
 
-from tpu_embedding.data import movielens
+from examples.data import movielens
 
 data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
 train, test = movielens.train_test_split(data, test_fraction=0.2, seed=42)

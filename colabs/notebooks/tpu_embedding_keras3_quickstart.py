@@ -3,7 +3,7 @@
 #
 # The quick start's ranking model, written for Keras 3 (`tf.keras` on TensorFlow 2.16+, and
 # keras-rs users) with `tpu_embedding.keras.DistributedEmbedding`, keras-rs's layer under
-# this package's import (see docs/keras-rs.md): a functional model trained by
+# this package's import (see docs/keras3.md): a functional model trained by
 # `model.fit`, evaluated, saved as a `.keras` file and exported for serving. The tables are
 # configured with keras-rs's `TableConfig`/`FeatureConfig`, as in the keras-rs tutorial, and
 # trained with their own optimizer exactly as the TPU embedding engine trains them; the
@@ -46,7 +46,7 @@ print("Keras", keras.__version__, "on", keras.backend.backend(), "|", type(strat
 # `({"user_id", "movie_id"}, rating in [0, 1])`.
 
 # %%
-from tpu_embedding.data import movielens
+from examples.data import movielens
 
 data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
 train, test = movielens.train_test_split(data, test_fraction=0.2, seed=42)

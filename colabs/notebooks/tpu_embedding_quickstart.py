@@ -6,7 +6,7 @@
 # embeddings through a small MLP that predicts the rating. The same code runs on a CPU, a GPU
 # or a TPU; on CPU the tables are trained exactly as the TPU embedding engine trains them.
 #
-# It is the step-by-step version of `python -m tpu_embedding.examples.movielens_ranking`.
+# It is the step-by-step version of `python -m examples.movielens_ranking`.
 
 # %%
 import os
@@ -28,7 +28,7 @@ os.makedirs(OUTPUT_DIR, exist_ok=True)
 import tensorflow as tf
 import tf_keras
 
-from tpu_embedding.examples.movielens_ranking import choose_strategy
+from examples.movielens_ranking import choose_strategy
 
 # TPUStrategy when a TPU is attached (Colab TPU runtime, Cloud TPU VM), else the default strategy.
 # This is the only line that knows about the hardware: everything below runs unchanged on both.
@@ -45,7 +45,7 @@ print(type(strategy).__name__, "with", strategy.num_replicas_in_sync, "replica(s
 # Predicting the mean training rating is the baseline to beat.
 
 # %%
-from tpu_embedding.data import movielens
+from examples.data import movielens
 
 data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"), seed=42)
 train, test = movielens.train_test_split(data, test_fraction=0.2, seed=42)
@@ -152,7 +152,7 @@ def train_step(iterator):
 # %%
 import numpy as np
 
-from tpu_embedding.examples import movielens_ranking
+from examples import movielens_ranking
 
 EPOCHS = 2 if FAST else 5
 train_data = strategy.experimental_distribute_dataset(

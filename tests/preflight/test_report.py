@@ -185,8 +185,8 @@ def test_a_saved_keras_layer_config_is_read_with_its_optimizers(tmp_path):
 )
 def test_bad_command_lines_are_refused_by_name_and_write_nothing(tmp_path, capsys, argv, message):
   args = {
-    "--config": "tpu_embedding.examples.preflight_movielens",
-    "--data": "tpu_embedding.examples.preflight_movielens:batches",
+    "--config": "examples.preflight_movielens",
+    "--data": "examples.preflight_movielens:batches",
     "--topology": "v6e-8",
     "--batch-size": "1024",
   }
@@ -209,9 +209,9 @@ def test_the_command_line_on_movielens_writes_the_markdown_and_the_plot(tmp_path
       "-m",
       "tpu_embedding.preflight",
       "--config",
-      "tpu_embedding.examples.preflight_movielens",
+      "examples.preflight_movielens",
       "--data",
-      "tpu_embedding.examples.preflight_movielens:batches",
+      "examples.preflight_movielens:batches",
       "--topology",
       "v6e-8",
       "--batch-size",
@@ -228,7 +228,7 @@ def test_the_command_line_on_movielens_writes_the_markdown_and_the_plot(tmp_path
   )
   assert completed.returncode == 0, completed.stderr[-3000:]
   text = output.read_text()
-  assert "# TPU pre-flight: `tpu_embedding.examples.preflight_movielens` on v6e-8" in text
+  assert "# TPU pre-flight: `examples.preflight_movielens` on v6e-8" in text
   assert "| movie_table_user_table |" in text
   assert "**Verdict:** fits on v6e-8 (8 chip(s))" in text
   assert "/97 batches" in completed.stderr  # the progress bar: 100,000 ratings // 1024

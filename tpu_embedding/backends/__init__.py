@@ -8,7 +8,7 @@ One module per path (`cpu`, `tpu_v0`, `tpu_v1`, `tpu_v2`) over the interface in 
 path refuses or needs in another form is in `conversion`, which returns new configurations and
 never edits the layer's. The TPU backends drive TF's mid-level classes as their documentation
 prescribes; their tests run those real classes with only the TPU runtime stubbed
-(tests/tpu_harness.py).
+(tests/support/tpu_harness.py).
 """
 
 from __future__ import annotations

@@ -13,27 +13,24 @@ checkpoint written here restores into `TPUEmbedding`, `TPUEmbeddingForServing` a
 from __future__ import annotations
 
 import collections
-import functools
-import math
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
 from tpu_embedding import (
   checkpoint_names,
   checkpoints,
-  optimizer_specs,
   optimizers,
   tf_internals,
   tf_restore,
 )
 from tpu_embedding import config as config_lib
-from tpu_embedding.engine import exchange, finite, inputs, lookup, sharded, static_path, updates
+from tpu_embedding.engine import backward, exchange, finite, inputs, lookup, static_path
 from tpu_embedding.engine import trap as trap_lib
+from tpu_embedding.engine import variables as variables_lib
 from tpu_embedding.engine.distribution import Distribution
-from tpu_embedding.engine.state import PendingUpdate, TableState
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -60,7 +57,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   """
 
   # Pipelining buffers are engine state, not model weights: keep them out of `variables`.
-  _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_pending", "_training_lookups"}).union(
+  _TF_MODULE_IGNORED_PROPERTIES = frozenset({"_updates", "_training_lookups"}).union(
     tf.Module._TF_MODULE_IGNORED_PROPERTIES
   )
 
@@ -80,17 +77,15 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       optimizers.follows_keras_optimizer(table.optimizer) for table in config.tables
     )
     self._variables: dict[str, dict[str, tf.Variable]] = self._no_dependency({})
-    self._pending: dict[str, PendingUpdate] = self._no_dependency({})
-    # The update rule of each table the engine trains, resolved once.
-    self._rules: dict[str, updates.UpdateRule] = self._no_dependency({})
-    # Tables row-sharded over parameter servers: the locks their updates hold.
-    self._shard_locks: dict[str, sharded.ShardLocks] = self._no_dependency({})
     # Per graph being traced: how many training lookups read each table (see
     # `_register_training_lookup`).
     self._training_lookups = self._no_dependency(weakref.WeakKeyDictionary())
     self._built = False
     self._strategy = tf.distribute.get_strategy()  # tables are created under it, as TF does
     self._distribution = Distribution.current()
+    self._updates = backward.TableUpdates(
+      self._variables, pipelining, check_finite, self._distribution
+    )
 
   # -------------------------------------------------------------------------------------------
   # Variables
@@ -116,50 +111,19 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       self._create_table(table)
 
   def _create_table(self, table: TableConfig) -> None:
-    shape = [table.vocabulary_size, table.dim]
-    initializer = table.initializer or tf.initializers.TruncatedNormal(
-      mean=0.0, stddev=1.0 / (table.dim**0.5)
-    )
-    parameters = _new_variable(
-      initializer, shape, table.name, not self._updates_tables, self._check_finite
-    )
-    variables = {"parameters": parameters}
+    parameters = variables_lib.new_table(table, not self._updates_tables, self._check_finite)
+    self._variables[table.name] = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
     if table.optimizer is not None and self._updates_tables:
-      self._rules[table.name] = updates.rule_for(table.optimizer)
-      variables.update(self._create_slots(table, parameters))
-      if sharded.is_sharded(parameters) and self._pipelining:
-        sharded.refuse_pipelining(table)
-      if self._distribution is Distribution.PARAMETER_SERVERS and not self._pipelining:
-        self._shard_locks[table.name] = sharded.ShardLocks(parameters)
-    self._variables[table.name] = variables
-    if self._pipelining and self._updates_tables:
-      self._pending[table.name] = PendingUpdate.create(table)
+      self._variables[table.name].update(self._create_slots(table, parameters))
+      self._updates.add(table)
 
   def _create_slots(self, table: TableConfig, parameters: tf.Variable) -> dict[str, tf.Variable]:
-    optimizer = table.optimizer
-    shapes = config_lib.slot_shapes(table)
-    names = [name for name, _ in shapes]
-    initializers = optimizer_specs.slot_initializers(optimizer)
-    creator = getattr(optimizer, "slot_variable_creation_fn", None)
-    if creator is not None:
-      return dict(creator(parameters, names, initializers))
-    if sharded.is_sharded(parameters):
-      slots = sharded.create_slots(table, parameters, names, initializers)
-    else:
-      with sharded.colocated_with(parameters, self._distribution is Distribution.PARAMETER_SERVERS):
-        slots = {
-          name: _new_variable(
-            initializer,
-            shape,
-            checkpoint_names.variable_key(table.name, name),
-            False,
-            self._check_finite,
-          )
-          for (name, shape), initializer in zip(shapes, initializers)
-        }
-    for name, slot in slots.items():
-      self._track_trackable(slot, name=checkpoint_names.variable_key(table.name, name))
+    on_parameter_servers = self._distribution is Distribution.PARAMETER_SERVERS
+    slots = variables_lib.new_slots(table, parameters, on_parameter_servers, self._check_finite)
+    if variables_lib.slot_creator(table) is None:  # else the optimizer's creator tracks them
+      for name, slot in slots.items():
+        self._track_trackable(slot, name=checkpoint_names.variable_key(table.name, name))
     return slots
 
   def _checkpoint_adapter(self, path: str):
@@ -177,7 +141,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   def replace_table(self, table: TableConfig, variable: tf.Variable) -> None:
     """Makes `variable` the table for lookups, updates and checkpoints alike."""
     self.build()
-    self.flush()  # updates held back belong to the variable being replaced
+    self._updates.flush()  # updates held back belong to the variable being replaced
     self._variables[table.name]["parameters"] = variable
     self._track_trackable(variable, name=table.name, overwrite=True)
 
@@ -250,7 +214,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     if self._check_finite:
       flat = finite.guard_gradients(flat, step.bags, joined)
       if not plain:
-        finite.join(flat, lambda upstream: self._checks_of(forward[-1], upstream), joined)
+        finite.join(flat, lambda upstream: self._updates.checks_of(forward[-1], upstream), joined)
     return tf.nest.pack_sequence_as(features, flat)
 
   def _gathered_on_cpu(self) -> frozenset:
@@ -305,6 +269,11 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
         "without jit_compile, or without pipelining (on TPU, pipelining is the hardware's)."
       )
 
+  def flush(self) -> None:
+    """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
+    if self._built:
+      self._updates.flush()
+
   def parameters(self, table: TableConfig) -> tf.Variable:
     try:
       return self._variables[table.name]["parameters"]
@@ -334,9 +303,10 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     # Every table's checks run before the first write of any table.
     with tf.control_dependencies(refusals):
       if static:  # fixed shapes, and an all-reduce where several replicas train
-        static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
+        written = self._updates
+        static_path.apply_gradients(trainable, written.rule, written.state, written.learning_rate)
       elif not exchange.in_replica():
-        self._update_tables(
+        self._updates.update_tables(
           [
             (t, batch.unique_ids, batch.row_gradients(upstream, t.dim))
             for t, batch, upstream in trainable
@@ -346,180 +316,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
         )
       else:  # in a replica: one update per table from every replica's (id, gradient) pairs
         # (checked again: the joint step saw only this replica's)
-        exchange.gather_and_update(trainable, self._update_tables)
-
-  def _update_tables(
-    self,
-    per_table: Sequence[tuple[TableConfig, tf.Tensor, tf.Tensor]],
-    read_rows: Optional[dict[str, tf.Tensor]] = None,
-    checked: bool = False,
-  ) -> None:
-    """One step's update of every table, from (table, unique ids, row gradients) each.
-
-    `read_rows` holds, by table name, the rows the lookup read where the update may reuse them.
-    With `check_finite`, every table's update is checked (`finite.check_update`) before the
-    first write of any table, so a step that fails writes nothing; unless `checked` (a joint
-    step checked them before any engine's gradient).
-    """
-    read_rows = read_rows or {}
-    rates = [self._learning_rate(table, checked) for table, _, _ in per_table]
-    checks = []
-    if self._check_finite and not checked:
-      for (table, ids, grads), rate in zip(per_table, rates):
-        checks.extend(self._check_update(table, ids, grads, rate, read_rows.get(table.name)))
-    with tf.control_dependencies(checks):
-      for (table, ids, grads), rate in zip(per_table, rates):
-        self._update(table, ids, grads, rate, read_rows.get(table.name))
-
-  def _checks_of(self, found: lookup.StepLookup, upstream: list) -> list[tf.Tensor]:
-    """The checks that this step's update (`_update_tables`) would run from these gradients of
-    its activations, without the update: for a layer whose other engines must not write
-    either when one of these fails (`finite.JointStep`). Each feature's gradient is checked
-    first, so that the error names the feature, as the update's own checks do."""
-    upstream = [finite.checked_activation_gradient(g, bag) for g, bag in zip(upstream, found.bags)]
-    return [
-      check
-      for table, batch, grads in found.upstream_by_table(upstream)
-      if table.optimizer is not None
-      for check in self._check_update(
-        table, batch.unique_ids, batch.row_gradients(grads, table.dim), self._learning_rate(table)
-      )
-    ]
-
-  def _check_update(
-    self,
-    table: TableConfig,
-    ids: Optional[tf.Tensor] = None,
-    grads: Optional[tf.Tensor] = None,
-    learning_rate: Optional[tf.Tensor] = None,
-    table_rows: Optional[tf.Tensor] = None,
-  ) -> list[tf.Tensor]:
-    """What checks the update a table is about to receive: this step's (ids, grads, learning
-    rate), or with pipelining the one held from the previous step (this step's is checked when
-    held); with no ids, only the held one (a flush)."""
-    rule, state = self._rule(table), self._state(table).copies()[0]  # the copies are equal
-    check = functools.partial(finite.check_update, table.name, rule, state)
-    if not self._pipelining:
-      return [check(ids, grads, learning_rate, table_rows)]
-    checks = [self._pending[table.name].copies()[0].when_held(check)]
-    if ids is not None:
-      checks.append(finite.check_row_gradients(grads, table.name))
-    return checks
-
-  def _update(
-    self,
-    table: TableConfig,
-    ids: tf.Tensor,
-    grads: tf.Tensor,
-    learning_rate: tf.Tensor,
-    table_rows: Optional[tf.Tensor] = None,
-  ) -> None:
-    rule, state = self._rule(table), self._state(table)
-    if table.name in self._shard_locks:
-      self._shard_locks[table.name].apply(rule, state, ids, grads, learning_rate)
-      return
-    # Parameter-server workers update the shared tables concurrently.
-    atomic = self._distribution is Distribution.PARAMETER_SERVERS
-    apply = functools.partial(updates.apply_sparse_update, rule, atomic=atomic)
-    if not self._pipelining:
-      for copy, _ in _on_each_device(state):
-        apply(copy, ids, grads, learning_rate, table_rows)
-      return
-    for copy, pending in _on_each_device(state, self._pending[table.name]):
-      # Pipelining: this step's update waits until after the next step's lookup (SPEC §6).
-      pending.apply(functools.partial(apply, copy))
-      pending.hold(ids, grads, learning_rate)
-
-  def flush(self) -> None:
-    """Applies pipelined updates still pending, e.g. before a checkpoint or an evaluation."""
-    if not self._pipelining or not self._built:
-      return
-    tables = [table for table in self._config.tables if table.optimizer is not None]
-    checks = []
-    if self._check_finite:
-      checks = [check for table in tables for check in self._check_update(table)]
-    with tf.control_dependencies(checks):
-      self._apply_held(tables)
-
-  def _apply_held(self, tables: Sequence[TableConfig]) -> None:
-    for table in tables:
-      rule = self._rule(table)
-      for copy, pending in _on_each_device(self._state(table), self._pending[table.name]):
-        pending.apply(functools.partial(updates.apply_sparse_update, rule, copy))
-
-  def _learning_rate(self, table: TableConfig, checked: bool = False) -> tf.Tensor:
-    """The table's learning rate for this step (checked to be finite with `check_finite`,
-    unless `checked` already)."""
-    learning_rate = optimizer_specs.learning_rate_tensor(
-      table.optimizer, where=f"Table {table.name!r}"
-    )
-    if self._check_finite and not checked:
-      learning_rate = finite.check_learning_rate(learning_rate, table.name)
-    return learning_rate
-
-  def _rule(self, table: TableConfig) -> updates.UpdateRule:
-    return self._rules[table.name]
-
-  def _state(self, table: TableConfig) -> TableState:
-    return TableState.of(self._variables[table.name], self._rule(table).slot_names)
-
-
-_COPY_IS_CHEAP_BYTES = 16 << 20
-
-
-def _new_variable(
-  initializer: Callable, shape: list[int], name: str, trainable: bool, check_finite: bool
-) -> tf.Variable:
-  """A variable holding `initializer(shape)`, without a second copy of it in memory.
-
-  `tf.Variable(initial_value=...)` keeps the initial tensor alive while copying it into the
-  variable, so a 1.3 GB table briefly costs 2.6 GB (more with the initializer's temporaries).
-  Off any strategy the value is instead computed and assigned inside one function, where it is
-  an intermediate that TF writes straight into the variable's buffer. Strategies create their
-  own (e.g. mirrored) variables, so there the plain constructor is used, as it is for tables
-  below `_COPY_IS_CHEAP_BYTES`, where the function's tracing would cost more time (at the first
-  step, once per table and slot) than the copy costs memory.
-  """
-  value = functools.partial(_initial_value, initializer, shape, name, check_finite)
-  if tf.distribute.has_strategy() or 4 * math.prod(shape) < _COPY_IS_CHEAP_BYTES:
-    return tf.Variable(initial_value=value, trainable=trainable, name=name)
-  variable = tf_internals.uninitialized_variable(
-    shape=shape, dtype=tf.float32, trainable=trainable, name=name
-  )
-  # One function per variable (in one function for all, TF holds every constant initial value
-  # at once). A partial, not a lambda: TF counts traces per code object and would warn that a
-  # function meant to run once per variable is "retracing".
-  tf.function(functools.partial(_assign, variable, value), autograph=False)()
-  return variable
-
-
-def _initial_value(
-  initializer: Callable, shape: list[int], name: str, check_finite: bool
-) -> tf.Tensor:
-  """`initializer(shape)`, refused by name unless it is a float32 tensor of that shape (and
-  finite, with `check_finite`)."""
-  try:
-    value = tf.convert_to_tensor(initializer(shape=shape, dtype=tf.float32))
-  except (TypeError, ValueError) as e:
-    raise ValueError(
-      f"Embedding variable {name!r}: its initializer failed for shape {shape}, float32: {e}"
-    ) from e
-  if value.dtype != tf.float32 or value.shape != shape:
-    raise ValueError(
-      f"Embedding variable {name!r}: its initializer gave a {value.dtype.name} "
-      f"tensor of shape {value.shape.as_list()}; expected float32 {shape}."
-    )
-  if check_finite:
-    value = tf.debugging.check_numerics(
-      value,
-      f"Embedding variable {name!r}: its initializer produced a non-finite value "
-      "(check_finite=True refuses it when the variable is created)",
-    )
-  return value
-
-
-def _assign(variable: tf.Variable, value: Callable[[], tf.Tensor]) -> None:
-  variable.assign(value(), read_value=False)
+        exchange.gather_and_update(trainable, self._updates.update_tables)
 
 
 def _refuse_training(table: TableConfig, static: bool) -> Optional[tf.Operation]:
@@ -538,19 +335,3 @@ def _refuse_training(table: TableConfig, static: bool) -> Optional[tf.Operation]
   if tf.executing_eagerly() or (static and not tf_internals.in_save_context()):
     raise ValueError(message)
   return tf.debugging.Assert(tf.constant(False), [message])
-
-
-def _on_each_device(
-  state: TableState, pending: Optional[PendingUpdate] = None
-) -> Iterator[tuple[TableState, Optional[PendingUpdate]]]:
-  """Each device's copy of a table's state (and of its held update), with that device the
-  default while it is in hand; one copy if not distributed.
-
-  Every copy of a mirrored variable receives the same update from the same global gradient,
-  which keeps the copies identical without any table-sized communication.
-  """
-  copies = exchange.copies_to_update(state)
-  held = pending.copies() if pending is not None else [None] * len(copies)
-  for copy, pending_copy in zip(copies, held):
-    with tf.device(copy.parameters.device):
-      yield copy, pending_copy

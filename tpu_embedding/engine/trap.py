@@ -65,7 +65,7 @@ def _updated(
   of the step, and the gradient must not depend on it: through that gradient and the
   optimizer's ops, grappler would take the update for the order between the next layer's kernel
   read (which fed `upstream`) and that kernel's update in the same step, drop their own edge,
-  then cut the path (docs/development.md, "The gradient trap and grappler"). Elsewhere (the
+  then cut the path (docs/engine.md, "The gradient trap and grappler"). Elsewhere (the
   backward function TF builds for a `tf.function` differentiated by a tape outside it runs only
   what its outputs depend on) the gradient depends on every op `backward` built, or the update
   would never run.

@@ -1,0 +1,264 @@
+"""`IdMap` against the plain-Python reference map, step by step, eager and in tf.function."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tpu_embedding.managed_ids import IdMap, ManagedIds
+
+from managed_ids_reference import ReferenceMap
+
+POLICIES = [
+  dict(eviction="lfu", half_life=3),
+  dict(eviction="lru"),
+  dict(eviction="ttl", ttl_steps=2),
+]
+
+
+def _stream(seed: int, steps: int, string: bool):
+  """Zipf-like keys, negative and above 2**31 among them, popularity drifting over the steps."""
+  rng = np.random.default_rng(seed)
+  universe = rng.integers(-(2**62), 2**62, size=40)
+  universe[:3] = [-7, 2**31 + 5, 0]
+  for step in range(steps):
+    ranks = (rng.zipf(1.5, size=int(rng.integers(1, 12))) + step // 3) % len(universe)
+    keys = universe[ranks]
+    yield [f"k{k}".encode() for k in keys] if string else [int(k) for k in keys]
+
+
+def _id_map(capacity, eviction, min_count, ttl_steps=None, half_life=1000, string=False, **kw):
+  spec = ManagedIds(
+    key_dtype=tf.string if string else tf.int64,
+    eviction=eviction,
+    min_count=min_count,
+    ttl_steps=ttl_steps,
+    lfu_half_life_steps=half_life,
+    **kw,
+  )
+  return IdMap(spec, "t", capacity)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p["eviction"])
+@pytest.mark.parametrize("min_count", [1, 3])
+@pytest.mark.parametrize("string", [False, True])
+@pytest.mark.parametrize("traced", [False, True])
+def test_map_follows_reference(policy, min_count, string, traced, engine_path):
+  """On both paths (the engine's compiled kernel choosing rows, and TF ops alone)."""
+  id_map = _id_map(6, min_count=min_count, string=string, **policy)
+  reference = ReferenceMap(6, min_count=min_count, **policy)
+  step = id_map.remap
+  if traced:
+    step = tf.function(id_map.remap, reduce_retracing=True)
+    graph = step.get_concrete_function(tf.TensorSpec([None], id_map.key_dtype), True).graph
+    ops = {op.type for op in graph.get_operations()}
+    assert ("TpuEmbeddingManagedRemap" in ops) == (engine_path == "native")
+  admitted = 0
+  for keys in _stream(seed=min_count + 10 * string, steps=30, string=string):
+    rows, fresh = step(tf.constant(keys), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+    admitted += len(expected_fresh)
+    keys_, rows_, counts_ = id_map.export()
+    expected = reference.export()
+    assert list(keys_.numpy()) == expected[0]
+    np.testing.assert_array_equal(rows_.numpy(), expected[1])
+    np.testing.assert_array_equal(counts_.numpy(), expected[2])
+  assert admitted > 5  # the stream exercised admission and eviction
+  assert int(id_map.size()) == len(reference.row_of)
+
+
+def test_candidates_are_bounded_and_pruned_by_count_then_key():
+  id_map = _id_map(3, "lru", min_count=3, candidate_capacity=2)
+  reference = ReferenceMap(3, "lru", min_count=3, candidate_capacity=2)
+  for step, keys in enumerate(([1, 2, 2], [3, 4, 4, 5], [6, 7], [2, 4, 1, 1])):
+    rows, _ = id_map.remap(tf.constant(keys, tf.int64), True)
+    np.testing.assert_array_equal(rows.numpy(), reference.train(keys)[0])
+    keys, counts = id_map.candidates.export()
+    assert dict(zip(keys.numpy().tolist(), counts.numpy().tolist())) == reference.candidates
+    if step == 1:  # after [3, 4, 4, 5]: five candidates pruned to the two largest
+      assert reference.candidates == {2: 2, 4: 2}
+  # Key 1 lost its count in that pruning: two more occurrences leave it a candidate.
+  assert reference.candidates == {1: 2, 6: 1, 7: 1}
+
+
+def test_key_in_the_current_step_is_never_evicted():
+  id_map = _id_map(3, "lru", min_count=1)
+  id_map.remap(tf.constant([10, 20], tf.int64), True)
+  rows, fresh = id_map.remap(tf.constant([10, 20, 30], tf.int64), True)
+  np.testing.assert_array_equal(rows.numpy(), [1, 2, 0])  # 30 waits at row 0: both rows in use
+  assert fresh.numpy().size == 0
+
+
+def test_inference_never_admits_or_counts():
+  id_map = _id_map(4, "lfu", min_count=1)
+  id_map.remap(tf.constant([5], tf.int64), True)
+  before = [v.numpy().copy() for v in (id_map.counts, id_map.last_seen, id_map.step)]
+  rows, fresh = id_map.remap(tf.constant([5, 6], tf.int64), False)
+  np.testing.assert_array_equal(rows.numpy(), [1, 0])
+  assert fresh.numpy().size == 0 and int(id_map.size()) == 1
+  for old, variable in zip(before, (id_map.counts, id_map.last_seen, id_map.step)):
+    np.testing.assert_array_equal(old, variable.numpy())
+
+
+def test_lfu_counts_halve_every_half_life():
+  id_map = _id_map(4, "lfu", min_count=1, half_life=2)
+  id_map.remap(tf.constant([1, 1, 1, 1, 1, 1, 1, 1], tf.int64), True)  # step 1, epoch 0: 8
+  id_map.remap(tf.constant([2], tf.int64), True)  # step 2, epoch 1
+  id_map.remap(tf.constant([2], tf.int64), True)  # step 3, epoch 1
+  id_map.remap(
+    tf.constant([2], tf.int64), True
+  )  # step 4, epoch 2: 8 >> 2 = 2 and (1 + 1) >> 1 + 1 = 2
+  keys, rows, counts = id_map.export()
+  assert list(keys.numpy()) == [1, 2] and list(counts.numpy()) == [2, 2]
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(eviction="random"), "unknown eviction policy"),
+    (dict(min_count=0), "min_count=0"),
+    (dict(key_dtype=tf.float32), "key_dtype"),
+    (dict(eviction="ttl"), "ttl_steps=None"),
+    (dict(ttl_steps=3), "only used with eviction='ttl'"),
+    (dict(reset_every_steps=0), r"reset_every_steps=0\): expected an int >= 1"),
+  ],
+)
+def test_bad_specs_are_refused(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    ManagedIds(**kwargs)
+
+
+def test_capacity_below_two_is_refused_by_table():
+  with pytest.raises(ValueError, match="Table 'tiny'.*vocabulary_size >= 2"):
+    IdMap(ManagedIds(), "tiny", 1)
+
+
+@pytest.mark.parametrize(
+  "policy",
+  POLICIES + [dict(eviction="lfu", half_life=1000)],
+  ids=["lfu-aging", "lru", "ttl", "lfu"],
+)
+def test_large_map_follows_reference(policy, engine_path):
+  """A map larger than the compiled kernel's eviction pool (1024 rows at this capacity), full
+  after a few steps, then evicting hundreds of rows a step: the pool is refilled, compacted and
+  (LFU epochs) rebuilt many times; every step's rows equal the reference's."""
+  capacity = 3000
+  id_map = _id_map(capacity, min_count=1, **policy)
+  reference = ReferenceMap(capacity, min_count=1, **policy)
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  rng = np.random.default_rng(5)
+  universe = rng.integers(-(2**62), 2**62, size=20_000)
+  evicted = 0
+  for s in range(40):
+    keys = universe[(rng.zipf(1.2, size=700) + 400 * s) % len(universe)].tolist()
+    rows, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+    evicted += len(expected_fresh) if s > 10 else 0
+  keys_, rows_, counts_ = id_map.export()
+  assert keys_.numpy().tolist() == reference.export()[0]
+  np.testing.assert_array_equal(counts_.numpy(), reference.export()[2])
+  assert evicted > 2000  # many more victims than the pool holds
+
+
+def test_restore_at_the_same_step_reads_the_restored_map(tmp_path):
+  """A restore writes the map's variables behind the compiled kernel's eviction index, here
+  with the very step count the map had: the next steps still follow the restored map."""
+  saved, id_map = _id_map(8, "lfu", min_count=1), _id_map(8, "lfu", min_count=1)
+  reference = ReferenceMap(8, "lfu", min_count=1)
+  for s in range(6):
+    keys = [10 * s + k for k in range(5)]
+    saved.remap(tf.constant(keys, tf.int64), True)
+    reference.train(keys)
+    id_map.remap(tf.constant([-k - 100 * s for k in range(4)], tf.int64), True)
+  path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
+  tf.train.Checkpoint(m=id_map).read(path).assert_consumed()
+  for s in range(6, 10):
+    keys = [10 * s + k for k in range(5)] + [10 * (s - 1)]
+    rows, fresh = id_map.remap(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+
+
+def test_large_lfu_map_evicts_rows_seen_again_before_heavier_ones(engine_path):
+  """The map first fills with keys seen 3 times; then each step brings 100 keys seen once and
+  sees the previous step's ones again (count 2): those rows, lighter than the pool's heaviest
+  row when it was built, must be evicted before the count-3 rows, as the reference says."""
+  capacity = 3000
+  id_map = _id_map(capacity, "lfu", min_count=1)
+  reference = ReferenceMap(capacity, "lfu", min_count=1)
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  singles = []
+  for s in range(40):
+    if s < 10:
+      keys = [k for k in range(300 * s, 300 * s + 300) for _ in range(3)]
+    else:
+      keys = singles + [-k for k in range(100 * s, 100 * s + 100)]
+      singles = keys[-100:]
+    rows, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+  assert sorted(set(reference.export()[2])) == [1, 2, 3]
+
+
+def test_counts_saturate_at_int32_max(engine_path):
+  id_map = _id_map(4, "lfu", min_count=1)
+  id_map.remap(tf.constant([7], tf.int64), True)
+  id_map.counts.scatter_update(tf.IndexedSlices(tf.constant([2**31 - 3], tf.int32), [1]))
+  id_map.remap(tf.constant([7] * 5, tf.int64), True)
+  assert id_map.export()[2].numpy().tolist() == [2**31 - 1]
+
+
+def test_the_last_int32_step_is_refused_naming_the_table(engine_path):
+  id_map = _id_map(4, "lru", min_count=1)
+  id_map.remap(tf.constant([7], tf.int64), True)
+  id_map.step.assign(2**31 - 2)
+  id_map.remap(tf.constant([8], tf.int64), True)  # step 2**31 - 1: the last one
+  before = [v.numpy().copy() for v in (id_map.counts, id_map.last_seen, id_map.step)]
+  with pytest.raises(tf.errors.InvalidArgumentError, match="Table 't'.*2\\*\\*31 - 1 training"):
+    id_map.remap(tf.constant([9], tf.int64), True)
+  for old, variable in zip(before, (id_map.counts, id_map.last_seen, id_map.step)):
+    np.testing.assert_array_equal(old, variable.numpy())
+  assert id_map.export()[0].numpy().tolist() == [7, 8]
+
+
+@pytest.mark.parametrize("counts", ["small", "huge", "negative"])
+def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
+  """At 20 000 rows the compiled kernel's pool holds >= 4096 entries, which it sorts by radix on
+  keys packed into 64 bits, or by comparison where (aged count, last_seen, row) need more bits
+  ("huge": counts near 2**30 and last_seen over 2**21 steps) or a count is negative (only a
+  write from outside leaves one). The map's variables are written directly (as a restore
+  would), the reference given the same state; rows must agree."""
+  capacity, half_life = 20_000, 2**30  # one LFU epoch: counts are not aged
+  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life)
+  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life)
+  rng = np.random.default_rng(8)
+  universe = rng.integers(-(2**62), 2**62, size=80_000)
+  id_map.remap(tf.constant(universe[: capacity - 1]), True)
+  reference.train(universe[: capacity - 1].tolist())
+  rows = np.arange(1, capacity)
+  base = {"small": 1, "huge": 2**30, "negative": -2}[counts]
+  count_of = base + rng.integers(0, 5, size=capacity - 1)
+  seen_at = rng.integers(0, 2**21, size=capacity - 1)
+  id_map.counts.assign(np.concatenate([[0], count_of]).astype(np.int32))
+  id_map.last_seen.assign(np.concatenate([[-1], seen_at]).astype(np.int32))
+  id_map.step.assign(2**21)
+  reference.step = 2**21
+  for row, count, seen in zip(rows.tolist(), count_of.tolist(), seen_at.tolist()):
+    reference.count[row], reference.last[row] = (count, 0), seen
+  step = tf.function(id_map.remap, reduce_retracing=True)
+  for s in range(4):
+    old = universe[rng.integers(0, capacity - 1, size=1500)]
+    new = universe[capacity + 4000 * s : capacity + 4000 * (s + 1)]
+    keys = np.concatenate([old, new, new[:500]]).tolist()
+    got, fresh = step(tf.constant(keys, tf.int64), True)
+    expected_rows, expected_fresh = reference.train(keys)
+    np.testing.assert_array_equal(got.numpy(), expected_rows)
+    np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
+  keys_, _, counts_ = id_map.export()
+  assert keys_.numpy().tolist() == reference.export()[0]
+  np.testing.assert_array_equal(counts_.numpy(), reference.export()[2])

@@ -1,0 +1,105 @@
+"""A plain-Python reference of a managed-id map, written from docs/managed-ids.md alone.
+
+Dicts and sorted lists, one step at a time: what `tpu_embedding.managed_ids.IdMap` must give for
+the same key stream (rows, rows given to new keys, export).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable, Optional, Sequence
+
+import tensorflow as tf
+
+
+def tie_key(key: Hashable) -> int:
+  """Candidate ties keep the smaller key; strings compare by 64-bit FarmHash fingerprint (the
+  documented hash, TF's `to_hash_bucket_fast`, is the one thing taken from TF here)."""
+  if isinstance(key, bytes):
+    return int(tf.strings.to_hash_bucket_fast([key], 2**63 - 1)[0])
+  return key
+
+
+class ReferenceMap:
+  def __init__(
+    self,
+    capacity: int,
+    eviction: str = "lfu",
+    min_count: int = 1,
+    ttl_steps: Optional[int] = None,
+    half_life: int = 1000,
+    candidate_capacity: Optional[int] = None,
+  ):
+    self.capacity, self.eviction, self.min_count = capacity, eviction, min_count
+    self.ttl_steps, self.half_life = ttl_steps, half_life
+    self.candidate_capacity = candidate_capacity or capacity
+    self.row_of: dict = {}
+    self.key_of: dict = {}
+    self.count: dict = {}  # row -> (count, epoch of last update)
+    self.last: dict = {}  # row -> step last seen
+    self.candidates: dict = {}
+    self.step = 0
+
+  def aged(self, row: int, epoch: int) -> int:
+    count, at = self.count[row]
+    return count >> min(epoch - at, 62)
+
+  def lookup(self, keys: Sequence[Hashable]) -> list[int]:
+    return [self.row_of.get(k, 0) for k in keys]
+
+  def train(self, keys: Sequence[Hashable]) -> tuple[list[int], list[int]]:
+    self.step += 1
+    step, epoch = self.step, self.step // self.half_life
+    occurrences = collections.Counter(keys)
+    in_order = list(dict.fromkeys(keys))
+    for key in in_order:
+      if key in self.row_of:
+        row = self.row_of[key]
+        self.count[row] = (self.aged(row, epoch) + occurrences[key], epoch)
+        self.last[row] = step
+    new = [k for k in in_order if k not in self.row_of]
+    if self.eviction == "ttl":
+      for row in sorted(self.key_of):
+        if step - self.last[row] >= self.ttl_steps:
+          self._free(row)
+    totals = {k: self.candidates.get(k, 0) + occurrences[k] for k in new}
+    if self.min_count == 1:
+      totals = {k: occurrences[k] for k in new}
+    eligible = [k for k in new if totals[k] >= self.min_count]
+    free = [r for r in range(1, self.capacity) if r not in self.key_of]
+    given = list(zip(eligible, free + self._victims(step, epoch)))
+    for key, row in given:
+      if row in self.key_of:
+        self._free(row)
+      self.row_of[key], self.key_of[row] = row, key
+      self.count[row], self.last[row] = (totals[key], epoch), step
+    if self.min_count > 1:
+      self._remember_candidates(new, totals, {k for k, _ in given})
+    return self.lookup(keys), [r for _, r in given]
+
+  def _victims(self, step: int, epoch: int) -> list[int]:
+    """Rows that may be given away this step, the first to go first."""
+    victims = [r for r in self.key_of if self.last[r] < step]
+    if self.eviction == "lfu":
+      return sorted(victims, key=lambda r: (self.aged(r, epoch), self.last[r], r))
+    return sorted(victims, key=lambda r: (self.last[r], r))
+
+  def _remember_candidates(self, new: list, totals: dict, admitted: set) -> None:
+    """Counts of the new keys not admitted (min_count > 1), the most frequent kept."""
+    for key in new:
+      if key in admitted:
+        self.candidates.pop(key, None)
+      else:
+        self.candidates[key] = totals[key]
+    if len(self.candidates) > 2 * self.candidate_capacity:
+      kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], tie_key(kv[0])))
+      self.candidates = dict(kept[: self.candidate_capacity])
+
+  def _free(self, row: int) -> None:
+    del self.row_of[self.key_of.pop(row)]
+    del self.count[row], self.last[row]
+
+  def export(self) -> tuple[list, list[int], list[int]]:
+    rows = sorted(self.key_of)
+    epoch = self.step // self.half_life
+    return [self.key_of[r] for r in rows], rows, [self.aged(r, epoch) for r in rows]

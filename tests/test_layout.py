@@ -1,0 +1,94 @@
+"""The tests' own layout: a module's tests are found by its path, helpers and jobs apart, and
+every test that starts a process is marked `integration` (left out by `make test-fast`).
+
+`tests/<path>/test_<name>.py` tests `tpu_embedding/<path>/<name>.py` (or, for `examples/`,
+`benchmarks/` and `colabs/`, the repository's own folder); `test_<folder>.py` tests a folder as a
+whole. Helpers live in `tests/support/`, scripts a child process runs in `tests/jobs/`.
+"""
+
+import os
+import re
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+HELPERS = ("support", "jobs")
+
+# Tests of the package as a whole, or of one feature across modules, named after what they test.
+ACROSS_MODULES = {
+  "test_docs.py",
+  "test_import_graph.py",
+  "test_layout.py",
+  "test_package.py",
+  "test_multiworker.py",
+  "test_parameter_server.py",
+  "test_tfrs_compat.py",
+  "test_tpu_harness.py",  # tests/support/tpu_harness.py against TF
+  "engine/test_tracing.py",
+  "keras/test_keras_rs_config_conversion.py",  # keras-rs's own tests, run against this package
+  "keras/test_keras_rs_distributed_embedding.py",
+  "managed_ids/test_distributed.py",
+  "managed_ids/test_layers.py",
+  "managed_ids/test_sharded.py",
+  "managed_ids/test_tpu.py",
+  "managed_ids/test_tpu_v0.py",
+}
+
+
+def _test_files() -> list[str]:
+  found = []
+  for folder, dirs, names in os.walk(TESTS):
+    dirs[:] = [d for d in dirs if d != "__pycache__"]
+    found += [
+      os.path.relpath(os.path.join(folder, name), TESTS) for name in names if name.endswith(".py")
+    ]
+  return sorted(found)
+
+
+FILES = _test_files()
+
+
+def _tested(path: str) -> str:
+  """The module or folder `tests/<path>` is named after, relative to the repository."""
+  folder, name = os.path.split(path)
+  name = name.removeprefix("test_").removesuffix(".py")
+  top = folder.split(os.sep)[0]
+  base = (
+    folder if top in ("examples", "benchmarks", "colabs") else os.path.join("tpu_embedding", folder)
+  )
+  if folder and name == os.path.basename(folder):
+    return base
+  module = os.path.join(base, name + ".py")
+  return module if folder or os.path.exists(os.path.join(ROOT, module)) else name + ".py"
+
+
+def test_helpers_and_jobs_hold_no_tests_and_the_top_holds_no_helpers():
+  assert [f for f in FILES if f.split(os.sep)[0] in HELPERS and "test_" in f] == []
+  top = [f for f in FILES if os.sep not in f]
+  assert [f for f in top if not f.startswith("test_") and f != "conftest.py"] == []
+
+
+def test_a_test_file_mirrors_what_it_tests():
+  named = [f for f in FILES if os.path.basename(f).startswith("test_") and f not in ACROSS_MODULES]
+  assert [f for f in named if not os.path.exists(os.path.join(ROOT, _tested(f)))] == []
+
+
+def test_the_mirror_rule_reads_paths_as_documented():
+  assert _tested("engine/test_lookup.py") == "tpu_embedding/engine/lookup.py"
+  assert _tested("backends/test_backends.py") == "tpu_embedding/backends"
+  assert _tested("test_config.py") == "tpu_embedding/config.py"
+  assert _tested("test_build_backend.py") == "build_backend.py"
+  assert _tested("examples/data/test_movielens.py") == "examples/data/movielens.py"
+
+
+STARTS_A_PROCESS = re.compile(r"subprocess\.(run|Popen)|run_python\(|NotebookClient|LocalCluster\(")
+
+
+def _starts_a_process_unmarked(path: str) -> bool:
+  with open(os.path.join(TESTS, path)) as f:
+    source = f.read()
+  return bool(STARTS_A_PROCESS.search(source)) and "pytest.mark.integration" not in source
+
+
+def test_a_test_that_starts_a_process_is_marked_integration():
+  tests = [f for f in FILES if f.split(os.sep)[0] not in HELPERS and f != "test_layout.py"]
+  assert [f for f in tests if _starts_a_process_unmarked(f)] == []
