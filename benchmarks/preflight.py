@@ -31,8 +31,8 @@ import tensorflow as tf
 import tf_keras
 
 from benchmarks import cases, jax_sparse_core
-from tpu_embedding import preflight
 from examples.data import movielens
+from tpu_embedding import preflight
 from tpu_embedding.layer import TPUEmbedding
 
 emb = tf.tpu.experimental.embedding

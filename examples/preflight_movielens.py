@@ -14,8 +14,8 @@ import os
 
 import tensorflow as tf
 
-from examples.data import movielens
 from examples import movielens_ranking
+from examples.data import movielens
 
 BATCH_SIZE = 1024
 optimizer = tf.tpu.experimental.embedding.Adagrad(0.1)

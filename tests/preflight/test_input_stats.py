@@ -1,5 +1,5 @@
 """`tpu_embedding.preflight.sparse_core_stats` against a brute-force reading of TF's SparseCore
-routing (tests/preflight/sparse_core_reference.py) on random Zipf batches, and by hand."""
+routing (tests/support/sparse_core_reference.py) on random Zipf batches, and by hand."""
 
 import numpy as np
 import pytest

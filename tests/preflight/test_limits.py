@@ -1,7 +1,7 @@
 """`preflight.sparse_core_config`, `preview_limits` and `emulate_id_dropping`: the headroom
 rule by hand, the config on TF's real `TPUEmbeddingV2` (the limits it traces into its
 preprocessing ops), failures and drops worked by hand and against a replay of TF's packing loop
-(tests/preflight/sparse_core_reference.py)."""
+(tests/support/sparse_core_reference.py)."""
 
 import numpy as np
 import pytest

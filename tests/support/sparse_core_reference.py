@@ -47,41 +47,54 @@ def id_lists(value) -> list[list[int]]:
   return [[int(v)] for v in np.asarray(value).reshape(-1)]
 
 
+def _core_counts(feature_config, read, table_layouts, num_chips, cores, chip, core):
+  """{(stack, partition): (distinct (feature, sample, id) triples, distinct (table, id) pairs)}
+  of one SparseCore's slice of the global batch."""
+  n = num_chips * cores
+  pairs, columns = {}, {}
+  for path in sorted(feature_config):  # tf.nest's order for a dict
+    layout = table_layouts[feature_config[path].table.name]
+    samples = read[path]
+    per_chip = len(samples) // num_chips
+    per_core = per_chip // cores
+    start = chip * per_chip + core * per_core
+    for sample in range(start, start + per_core):
+      for id_ in samples[sample]:
+        partition = (id_ + layout.sparse_core_shard_rotation) % n
+        key = (layout.stacked_table_name, partition)
+        pairs.setdefault(key, set()).add((path, sample, id_))
+        columns.setdefault(key, set()).add((layout.table_name, id_))
+  return {key: (found, columns[key]) for key, found in pairs.items()}
+
+
+def _needed_per_chip(counts, num_chips):
+  """The buffer one stack needs on each chip: ids packed SparseCore by SparseCore in partition
+  order, each partition's block padded to a multiple of 8."""
+  needed = [0] * num_chips
+  for chip in range(num_chips):
+    position = 0
+    for count in counts[chip].reshape(-1):
+      if count:
+        needed[chip] = position + count
+        position += -(-count // 8) * 8
+  return needed
+
+
 def batch_counts(feature_config, batch, table_layouts, num_chips, cores):
   """{stack: (ids[chip][core][partition], unique[chip][core][partition])} and
   {stack: [buffer needed per chip]} for one global batch."""
   n = num_chips * cores
-  ids, unique, needed = {}, {}, {}
-  for stack in {layout.stacked_table_name for layout in table_layouts.values()}:
-    ids[stack] = np.zeros((num_chips, cores, n), int)
-    unique[stack] = np.zeros((num_chips, cores, n), int)
-    needed[stack] = [0] * num_chips
+  stacks = {layout.stacked_table_name for layout in table_layouts.values()}
+  ids = {stack: np.zeros((num_chips, cores, n), int) for stack in stacks}
+  unique = {stack: np.zeros((num_chips, cores, n), int) for stack in stacks}
   read = {path: id_lists(batch[path]) for path in feature_config}
   for chip in range(num_chips):
     for core in range(cores):
-      pairs, columns = {}, {}
-      for path in sorted(feature_config):  # tf.nest's order for a dict
-        layout = table_layouts[feature_config[path].table.name]
-        samples = read[path]
-        per_chip = len(samples) // num_chips
-        per_core = per_chip // cores
-        start = chip * per_chip + core * per_core
-        for sample in range(start, start + per_core):
-          for id_ in samples[sample]:
-            partition = (id_ + layout.sparse_core_shard_rotation) % n
-            key = (layout.stacked_table_name, partition)
-            pairs.setdefault(key, set()).add((path, sample, id_))
-            columns.setdefault(key, set()).add((layout.table_name, id_))
-      for (stack, partition), found in pairs.items():
-        ids[stack][chip, core, partition] = len(found)
-        unique[stack][chip, core, partition] = len(columns[(stack, partition)])
-  for stack in ids:
-    for chip in range(num_chips):
-      position = 0
-      for count in ids[stack][chip].reshape(-1):  # SparseCore by SparseCore, partition order
-        if count:
-          needed[stack][chip] = position + count
-          position += -(-count // 8) * 8
+      found = _core_counts(feature_config, read, table_layouts, num_chips, cores, chip, core)
+      for (stack, partition), (triples, columns) in found.items():
+        ids[stack][chip, core, partition] = len(triples)
+        unique[stack][chip, core, partition] = len(columns)
+  needed = {stack: _needed_per_chip(ids[stack], num_chips) for stack in ids}
   return ids, unique, needed
 
 
