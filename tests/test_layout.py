@@ -31,6 +31,7 @@ ACROSS_MODULES = {
   "managed_ids/test_sharded.py",
   "managed_ids/test_tpu.py",
   "managed_ids/test_tpu_v0.py",
+  "managed_ids/test_tpu_step_keys.py",
   "preflight/test_jax_comparison.py",  # the statistics beside jax-tpu-embedding's host code
 }
 

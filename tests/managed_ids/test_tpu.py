@@ -109,16 +109,7 @@ def test_v1_training_step_on_remapped_rows_is_tfs_enqueue_and_send(monkeypatch):
   strategy, _, layer = _v1_layer(monkeypatch)
   with strategy.scope():
     rows = layer.remap({"movie": tf.constant(KEYS[:BATCH], tf.int64)})
-
-  @tf.function
-  def step(rows):
-    def replica_step(rows):
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(layer(rows, remapped=True)["movie"])
-      return tape.gradient(loss, layer.trainable_variables)
-
-    return strategy.run(replica_step, args=(rows,))
-
+  step = tpu_harness.training_step(strategy, layer, remapped=True)
   with strategy.scope():
     graph = step.get_concrete_function(tf.nest.map_structure(tf.TensorSpec.from_tensor, rows)).graph
   types = [op.type for op in graph.get_operations()]

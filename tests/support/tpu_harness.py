@@ -22,6 +22,7 @@ read back by hand (independently of `tpu_embedding.sparse_core`).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -32,11 +33,14 @@ from tensorflow.python.tpu import tpu_embedding_v2
 from tensorflow.python.tpu.ops import tpu_ops
 
 EmbeddingFeature = tf.tpu.experimental.HardwareFeature.EmbeddingFeature
+# What TF's `TPUStrategy.run` builds a replicated TPU step with (`replicated_steps=True`).
+_TPU_STEP_CREATOR = tpu_strategy.TPUExtended._tpu_function_creator
 
 # The TPU strategy's extended attributes that TF's mid-level classes read (TPUExtended sets
 # them in its __init__); the stand-in carries these and nothing more of TPUExtended.
 # `tpu_run` is what `TPUStrategy.run` calls; `steps_per_run` is what tf-keras's `load_weights`
-# reads of a TPU strategy.
+# reads of a TPU strategy; the last three are what TF's `TPUStrategy.run` reads to build a
+# replicated TPU step (`tpu_strategy(..., replicated_steps=True)`).
 STRATEGY_ATTRIBUTES = (
   "tpu_hardware_feature",
   "_tpu_devices",
@@ -45,6 +49,9 @@ STRATEGY_ATTRIBUTES = (
   "worker_devices",
   "tpu_run",
   "steps_per_run",
+  "_tpu_function_creator",
+  "_tpu_function_cache",
+  "_use_spmd_for_xla_partitioning",
 )
 
 
@@ -74,8 +81,18 @@ class _StandInExtended(one_device_strategy.OneDeviceExtended):
   `OneDeviceStrategy("/cpu:0")`; only the TPU attributes TF's classes read are added.
   """
 
-  def __init__(self, strategy, feature: EmbeddingFeature, replicas: int, sparse_cores: int):
+  def __init__(
+    self,
+    strategy,
+    feature: EmbeddingFeature,
+    replicas: int,
+    sparse_cores: int,
+    replicated_steps: bool = False,
+  ):
     super().__init__(strategy, "/cpu:0")
+    self._replicated_steps = replicated_steps
+    self._tpu_function_cache = weakref.WeakKeyDictionary()
+    self._use_spmd_for_xla_partitioning = False
     self.tpu_hardware_feature = _HardwareFeature(feature, sparse_cores)
     self._tpu_devices = np.array(
       [[f"/job:localhost/replica:0/task:0/device:TPU:{i}"] for i in range(replicas)], dtype=object
@@ -96,17 +113,28 @@ class _StandInExtended(one_device_strategy.OneDeviceExtended):
     return len(self._tpu_devices)
 
   def tpu_run(self, fn, args, kwargs, options=None):
-    """`TPUStrategy.run` lands here: the step runs on this CPU, not compiled for TPU cores."""
-    del options
+    """`TPUStrategy.run` lands here: the step runs on this CPU, not compiled for TPU cores; with
+    `replicated_steps`, TF's own `TPUStrategy.run` code builds it as on a TPU (`tpu.replicate`,
+    host work in outside compilation), a graph that is traced only (nothing here runs it)."""
+    if self._replicated_steps:
+      step = _TPU_STEP_CREATOR(self, fn, options or tf.distribute.RunOptions())
+      return step(args, kwargs)
     return self._call_for_each_replica(fn, args, kwargs or {})
 
 
 class StandInTPUStrategy(tf.distribute.TPUStrategy):
   """A `tf.distribute.TPUStrategy` reporting `feature`, without a TPU behind it."""
 
-  def __init__(self, feature: EmbeddingFeature, replicas: int = 1, sparse_cores: int = 4):
+  def __init__(
+    self,
+    feature: EmbeddingFeature,
+    replicas: int = 1,
+    sparse_cores: int = 4,
+    replicated_steps: bool = False,
+  ):
     # Skips TPUStrategy.__init__ (it connects to a TPU cluster); the generic base is enough.
-    distribute_lib.Strategy.__init__(self, _StandInExtended(self, feature, replicas, sparse_cores))
+    extended = _StandInExtended(self, feature, replicas, sparse_cores, replicated_steps)
+    distribute_lib.Strategy.__init__(self, extended)
 
 
 def _traced_instead_of_run(recorded: Recorded, counter: str, function: Callable) -> Callable:
@@ -187,14 +215,38 @@ TPU_STRATEGY_CLASSES = (tpu_strategy.TPUStrategy, tpu_strategy.TPUStrategyV2)
 
 
 def tpu_strategy(
-  monkeypatch, feature: EmbeddingFeature, replicas: int = 1, sparse_cores: int = 4
+  monkeypatch,
+  feature: EmbeddingFeature,
+  replicas: int = 1,
+  sparse_cores: int = 4,
+  replicated_steps: bool = False,
 ) -> tuple[StandInTPUStrategy, Recorded]:
   """A stand-in TPU strategy (`sparse_cores` per chip), with the TPU runtime stubbed for the
-  rest of the test."""
+  rest of the test. `replicated_steps`: `strategy.run` inside a `tf.function` builds the step TF
+  builds for TPU cores (`tpu.replicate`), to be traced, not run."""
   recorded = Recorded()
   for module, name, replacement in runtime_stubs(recorded):
     monkeypatch.setattr(module, name, replacement)  # raises if TF no longer has `name`
-  return StandInTPUStrategy(feature, replicas, sparse_cores), recorded
+  return StandInTPUStrategy(
+    feature, replicas, sparse_cores, replicated_steps=replicated_steps
+  ), recorded
+
+
+def training_step(strategy: tf.distribute.Strategy, layer: Any, remapped: bool = False) -> Any:
+  """A `tf.function` running one training step of `layer` on its features in each replica
+  (loss: the sum of every activation), for tracing."""
+
+  @tf.function
+  def step(features):
+    def replica_step(features):
+      with tf.GradientTape() as tape:
+        activations = tf.nest.flatten(layer(features, remapped=remapped))
+        loss = tf.add_n([tf.reduce_sum(a) for a in activations])
+      return tape.gradient(loss, layer.trainable_variables)
+
+    return strategy.run(replica_step, args=(features,))
+
+  return step
 
 
 # ---------------------------------------------------------------------------------------------

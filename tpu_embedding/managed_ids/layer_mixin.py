@@ -127,15 +127,19 @@ class ManagedIdsMixin:
     return self._row_resets.visible(config, managed.with_rows(rows))
 
   def _refuse_keys_in_tpu_step(self) -> None:
-    """Hash tables do not compile for the TPU: keys are remapped on the host, before the step."""
+    """A map steps once per global batch, on the host. A TPU step is traced once for all its
+    replicas, whose host work (outside compilation) then runs apart, each on its own keys: no
+    host code inside it sees the global batch (a `merge_call` gets one replica's keys), and
+    TF's V1 enqueue there takes only the step's own inputs. So keys are remapped before it."""
     if tf.distribute.in_cross_replica_context():
       return
     if hardware.is_tpu_strategy(tf.distribute.get_strategy()):
       raise ValueError(
-        f"Layer {self.name!r} has managed_ids and was given raw keys inside a TPU step, where "
-        "its key -> row maps (hash tables) cannot run. Remap on the host before the step: "
-        "rows = layer.remap(features) outside strategy.run, then layer(rows, remapped=True) "
-        "inside it."
+        f"Layer {self.name!r} has managed_ids and was given raw keys inside a TPU step. Its "
+        "key -> row maps take one step per global batch on the host, and inside a TPU step "
+        "each replica's host work runs apart on its own keys. Remap the global batch on the "
+        "host before the step: rows = layer.remap(features) outside strategy.run, then "
+        "layer(rows, remapped=True) inside it. Nothing was changed."
       )
 
 
