@@ -16,7 +16,8 @@ import dataclasses
 import enum
 import functools
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+import types
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -187,11 +188,14 @@ def serving_lookup(config: Any, tables: Any, features: Any, weights: Any = None)
   return tf.nest.pack_sequence_as(features, found.activations)
 
 
-_EXPORTING = contextvars.ContextVar("exporting", default=False)
+# While tracing an export: {table name: what its lookups gather from instead of its variable}.
+_EXPORTING: contextvars.ContextVar[Optional[Mapping[str, Any]]] = contextvars.ContextVar(
+  "exporting", default=None
+)
 
 
 @contextlib.contextmanager
-def exporting() -> Iterator[None]:
+def exporting(tables: Mapping[str, Any] = types.MappingProxyType({})) -> Iterator[None]:
   """Within it, functions are traced for an export served on CPU (`serving.export_for_serving`),
   with the fewest ops per request: every op of a check of our own costs a request more than the
   whole gap to a plain gather. So the layer's lookups have no gradient trap (an export saves no
@@ -200,8 +204,11 @@ def exporting() -> Iterator[None]:
   the id, the table's size and the op (`checks.gather_scope`: the feature and table). Elsewhere
   the check is kept: a GPU gather returns zeros for such an id, and a sharded table's gather
   remaps ids first.
+
+  `tables` ({table name: an object whose `gather(ids)` gives float32 rows}) replaces those
+  tables' variables in the lookups traced (low-precision tables, `quantization`).
   """
-  token = _EXPORTING.set(True)
+  token = _EXPORTING.set(tables)
   try:
     yield
   finally:
@@ -209,7 +216,15 @@ def exporting() -> Iterator[None]:
 
 
 def tracing_an_export() -> bool:
-  return _EXPORTING.get() and not tf.executing_eagerly()
+  return _EXPORTING.get() is not None and not tf.executing_eagerly()
+
+
+def _gather(table: Any, variable: Tensor, ids: Tensor) -> Tensor:
+  """The rows of `ids`, from the export's replacement of `table` where it has one."""
+  replacement = (_EXPORTING.get() or {}).get(table.name) if tracing_an_export() else None
+  if replacement is not None:
+    return replacement.gather(ids)
+  return sharded.gather(variable, ids)
 
 
 def gathered_on_cpu(tables: Any) -> frozenset:
@@ -236,7 +251,7 @@ def per_occurrence(
   activations = []
   for bag in bags:
     with tf.name_scope(checks.gather_scope(bag.feature)):  # named in the gather's errors
-      rows = sharded.gather(variable, bag.ids)
+      rows = _gather(table, variable, bag.ids)
     activations.append(_combine(bag, quantize(rows, table)))
   return TableLookup(bags, Kernel.PER_OCCURRENCE), activations
 
