@@ -105,7 +105,7 @@ def formats_by_table(
   stay float32). `name_of` resolves a TableConfig key to its table's name."""
   tables = sorted(tables)
   if table_dtype is None or isinstance(table_dtype, str):
-    chosen = _format(table_dtype, "table_dtype")
+    chosen = format_of(table_dtype, "table_dtype")
     return {name: chosen for name in tables} if chosen else {}
   if not isinstance(table_dtype, Mapping):
     raise TypeError(
@@ -120,13 +120,14 @@ def formats_by_table(
         f"table_dtype names table {name!r}, which no TPUEmbedding layer of the model has; its "
         f"tables are {tables}. Nothing was written."
       )
-    chosen = _format(dtype, f"table_dtype[{name!r}]")
+    chosen = format_of(dtype, f"table_dtype[{name!r}]")
     if chosen:
       formats[name] = chosen
   return formats
 
 
-def _format(dtype: Any, argument: str) -> Optional[Format]:
+def format_of(dtype: Any, argument: str) -> Optional[Format]:
+  """The format of `dtype` (None for float32); an unknown one is refused naming `argument`."""
   if dtype is None or dtype == FLOAT32:
     return None
   if isinstance(dtype, str) and dtype in FORMATS:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import tensorflow as tf
 
 from tpu_embedding import hardware, quantization, tf_internals
-from tpu_embedding.engine.lookup import exporting
+from tpu_embedding.engine.lookup import exporting, reading_tables
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -82,7 +82,7 @@ def export_for_serving(
     if not overwrite:
       raise _exists(target)
     _check_replaceable(target)
-  layers = _embedding_layers(model)
+  layers = embedding_layers(model)
   _refuse_sparse_core(layers)
   owners = _embedding_variables(layers)
   every = {name for name, slot in owners.values() if slot is None}
@@ -95,15 +95,12 @@ def export_for_serving(
     name: quantization.LowPrecisionTable(name, _table_value(values[name, None]), format)
     for name, format in sorted(formats.items())
   }
-  with exporting(lowered):  # the fewest ops per request (serving on CPU)
+  with exporting(), reading_tables(lowered):  # the fewest ops per request (serving on CPU)
     functions = _concrete_signatures(signatures)
   _check_cpu_only(functions)
 
   copies = _per_device_copies(owners)
-  read = {}
-  for function in functions.values():
-    for variable in function.variables:
-      read.setdefault(variable.ref(), variable)
+  read = _read_variables(functions, {**owners, **copies})
   _refuse_float32_reads_of_lowered_tables(read, {**owners, **copies}, functions, lowered)
   read_by = {**owners, **copies, **_lowered_variables(lowered)}
   needed = {read_by[r][0] for r in read if r in read_by and read_by[r][1] is None}
@@ -210,7 +207,7 @@ def _check_replaceable(target: str) -> None:
 # What to export
 
 
-def _embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
+def embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
   """The `TPUEmbedding` layers of either Keras flavour in `model`."""
   # tf.Module and tf-keras list their submodules; a Keras 3 model is walked as a trackable.
   submodules = getattr(model, "submodules", None)
@@ -312,6 +309,23 @@ def _grouped(
   return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
 
 
+def _read_variables(functions: Mapping[str, Any], tables: Mapping[Any, Any]) -> dict[Any, Any]:
+  """{ref: variable} over the variables the functions read, and the variables of `tables` whose
+  handle they capture (a read inside a nested function, which `variables` may not list)."""
+  read = {}
+  for function in functions.values():
+    for variable in function.variables:
+      read.setdefault(variable.ref(), variable)
+  captured = {id(t) for function in functions.values() for t in function.captured_inputs}
+  for ref in tables:
+    variable = ref.deref()
+    if (
+      not isinstance(variable, tf.distribute.DistributedValues) and id(variable.handle) in captured
+    ):
+      read.setdefault(ref, variable)
+  return read
+
+
 def _table_value(value: Any) -> tf.Tensor:
   """A table's float32 rows, its row blocks (`_grouped`) joined."""
   return tf.concat([tf.convert_to_tensor(v) for v in _row_blocks(value)], 0)
@@ -345,9 +359,10 @@ def _refuse_float32_reads_of_lowered_tables(
     raise ValueError(
       f"The signatures {sorted(functions)} read the float32 variable of table(s) {stale}, "
       "which table_dtype lowers: only the TPUEmbedding layer's lookups, traced by the export, "
-      "read the lowered rows. Pass the signatures as tf.functions (not concrete functions) "
-      "and read the tables through the layer, or leave these tables float32. Nothing was "
-      "written."
+      "read the lowered rows. Pass the signatures as tf.functions (not concrete functions), "
+      "read the tables through the layer, call a layer with managed ids with "
+      "training=False (admitting keys writes the table), or leave these tables float32. "
+      "Nothing was written."
     )
 
 

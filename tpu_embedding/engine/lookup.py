@@ -188,14 +188,11 @@ def serving_lookup(config: Any, tables: Any, features: Any, weights: Any = None)
   return tf.nest.pack_sequence_as(features, found.activations)
 
 
-# While tracing an export: {table name: what its lookups gather from instead of its variable}.
-_EXPORTING: contextvars.ContextVar[Optional[Mapping[str, Any]]] = contextvars.ContextVar(
-  "exporting", default=None
-)
+_EXPORTING = contextvars.ContextVar("exporting", default=False)
 
 
 @contextlib.contextmanager
-def exporting(tables: Mapping[str, Any] = types.MappingProxyType({})) -> Iterator[None]:
+def exporting() -> Iterator[None]:
   """Within it, functions are traced for an export served on CPU (`serving.export_for_serving`),
   with the fewest ops per request: every op of a check of our own costs a request more than the
   whole gap to a plain gather. So the layer's lookups have no gradient trap (an export saves no
@@ -204,11 +201,8 @@ def exporting(tables: Mapping[str, Any] = types.MappingProxyType({})) -> Iterato
   the id, the table's size and the op (`checks.gather_scope`: the feature and table). Elsewhere
   the check is kept: a GPU gather returns zeros for such an id, and a sharded table's gather
   remaps ids first.
-
-  `tables` ({table name: an object whose `gather(ids)` gives float32 rows}) replaces those
-  tables' variables in the lookups traced (low-precision tables, `quantization`).
   """
-  token = _EXPORTING.set(tables)
+  token = _EXPORTING.set(True)
   try:
     yield
   finally:
@@ -216,12 +210,29 @@ def exporting(tables: Mapping[str, Any] = types.MappingProxyType({})) -> Iterato
 
 
 def tracing_an_export() -> bool:
-  return _EXPORTING.get() is not None and not tf.executing_eagerly()
+  return _EXPORTING.get() and not tf.executing_eagerly()
+
+
+_READING: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+  "reading", default=types.MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def reading_tables(tables: Mapping[str, Any]) -> Iterator[None]:
+  """Within it, the inference lookups (per occurrence) of the tables named in `tables` gather
+  from `tables[name]`, an object whose `gather(ids)` gives float32 rows, instead of the table's
+  variable: an export's low-precision tables (`quantization`)."""
+  token = _READING.set(tables)
+  try:
+    yield
+  finally:
+    _READING.reset(token)
 
 
 def _gather(table: Any, variable: Tensor, ids: Tensor) -> Tensor:
-  """The rows of `ids`, from the export's replacement of `table` where it has one."""
-  replacement = (_EXPORTING.get() or {}).get(table.name) if tracing_an_export() else None
+  """The rows of `ids`, from the replacement of `table` where `reading_tables` gives one."""
+  replacement = _READING.get().get(table.name)
   if replacement is not None:
     return replacement.gather(ids)
   return sharded.gather(variable, ids)
