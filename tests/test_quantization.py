@@ -434,3 +434,26 @@ def test_serving_error_by_dtype_measures_each_table_lowered_alone(ranker):
       np.testing.assert_allclose(error.max_abs, difference.max(), rtol=1e-4, err_msg=dtype)
       np.testing.assert_allclose(error.mean_abs, difference.mean(), rtol=1e-4, err_msg=dtype)
   assert report["user"]["int4"].max_abs > report["user"]["int8"].max_abs > 0
+
+
+def test_a_signature_reading_a_lowered_table_as_float32_is_refused(ranker, tmp_path):
+  """Only the layer's lookups, traced by the export, read the lowered rows."""
+  serve = ranker_signature(ranker)
+  ids = [tf.TensorSpec([None], tf.int64, name=name) for name in PROBE]
+
+  @tf.function(input_signature=ids, autograph=False)
+  def admitting(user, movie, tag):  # admitting keys writes the managed table's new rows
+    return ranker.embedding({"user": user, "movie": movie, "tag": tag})
+
+  @tf.function(input_signature=ids[:1], autograph=False)
+  def direct(user):
+    return {"norm": tf.norm(ranker.embedding.variables_by_table["user"]["parameters"])}
+
+  for signature, table in [
+    (serve.get_concrete_function(), "movie', 'tag', 'user"),  # traced before the export
+    (admitting, "tag"),
+    (direct, "user"),
+  ]:
+    with pytest.raises(ValueError, match=rf"read the float32 variable of table\(s\) \['{table}'\]"):
+      serving.export_for_serving(ranker, str(tmp_path / "x"), signature, table_dtype="int8")
+  assert os.listdir(tmp_path) == []
