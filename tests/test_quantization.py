@@ -4,6 +4,7 @@ hand-worked numbers and a NumPy transcription of the formulas; refusals of bad t
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -85,6 +86,49 @@ def test_rowwise_codes_and_rows_equal_the_numpy_formula(dtype, levels, dim):
   np.testing.assert_array_equal(table.gather(tf.constant(ids)).numpy(), decoded[ids])
   # Each value within half a step of the original (and a little float32 rounding).
   assert np.all(np.abs(decoded - x) <= scale / 2 * (1 + 1e-5) + 1e-7)
+
+
+# A Python with torch and fbgemm-gpu-cpu (docs/checkpoints-and-serving.md says how to make one).
+FBGEMM_PYTHON = os.environ.get("FBGEMM_PYTHON", "")
+FBGEMM_QUANTIZE = """
+import sys
+import numpy as np
+import torch
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+x = np.load(sys.argv[1])
+fused = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(torch.from_numpy(x)).numpy()
+dim = x.shape[1]
+np.savez(sys.argv[2], codes=fused[:, :dim], scale_bias=fused[:, dim:].copy().view(np.float32))
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+  not os.path.isfile(FBGEMM_PYTHON),
+  reason="FBGEMM_PYTHON does not name a Python with torch and fbgemm-gpu-cpu",
+)
+def test_int8_codes_are_fbgemms_but_at_rounding_ties(tmp_path):
+  x = random_table(rows=20000, dim=32, seed=3)
+  np.save(tmp_path / "x.npy", x)
+  child = subprocess.run(
+    [FBGEMM_PYTHON, "-c", FBGEMM_QUANTIZE, str(tmp_path / "x.npy"), str(tmp_path / "fb.npz")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert child.returncode == 0, child.stderr[-3000:]
+  fbgemm = np.load(tmp_path / "fb.npz")
+  ours = stored(quantization.LowPrecisionTable("t", x, quantization.FORMATS["int8"]))
+  # The same float32 scale and bias, bit for bit.
+  np.testing.assert_array_equal(ours["scale"][:, 0], fbgemm["scale_bias"][:, 0])
+  np.testing.assert_array_equal(ours["bias"][:, 0], fbgemm["scale_bias"][:, 1])
+  # FBGEMM multiplies by 255 / (range + 1e-8) where the formula divides by the scale: the two
+  # round apart only where (x - bias) / scale lies within float32 rounding of a half.
+  apart = ours["codes"] != fbgemm["codes"]
+  steps = (x - ours["bias"]) / ours["scale"]
+  assert np.all(np.abs(ours["codes"].astype(int) - fbgemm["codes"])[apart] == 1)
+  assert np.all(np.abs(steps[apart] % 1 - 0.5) < 1e-4), steps[apart]
+  assert apart.sum() <= x.size // 10_000, apart.sum()  # 3 of 640,000 when last run
 
 
 def test_float16_and_bfloat16_round_to_nearest_even():
