@@ -173,13 +173,13 @@ def _measure(directories: list[str], out: str, quick: bool) -> None:
     result["export_mb"] = (
       sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
     )
-    result["table_mb"] = _table_bytes(directory) / 1e6
+    result["table_mb"] = table_bytes(directory, (USERS, MOVIES)) / 1e6
   with open(out, "w") as f:
     json.dump(results, f)
 
 
-def _table_bytes(directory: str) -> int:
-  """Bytes of the export's variables holding a table's rows (one row per id)."""
+def table_bytes(directory: str, rows: tuple[int, ...]) -> int:
+  """Bytes of the export's variables holding a table's rows: those with `rows` rows."""
   import numpy as np
   import tensorflow as tf
 
@@ -188,7 +188,7 @@ def _table_bytes(directory: str) -> int:
   return sum(
     int(np.prod(shape)) * dtypes[name].size
     for name, shape in shapes.items()
-    if shape and shape[0] in (USERS, MOVIES)
+    if shape and shape[0] in rows
   )
 
 

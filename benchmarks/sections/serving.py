@@ -27,7 +27,7 @@ def write(report: Report) -> None:
     )
   else:
     out += [
-      f"From `{sv['command']}` (written by another engineer; its own output follows).",
+      f"From `{sv['command']}` (its own output follows).",
       "",
       "\n".join(
         line for line in sv["stdout"].strip().splitlines() if not line.startswith("Wrote ")
