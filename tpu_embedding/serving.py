@@ -327,8 +327,9 @@ def _read_variables(functions: Mapping[str, Any], tables: Mapping[Any, Any]) -> 
 
 
 def _table_value(value: Any) -> tf.Tensor:
-  """A table's float32 rows, its row blocks (`_grouped`) joined."""
-  return tf.concat([tf.convert_to_tensor(v) for v in _row_blocks(value)], 0)
+  """A table's float32 rows: its variable, or the list of its row blocks (`_grouped`) joined."""
+  blocks = value if isinstance(value, list) else [value]
+  return tf.concat([tf.convert_to_tensor(block) for block in blocks], 0)
 
 
 def _refuse_slots_of_lowered_tables(include_slots: bool, formats: Mapping[str, Any]) -> None:
