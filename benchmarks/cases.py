@@ -10,7 +10,7 @@ Cases (names for `python -m benchmarks <case>`):
   batch       3. DLRM tables, embedding part alone, batch 256..65536 (Adagrad): examples/s
   limit       4. random-row gather/scatter bandwidth vs. the bytes the engine moves
   memory      5. peak RSS training a 1e7 x 32 table (Adagrad, Adam) vs. table + slot bytes
-  serving     6. serving latency (benchmarks/serving_latency.py, another engineer's script)
+  serving     6. serving latency, table bytes and peak RSS per table dtype (serving_latency.py)
   jit         7. DLRM and embedding only with jit_compile=True: ours (XLA path) vs tfrs and
                  Keras Embedding under jit, and vs ours without XLA (compiled kernels); the
                  PartialTPUEmbedding replicated side (tables of <= 10,000 rows) with and without XLA

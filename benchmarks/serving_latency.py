@@ -1,13 +1,18 @@
-"""Latency and throughput of an exported serving model: tpu_embedding next to tf-recommenders.
+"""Latency, throughput, size and memory of exported serving models: tpu_embedding at each
+table dtype next to tf-recommenders.
 
 The same ranking model (tables `user` 100,000 x 32 and `movie` 20,000 x 32 with identical
-values, dense 64-relu-1 with identical weights) is exported twice, each in its own fresh
-process: with `tpu_embedding.serving.export_for_serving`, and with tf-recommenders 0.7.7's
-`TPUEmbedding` layer and `tf.saved_model.save` (tfrs needs TF_USE_LEGACY_KERAS=1 before
-TensorFlow is imported). Both exports are then loaded in one fresh process that imports only
-TensorFlow, and their `serving_default` signatures are timed in turn, call by call, on the same
-dense ids at batch 1, 64 and 1024: p50 and p99 latency per call, and throughput (examples per
-second at the mean latency). Both exports must give the same predictions.
+values, dense 64-relu-1 with identical weights) is exported, each export in its own fresh
+process: with `tpu_embedding.export_for_serving` at table_dtype float32 (None), float16,
+bfloat16, int8 and int4, and with tf-recommenders 0.7.7's `TPUEmbedding` layer and
+`tf.saved_model.save` (tfrs needs TF_USE_LEGACY_KERAS=1 before TensorFlow is imported). All
+exports are then loaded in one fresh process that imports only TensorFlow, and their
+`serving_default` signatures are timed in turn, call by call, on the same dense ids at batch 1,
+64 and 1024: p50 and p99 latency per call, and throughput (examples per second at the mean
+latency). The float32 exports must give the same predictions; the others' largest difference is
+printed. Each export is also served alone in a fresh TF-only process, whose peak RSS is printed
+beside that of a process that loads nothing; and the bytes of its tables (every variable with a
+table's rows: codes, scales and biases; tfrs's export also holds its optimizer's slots).
 
 One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}.
 
@@ -26,7 +31,18 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-IMPLEMENTATIONS = ("tpu_embedding", "tfrs")
+# (implementation, table_dtype): the exports compared.
+EXPORTS = (
+  ("tpu_embedding", "float32"),
+  ("tpu_embedding", "float16"),
+  ("tpu_embedding", "bfloat16"),
+  ("tpu_embedding", "int8"),
+  ("tpu_embedding", "int4"),
+  ("tfrs", "float32"),
+)
+NAMES = tuple(f"{implementation} {dtype}" for implementation, dtype in EXPORTS)
+# The issue's targets: table bytes against float32's at dim 32.
+SIZE_TARGETS = {"float16": 0.52, "int8": 0.33, "int4": 0.20}
 BATCH_SIZES = (1, 64, 1024)
 USERS, MOVIES, DIM = 100_000, 20_000, 32
 
@@ -35,7 +51,7 @@ USERS, MOVIES, DIM = 100_000, 20_000, 32
 # Export (one fresh process per implementation)
 
 
-def _export(implementation: str, directory: str) -> None:
+def _export(implementation: str, dtype: str, directory: str) -> None:
   import tensorflow as tf
   import tf_keras
 
@@ -95,7 +111,7 @@ def _export(implementation: str, directory: str) -> None:
   else:
     from tpu_embedding.serving import export_for_serving
 
-    export_for_serving(model, directory, serve)
+    export_for_serving(model, directory, serve, table_dtype=None if dtype == "float32" else dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +173,44 @@ def _measure(directories: list[str], out: str, quick: bool) -> None:
     result["export_mb"] = (
       sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
     )
+    result["table_mb"] = table_bytes(directory, (USERS, MOVIES)) / 1e6
   with open(out, "w") as f:
     json.dump(results, f)
+
+
+def table_bytes(directory: str, rows: tuple[int, ...]) -> int:
+  """Bytes of the export's variables holding a table's rows: those with `rows` rows."""
+  import numpy as np
+  import tensorflow as tf
+
+  reader = tf.train.load_checkpoint(os.path.join(directory, "variables", "variables"))
+  shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+  return sum(
+    int(np.prod(shape)) * dtypes[name].size
+    for name, shape in shapes.items()
+    if shape and shape[0] in rows
+  )
+
+
+def _peak_rss(directory: str, out: str) -> None:
+  """Peak RSS (MB) of this process after loading `directory` (if any) and serving each batch
+  size a few times."""
+  import resource
+
+  import numpy as np
+  import tensorflow as tf
+
+  if directory:
+    serve = tf.saved_model.load(directory).signatures["serving_default"]
+    rng = np.random.default_rng(0)
+    for batch in BATCH_SIZES:
+      for _ in range(20):
+        serve(
+          user_id=tf.constant(rng.integers(0, USERS, batch), tf.int64),
+          movie_id=tf.constant(rng.integers(0, MOVIES, batch), tf.int64),
+        )["score"].numpy()
+  with open(out, "w") as f:
+    json.dump(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,17 +229,39 @@ def _run(args: list[str], tfrs: bool = False) -> None:
   subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, check=True)
 
 
-def _table(results: dict) -> str:
+def _table(results: dict, baseline_rss: float) -> str:
+  float32 = results["tpu_embedding float32"]
   lines = [
-    "| implementation | batch | p50 ms | p99 ms | examples/s | export MB |",
-    "|---|---:|---:|---:|---:|---:|",
+    "| export | batch | p50 ms | p99 ms | examples/s | tables MB | x float32 | peak RSS MB |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  for name in IMPLEMENTATIONS:
-    for row in results[name]["rows"]:
+  for name in NAMES:
+    result = results[name]
+    for row in result["rows"]:
       lines.append(
         f"| {name} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
-        f"{row['examples_per_s']:,.0f} | {results[name]['export_mb']:.1f} |"
+        f"{row['examples_per_s']:,.0f} | {result['table_mb']:.2f} | "
+        f"{result['table_mb'] / float32['table_mb']:.3f} | {result['peak_rss_mb']:.0f} |"
       )
+  lines.append(f"\nPeak RSS of a TF-only process that loads nothing: {baseline_rss:.0f} MB.")
+  return "\n".join(lines)
+
+
+def _verdicts(results: dict) -> str:
+  """The issue's targets, each met or not, from this run's figures."""
+  float32 = results["tpu_embedding float32"]
+  lines = []
+  for dtype, target in SIZE_TARGETS.items():
+    ratio = results[f"tpu_embedding {dtype}"]["table_mb"] / float32["table_mb"]
+    verdict = "met" if ratio <= target else "NOT met"
+    lines.append(f"- {dtype} tables {ratio:.3f}x float32's (target <= {target}x): {verdict}")
+  p50 = {n: next(r["p50_ms"] for r in results[n]["rows"] if r["batch"] == 1024) for n in NAMES}
+  ratio = p50["tpu_embedding int8"] / p50["tpu_embedding float32"]
+  verdict = "met" if ratio <= 1.0 else "NOT met"
+  lines.append(
+    f"- int8 p50 at batch 1024 {ratio:.2f}x float32's ({p50['tpu_embedding int8']:.3f} vs "
+    f"{p50['tpu_embedding float32']:.3f} ms; target: no slower): {verdict}"
+  )
   return "\n".join(lines)
 
 
@@ -198,7 +272,7 @@ def _plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4))
-  for name, marker in zip(IMPLEMENTATIONS, "os"):
+  for name, marker in zip(NAMES, "os^vDx"):
     rows = results[name]["rows"]
     batches = [r["batch"] for r in rows]
     latency.plot(batches, [r["p50_ms"] for r in rows], marker=marker, label=f"{name} p50")
@@ -229,23 +303,38 @@ def main() -> None:
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   with tempfile.TemporaryDirectory() as work:
-    exports = [os.path.join(work, name) for name in IMPLEMENTATIONS]
-    for name, export_dir in zip(IMPLEMENTATIONS, exports):
-      _run(["_export", name, export_dir], tfrs=name == "tfrs")
+    exports = [os.path.join(work, name.replace(" ", "_")) for name in NAMES]
+    for (implementation, dtype), export_dir in zip(EXPORTS, exports):
+      _run(["_export", implementation, dtype, export_dir], tfrs=implementation == "tfrs")
     out = os.path.join(work, "measured.json")
     _run(["_measure", ",".join(exports), out] + (["--quick"] if args.quick else []))
     with open(out) as f:
-      results = dict(zip(IMPLEMENTATIONS, json.load(f)))
+      results = dict(zip(NAMES, json.load(f)))
+    for name, export_dir in [("", ""), *zip(NAMES, exports)]:
+      _run(["_peak_rss", export_dir, out])
+      with open(out) as f:
+        rss = json.load(f)
+      if name:
+        results[name]["peak_rss_mb"] = rss
+      else:
+        baseline_rss = rss
   import numpy as np
 
-  difference = float(
-    np.max(np.abs(np.subtract(results["tpu_embedding"]["probe"], results["tfrs"]["probe"])))
-  )
-  table = _table(results)
+  reference = results["tpu_embedding float32"]["probe"]
+  difference = {
+    name: float(np.max(np.abs(np.subtract(results[name]["probe"], reference)))) for name in NAMES
+  }
+  table = _table(results, baseline_rss)
   note = (
-    f"\nSame predictions from both exports: max |difference| = {difference:.2e}; "
-    f"loaded with TensorFlow only: "
-    f"{all(results[n]['tensorflow_only'] for n in IMPLEMENTATIONS)}."
+    f"\nSame predictions from both float32 exports: max |difference| = "
+    f"{difference['tfrs float32']:.2e}; the lowered exports' max |difference| from float32: "
+    + ", ".join(f"{n.split()[1]} {difference[n]:.2e}" for n in NAMES[1:-1])
+    + f"; loaded with TensorFlow only: {all(results[n]['tensorflow_only'] for n in NAMES)}."
+    + "\nTargets:\n"
+    + _verdicts(results)
+    + f"\nMachine: {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at the end "
+    "(shared with other jobs: latencies are comparable within this run, where the exports are "
+    "timed call by call in turn, not across runs)."
   )
   print(table + note)
   with open(os.path.join(args.out, "serving_latency.md"), "w") as f:
@@ -258,7 +347,9 @@ def main() -> None:
 
 if __name__ == "__main__":
   if len(sys.argv) > 1 and sys.argv[1] == "_export":
-    _export(sys.argv[2], sys.argv[3])
+    _export(sys.argv[2], sys.argv[3], sys.argv[4])
+  elif len(sys.argv) > 1 and sys.argv[1] == "_peak_rss":
+    _peak_rss(sys.argv[2], sys.argv[3])
   elif len(sys.argv) > 1 and sys.argv[1] == "_measure":
     _measure(sys.argv[2].split(","), sys.argv[3], quick="--quick" in sys.argv[4:])
   else:

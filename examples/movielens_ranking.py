@@ -285,12 +285,17 @@ class ServingModule(tf.Module):
 
 
 def export_saved_model(
-  checkpoint_path: str, export_dir: str, num_users: int, num_movies: int
+  checkpoint_path: str,
+  export_dir: str,
+  num_users: int,
+  num_movies: int,
+  table_dtype: Optional[str] = None,
 ) -> str:
   """Restores the checkpoint into a serving copy of the model and saves it as a SavedModel.
 
   The copy is built outside any TPU strategy, so its tables are ordinary CPU variables
   whatever hardware trained them: the checkpoint's table names are the same on every path.
+  `table_dtype` is `export_for_serving`'s (None: float32 tables).
   """
   with tf.distribute.get_strategy().scope():  # the default strategy, even under a TPU scope
     model = RankingModel(make_feature_config(num_users, num_movies), embedding_optimizer=None)
@@ -298,7 +303,9 @@ def export_saved_model(
     tf.train.Checkpoint(model=model).restore(checkpoint_path).expect_partial()
     module = ServingModule(model)
     signatures = {"serving_default": module.serve}
-    serving.export_for_serving(module, export_dir, signatures=signatures, overwrite=True)
+    serving.export_for_serving(
+      module, export_dir, signatures=signatures, overwrite=True, table_dtype=table_dtype
+    )
   return export_dir
 
 

@@ -25,6 +25,7 @@ _MODULE_OF = {
   "export_for_serving": "tpu_embedding.serving",
   "restore_checkpoint": "tpu_embedding.restoring",
   "restore_sparse_core_checkpoint": "tpu_embedding.sparse_core:restore_from_checkpoint",
+  "serving_error_by_dtype": "tpu_embedding.serving_error",
   "translate_keras_optimizer": "tpu_embedding.optimizers",
 }
 

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import tensorflow as tf
 
-from tpu_embedding import hardware, tf_internals
-from tpu_embedding.engine.lookup import exporting
+from tpu_embedding import hardware, quantization, tf_internals
+from tpu_embedding.engine.lookup import exporting, reading_tables
 from tpu_embedding.layer_core import TPUEmbeddingCore
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -36,6 +36,7 @@ def export_for_serving(
   include_optimizer_slots: bool = False,
   tables: Union[None, str, Iterable[Union[TableConfig, str]]] = None,
   overwrite: bool = False,
+  table_dtype: Union[None, str, Mapping[Union[str, TableConfig], Optional[str]]] = None,
 ) -> str:
   """Writes `model`'s serving signatures to `export_dir` as a SavedModel; returns the path.
 
@@ -58,6 +59,13 @@ def export_for_serving(
       nothing else; any other file or directory there is refused and left as it is. The replacement
       is atomic where the OS can exchange two directories (Linux); elsewhere the old export is moved
       aside, the new one moved in, then the old one deleted.
+    table_dtype: how the exported tables store their rows: None (float32), "float16",
+      "bfloat16", "int8" or "int4" (row-wise codes with a float32 scale and bias per row, as
+      FBGEMM's; see `tpu_embedding.quantization`) for every table, or {table name or
+      TableConfig: dtype} (tables not named stay float32). The signatures gather the stored rows
+      and decode them to float32 with TensorFlow ops; `loaded.embedding_tables[name]()` gives a
+      low-precision table's decoded float32 values. `tpu_embedding.serving_error_by_dtype`
+      measures what each choice changes in a model's outputs.
 
   Returns:
     The absolute path of the export.
@@ -66,35 +74,44 @@ def export_for_serving(
     FileExistsError: `export_dir` exists and `overwrite` is False, or it is not a SavedModel
       directory (overwrite replaces only an earlier export, never another directory or file).
     ValueError: a signature has no input_signature, reads a table not in `tables`, or its graph
-      holds an op without a CPU kernel (e.g. a TPU op).
+      holds an op without a CPU kernel (e.g. a TPU op); `table_dtype` names an unknown dtype or
+      table, or a table it lowers holds NaN, inf or values beyond the dtype's range.
   """
   target = _target_path(export_dir)
   if os.path.lexists(target):
     if not overwrite:
       raise _exists(target)
     _check_replaceable(target)
-  layers = _embedding_layers(model)
+  layers = embedding_layers(model)
   _refuse_sparse_core(layers)
+  owners = _embedding_variables(layers)
+  every = {name for name, slot in owners.values() if slot is None}
+  formats = quantization.formats_by_table(table_dtype, every, lambda t: _name_of(t, layers))
+  _refuse_slots_of_lowered_tables(include_optimizer_slots, formats)
   for layer in layers:
     layer.flush()  # apply updates still held back by pipelining before reading the tables
-  with exporting():  # the fewest ops per request (serving on CPU)
+  values = _grouped(owners)
+  lowered = {
+    name: quantization.LowPrecisionTable(name, _table_value(values[name, None]), format)
+    for name, format in sorted(formats.items())
+  }
+  with exporting(), reading_tables(lowered):  # the fewest ops per request (serving on CPU)
     functions = _concrete_signatures(signatures)
   _check_cpu_only(functions)
 
-  owners = _embedding_variables(layers)
   copies = _per_device_copies(owners)
-  read = {}
-  for function in functions.values():
-    for variable in function.variables:
-      read.setdefault(variable.ref(), variable)
-  read_by = {**owners, **copies}
+  read = _read_variables(functions, {**owners, **copies})
+  _refuse_float32_reads_of_lowered_tables(read, {**owners, **copies}, functions, lowered)
+  read_by = {**owners, **copies, **_lowered_variables(lowered)}
   needed = {read_by[r][0] for r in read if r in read_by and read_by[r][1] is None}
   kept = _kept_tables(tables, layers, owners, needed)
 
   root = tf.Module()
-  grouped = sorted(_grouped(owners).items(), key=lambda item: (item[0][0], item[0][1] or ""))
+  grouped = sorted(values.items(), key=lambda item: (item[0][0], item[0][1] or ""))
   root.embedding_tables = {
-    name: value for (name, slot), value in grouped if slot is None and name in kept
+    name: lowered.get(name, value)
+    for (name, slot), value in grouped
+    if slot is None and name in kept
   }
   if include_optimizer_slots:
     slots: dict[str, dict[str, Any]] = {}
@@ -190,7 +207,7 @@ def _check_replaceable(target: str) -> None:
 # What to export
 
 
-def _embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
+def embedding_layers(model: tf.Module) -> list[TPUEmbeddingCore]:
   """The `TPUEmbedding` layers of either Keras flavour in `model`."""
   # tf.Module and tf-keras list their submodules; a Keras 3 model is walked as a trackable.
   submodules = getattr(model, "submodules", None)
@@ -290,6 +307,64 @@ def _grouped(
   for ref, key in owners.items():
     grouped.setdefault(key, []).append(ref.deref())
   return {key: parts[0] if len(parts) == 1 else parts for key, parts in grouped.items()}
+
+
+def _read_variables(functions: Mapping[str, Any], tables: Mapping[Any, Any]) -> dict[Any, Any]:
+  """{ref: variable} over the variables the functions read, and the variables of `tables` whose
+  handle they capture (a read inside a nested function, which `variables` may not list)."""
+  read = {}
+  for function in functions.values():
+    for variable in function.variables:
+      read.setdefault(variable.ref(), variable)
+  captured = {id(t) for function in functions.values() for t in function.captured_inputs}
+  for ref in tables:
+    variable = ref.deref()
+    if (
+      not isinstance(variable, tf.distribute.DistributedValues) and id(variable.handle) in captured
+    ):
+      read.setdefault(ref, variable)
+  return read
+
+
+def _table_value(value: Any) -> tf.Tensor:
+  """A table's float32 rows: its variable, or the list of its row blocks (`_grouped`) joined."""
+  blocks = value if isinstance(value, list) else [value]
+  return tf.concat([tf.convert_to_tensor(block) for block in blocks], 0)
+
+
+def _refuse_slots_of_lowered_tables(include_slots: bool, formats: Mapping[str, Any]) -> None:
+  if include_slots and formats:
+    raise ValueError(
+      "include_optimizer_slots=True exports the slots to resume training, which needs the "
+      f"float32 tables, but table_dtype lowers the table(s) {sorted(formats)}. Export them "
+      "float32 to resume training, or leave the slots out. Nothing was written."
+    )
+
+
+def _lowered_variables(lowered: Mapping[str, Any]) -> dict[Any, tuple[str, None]]:
+  """{variable ref: (table name, None)} over the low-precision tables' variables."""
+  return {v.ref(): (name, None) for name, table in lowered.items() for v in table.variables}
+
+
+def _refuse_float32_reads_of_lowered_tables(
+  read: Mapping[Any, Any],
+  owners: Mapping[Any, tuple[str, Optional[str]]],
+  functions: Mapping[str, Any],
+  lowered: Mapping[str, Any],
+) -> None:
+  """A lowered table must be read only through the layer's lookups, which gather its stored
+  rows: a signature reading its float32 variable (directly, or in a lookup traced before the
+  export, such as a ConcreteFunction) would keep the float32 table in the export."""
+  stale = sorted({owners[r][0] for r in read if r in owners and owners[r][0] in lowered})
+  if stale:
+    raise ValueError(
+      f"The signatures {sorted(functions)} read the float32 variable of table(s) {stale}, "
+      "which table_dtype lowers: only the TPUEmbedding layer's lookups, traced by the export, "
+      "read the lowered rows. Pass the signatures as tf.functions (not concrete functions), "
+      "read the tables through the layer, call a layer with managed ids with "
+      "training=False (admitting keys writes the table), or leave these tables float32. "
+      "Nothing was written."
+    )
 
 
 def _kept_tables(

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 def write(report: Report) -> None:
   sv = report.raw.get("serving")
-  out = ["## 6. Serving latency (exported SavedModel, batch 1 / 64 / 1024)", ""]
+  out = ["## 6. Serving: latency, table bytes and memory per table dtype (batch 1 / 64 / 1024)", ""]
   if not sv or sv.get("missing"):
     out.append(
       h.markdown_table(
@@ -27,7 +27,7 @@ def write(report: Report) -> None:
     )
   else:
     out += [
-      f"From `{sv['command']}` (written by another engineer; its own output follows).",
+      f"From `{sv['command']}` (its own output follows).",
       "",
       "\n".join(
         line for line in sv["stdout"].strip().splitlines() if not line.startswith("Wrote ")

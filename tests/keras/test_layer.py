@@ -338,3 +338,28 @@ def test_keras_file_with_a_table_of_another_shape_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"'table:t' has shape \[5, 2\].*\[4, 2\]"):
     layer.load_own_variables(store)
   np.testing.assert_array_equal(layer.variables_by_table["t"]["parameters"].numpy(), before)
+
+
+def test_export_for_serving_lowers_the_keras_layers_tables(tmp_path):
+  layer, t = _trained_layer("keras")
+  model = SumModel(layer)
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+  def serve(ids):
+    return model({"f": ids})
+
+  path = str(tmp_path / "export")
+  serving.export_for_serving(model, path, signatures=serve, table_dtype="int8")
+  loaded = tf.saved_model.load(path)
+  table = layer.embedding_tables[t].numpy()
+  decoded = loaded.embedding_tables[t.name]().numpy()
+  codes = loaded.embedding_tables[t.name].parts["codes"].numpy()
+  # int8 rows of two distinct values: the smaller is code 0 (the bias), the larger 255.
+  np.testing.assert_array_equal(np.sort(codes, axis=1), [[0, 255]] * len(table))
+  step = (table.max(axis=1) - table.min(axis=1)) / 255
+  assert np.all(np.abs(decoded - table) <= step[:, None] / 2 + 1e-7)
+  np.testing.assert_allclose(
+    loaded.signatures["serving_default"](ids=tf.constant(IDS))["output_0"].numpy(),
+    decoded[IDS].sum(axis=1),
+    rtol=1e-6,
+  )

@@ -16,7 +16,8 @@ import dataclasses
 import enum
 import functools
 import sys
-from typing import Any, Callable, Iterator, Optional, Sequence
+import types
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
@@ -212,6 +213,31 @@ def tracing_an_export() -> bool:
   return _EXPORTING.get() and not tf.executing_eagerly()
 
 
+_READING: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+  "reading", default=types.MappingProxyType({})
+)
+
+
+@contextlib.contextmanager
+def reading_tables(tables: Mapping[str, Any]) -> Iterator[None]:
+  """Within it, the inference lookups (per occurrence) of the tables named in `tables` gather
+  from `tables[name]`, an object whose `gather(ids)` gives float32 rows, instead of the table's
+  variable: an export's low-precision tables (`quantization`)."""
+  token = _READING.set(tables)
+  try:
+    yield
+  finally:
+    _READING.reset(token)
+
+
+def _gather(table: Any, variable: Tensor, ids: Tensor) -> Tensor:
+  """The rows of `ids`, from the replacement of `table` where `reading_tables` gives one."""
+  replacement = _READING.get().get(table.name)
+  if replacement is not None:
+    return replacement.gather(ids)
+  return sharded.gather(variable, ids)
+
+
 def gathered_on_cpu(tables: Any) -> frozenset:
   """Names of the tables ({TableConfig: variable}) that a per-occurrence lookup traced now may
   leave to refuse out-of-range ids by itself (see `exporting`): unsharded variables on CPU."""
@@ -236,7 +262,7 @@ def per_occurrence(
   activations = []
   for bag in bags:
     with tf.name_scope(checks.gather_scope(bag.feature)):  # named in the gather's errors
-      rows = sharded.gather(variable, bag.ids)
+      rows = _gather(table, variable, bag.ids)
     activations.append(_combine(bag, quantize(rows, table)))
   return TableLookup(bags, Kernel.PER_OCCURRENCE), activations
 
