@@ -151,7 +151,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
     keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
     when `remapped`."""
-    features = self._remap_call(features, training, remapped, serving_config)
+    features = self._remap_call(features, weights, training, remapped, serving_config)
     return self._lookup(features, weights, serving_config)
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).

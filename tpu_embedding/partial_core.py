@@ -319,7 +319,7 @@ class PartialTPUEmbeddingCore(
   def call(
     self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
   ) -> Any:
-    features = self._remap_call(features, training, remapped)
+    features = self._remap_call(features, weights, training, remapped)
     return self._lookup(features, weights)
 
   # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras

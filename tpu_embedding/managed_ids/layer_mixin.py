@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
+from tpu_embedding.engine import inputs
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
@@ -83,16 +84,23 @@ class ManagedIdsMixin:
         self._row_resets.reset_returned(self._config.find_table(name), rows)
 
   def _remap_call(
-    self, features: Any, training: Any, remapped: bool, serving_config: Any = None
+    self,
+    features: Any,
+    weights: Any,
+    training: Any,
+    remapped: bool,
+    serving_config: Any = None,
   ) -> Any:
     """The features a call looks up: remapped unless the layer has no maps or `remapped`;
-    admitting keys unless `training` is False or the call serves through `serving_config`."""
+    admitting keys unless `training` is False or the call serves through `serving_config`.
+    A training remap waits for the checks of the whole call (`weights` included)."""
     if self._managed is None or remapped:
       return features
     config = self._config
     if serving_config is not None:
       config = config_lib.for_serving(serving_config, self._config)
-    return self._remap(config, features, training is not False and serving_config is None)
+    admits = training is not False and serving_config is None
+    return self._remap(config, features, admits, weights=weights, whole_call=True)
 
   def _remap(
     self,
@@ -100,16 +108,32 @@ class ManagedIdsMixin:
     features: Any,
     admits: bool,
     reset: Optional[ResetRows] = None,
+    weights: Any = None,
+    whole_call: bool = False,
   ) -> Any:
-    """`reset`: where the rows given to new keys go (by default, this path's resets)."""
+    """`reset`: where the rows given to new keys go (by default, this path's resets).
+    `whole_call`: `features` must hold every feature (a call), not some (a `remap`)."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
+    checks = []
     if admits:
       self._row_resets.check_training_remap()
-    rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
+      checks = self._checks_before_step(config, features, weights, not whole_call)
+    with tf.control_dependencies(checks):
+      rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
     if admits:
       self._row_resets.end_step()
     return self._row_resets.visible(config, rows)
+
+  def _checks_before_step(
+    self, config: config_lib.EmbeddingConfig, features: Any, weights: Any, subset: bool
+  ) -> list[tf.Tensor]:
+    """Runs every check of the ids, weights and shapes the lookup will make, on the features
+    with the managed keys read as row 0, so that a call they refuse changes no map: eagerly it
+    raises here; traced, the ops it returns gate the map's step."""
+    placeholders = self._managed.with_row_zero(config, features, subset)
+    step = inputs.Step.prepare(config, placeholders, weights, subset=subset)
+    return [bag.ids for bag in step.bags]
 
   def _refuse_keys_in_tpu_step(self) -> None:
     """Hash tables do not compile for the TPU: keys are remapped on the host, before the step."""

@@ -103,6 +103,18 @@ class ManagedTables(tf.Module):
         leaves[index] = _with_rows(leaves[index], piece)
     return tf.nest.pack_sequence_as(features, leaves)
 
+  def with_row_zero(self, config: config_lib.EmbeddingConfig, features: Any, subset: bool) -> Any:
+    """`features` with each managed table's keys replaced by row 0, in their layout: what the
+    call's checks of ids, weights and shapes take before any map changes."""
+    pairs = config_lib.match_structure(config, features, subset=subset)
+    leaves = [
+      _with_rows(ids, tf.zeros(tf.shape(flat_values(ids)), tf.int64))
+      if feature.table.name in self.maps
+      else ids
+      for feature, ids in pairs
+    ]
+    return tf.nest.pack_sequence_as(features, leaves)
+
 
 def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
   return variables_by_table()[name]["parameters"]
