@@ -44,9 +44,9 @@ LAYERS = {
 }
 
 
-def _step(layer, features, weights=None, upstream=1.0):
+def _step(layer, features, weights=None, upstream=1.0, **kwargs):
   with tf.GradientTape() as tape:
-    out = layer(features, weights)
+    out = layer(features, weights, **kwargs)
     loss = tf.reduce_sum(out["m"]) * upstream + tf.reduce_sum(out["u"])
   tape.gradient(loss, layer.trainable_variables)
 
@@ -88,3 +88,92 @@ def test_sparse_weights_fewer_than_keys_refuse_before_the_map_step(kind):
   with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=r"Feature .{0,2}m.{0,2}"):
     _step(layer, {"m": ids, "u": tf.constant([[1]])}, {"m": weights, "u": None})
   _assert_unchanged(layer, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resets a remap returned are due once, never after their key trained the row
+
+
+def _saved_twice(layer, tmp_path):
+  checkpoint = tf.train.Checkpoint(layer=layer)
+  checkpoint.save(str(tmp_path / "first"))
+  checkpoint.save(str(tmp_path / "second"))
+  return checkpoint
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_resets_left_in_a_stopped_pipeline_never_undo_training_since(kind, tmp_path):
+  """Key 6 remapped ahead (its reset returned, never written: the loop stopped), then trained
+  by calls with raw keys: its reset is written before it first trains, never at a save."""
+  layer, ref = _trained(kind)
+  layer.remap({"m": tf.constant([6], tf.int64), "u": tf.constant([0])}, defer_resets=True)
+  ref.train([6])
+  for _ in range(2):
+    _step(layer, {"m": tf.constant([6], tf.int64), "u": tf.constant([1])})
+    ref.train([6])
+  _saved_twice(layer, tmp_path)
+  keys, rows, counts = (t.numpy().tolist() for t in layer.managed_ids["managed"].export())
+  assert (keys, rows, counts) == tuple(ref.export())
+  managed = layer.variables_by_table["managed"]["parameters"].numpy()
+  np.testing.assert_allclose(managed, [[0.5], [0.5 - 0.1 - 0.1]])  # fresh row, trained twice
+
+
+@pytest.mark.parametrize("kind", ["TPUEmbedding", "keras.DistributedEmbedding"])
+def test_resets_of_batches_dropped_at_a_restore_are_written_once(kind, tmp_path):
+  """The documented restore flow: remap ahead, save, restore, drop the batches remapped
+  before it; rows trained after the restore stay trained at every later save."""
+  layer, _ = _trained(kind)
+  layer.remap({"m": tf.constant([6], tf.int64), "u": tf.constant([0])}, defer_resets=True)
+  checkpoint = tf.train.Checkpoint(layer=layer)
+  path = checkpoint.save(str(tmp_path / "ahead"))
+  checkpoint.restore(path)
+  _step(layer, {"m": tf.constant([6], tf.int64), "u": tf.constant([1])}, upstream=3.0)
+  _saved_twice(layer, tmp_path)
+  managed = layer.variables_by_table["managed"]["parameters"].numpy()
+  np.testing.assert_allclose(managed, [[0.5], [0.5 - 0.3]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and specs the maps cannot take exactly: refused by name, nothing changed
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_uint64_keys_above_int64_max_are_refused_naming_feature_and_table(traced):
+  layer, ref = _trained("TPUEmbedding")
+  step = tf.function(_step) if traced else _step
+  keys = tf.constant([6, 2**63 + 5, 2**64 - 1], tf.uint64)
+  with pytest.raises(
+    (ValueError, tf.errors.InvalidArgumentError),
+    match=r"Feature .{0,2}m.{0,2}: its table .{0,2}managed.{0,2} manages int64 keys: uint64",
+  ):
+    step(layer, {"m": keys, "u": tf.constant([1])})
+  _assert_unchanged(layer, ref)
+  _step(layer, {"m": tf.constant([2**63 - 1], tf.uint64), "u": tf.constant([1])})
+  ref.train([2**63 - 1])
+  assert layer.managed_ids["managed"].export()[0].numpy().tolist() == ref.export()[0]
+
+
+def test_a_table_named_twice_in_managed_ids_is_refused():
+  features = _features()
+  twice = {"managed": tpu_embedding.ManagedIds(), features["m"].table: tpu_embedding.ManagedIds()}
+  for make in (tpu_embedding.TPUEmbedding, keras3.TPUEmbedding):
+    with pytest.raises(ValueError, match="names table 'managed' twice"):
+      make(features, SGD, managed_ids=twice)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_raw_keys_in_a_jit_compiled_step_name_the_layer_and_the_remedy(kind):
+  layer, ref = _trained(kind)
+  features = {"m": tf.constant([6], tf.int64), "u": tf.constant([1])}
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)managed_ids and was given raw keys in a step that "
+    r"XLA compiles.*rows = layer.remap\(features\).*remapped=True",
+  ):
+    tf.function(_step, jit_compile=True)(layer, features)
+  _assert_unchanged(layer, ref)
+  rows = layer.remap(features)
+  ref.train([6])
+  tf.function(lambda: _step(layer, rows, remapped=True), jit_compile=True)()  # the documented way
+  keys = layer.managed_ids["managed"].export()[0].numpy().tolist()
+  assert keys == ref.export()[0] == [6]

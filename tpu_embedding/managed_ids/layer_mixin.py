@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
-from tpu_embedding.engine import inputs
+from tpu_embedding.engine import inputs, static_path
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
@@ -121,6 +121,10 @@ class ManagedIdsMixin:
       checks = self._checks_before_step(config, features, weights, not whole_call)
     with tf.control_dependencies(checks):
       rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
+    if admits and reset is None:  # rows this call trains: resets left by dropped batches first
+      for feature, ids in config_lib.match_structure(config, rows, subset=True):
+        if feature.table.name in self._managed.maps:
+          self._row_resets.before_training(feature.table, flat_values(ids))
     if admits:
       self._row_resets.end_step()
     return self._row_resets.visible(config, rows)
@@ -136,7 +140,14 @@ class ManagedIdsMixin:
     return [bag.ids for bag in step.bags]
 
   def _refuse_keys_in_tpu_step(self) -> None:
-    """Hash tables do not compile for the TPU: keys are remapped on the host, before the step."""
+    """Hash tables do not compile for the TPU or XLA: keys are remapped before the step."""
+    if static_path.compiling() and not hardware.is_tpu_strategy(tf.distribute.get_strategy()):
+      raise ValueError(
+        f"Layer {self.name!r} has managed_ids and was given raw keys in a step that XLA "
+        "compiles (jit_compile=True), where its key -> row maps (hash tables) cannot run. Remap "
+        "outside the compiled function: rows = layer.remap(features), then layer(rows, "
+        "remapped=True) inside it. Nothing was changed."
+      )
     if tf.distribute.in_cross_replica_context():
       return
     if hardware.is_tpu_strategy(tf.distribute.get_strategy()):

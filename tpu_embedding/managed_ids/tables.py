@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.managed_ids import sharded_map
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap, as_keys
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 # Resets rows of a table given to new keys (`row_resets.ImmediateResets.reset`).
@@ -45,6 +45,11 @@ class ManagedTables(tf.Module):
         raise ValueError(
           f"managed_ids names table {name!r}, which no feature of this layer uses; its tables "
           f"are {[t.name for t in config.tables]}."
+        )
+      if table.name in maps:
+        raise ValueError(
+          f"managed_ids names table {table.name!r} twice (by name and by its TableConfig?): "
+          "give each table one ManagedIds."
         )
       if not isinstance(spec, ManagedIds):
         raise TypeError(
@@ -91,6 +96,19 @@ class ManagedTables(tf.Module):
         keys = _keys_of(feature, ids, self.maps[feature.table.name])
         streams.setdefault(feature.table.name, []).append((index, keys))
     leaves = [ids for _, ids in pairs]
+    checked = [keys for parts in streams.values() for _, keys in parts]
+    with tf.control_dependencies(checked):  # every table's keys checked before any map step
+      self._remap_streams(streams, leaves, training, reset_rows)
+    return tf.nest.pack_sequence_as(features, leaves)
+
+  def _remap_streams(
+    self,
+    streams: Mapping[str, list[tuple[int, tf.Tensor]]],
+    leaves: list[Any],
+    training: bool,
+    reset_rows: ResetRows,
+  ) -> None:
+    """One step of each table's map over its stream of keys; `leaves` given the rows."""
     for name, parts in streams.items():
       streams_keys = [keys for _, keys in parts]
       keys = tf.concat(streams_keys, 0) if len(parts) > 1 else streams_keys[0]
@@ -101,7 +119,6 @@ class ManagedTables(tf.Module):
         pieces = tf.split(rows, tf.stack([tf.size(k) for k in streams_keys]))
       for (index, _), piece in zip(parts, pieces):
         leaves[index] = _with_rows(leaves[index], piece)
-    return tf.nest.pack_sequence_as(features, leaves)
 
   def with_row_zero(self, config: config_lib.EmbeddingConfig, features: Any, subset: bool) -> Any:
     """`features` with each managed table's keys replaced by row 0, in their layout: what the
@@ -122,16 +139,8 @@ def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
 
 def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
   """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
-  values = flat_values(ids)
-  dtype, expected = values.dtype, id_map.key_dtype
-  ok = dtype == tf.string if expected == tf.string else dtype.is_integer
-  if not ok:
-    wanted = "tf.string keys" if expected == tf.string else "integer keys (int64 or narrower)"
-    raise ValueError(
-      f"Feature {feature.name!r}: its table {feature.table.name!r} manages its ids with "
-      f"key_dtype {expected.name}, which takes {wanted}; got {dtype.name} keys."
-    )
-  return tf.cast(values, expected) if dtype != expected else values
+  where = f"Feature {feature.name!r}: its table {feature.table.name!r}"
+  return as_keys(flat_values(ids), id_map.key_dtype, where)
 
 
 def flat_values(ids: Any) -> tf.Tensor:
