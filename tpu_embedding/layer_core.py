@@ -79,6 +79,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     and `embedding_feature`."""
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
+    self._check_finite = check_finite
     self._strategy = tf.distribute.get_strategy()
     if execution_path is None:
       execution_path = hardware.choose_path(self._strategy, embedding_feature)
@@ -151,8 +152,8 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
     keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
     when `remapped`."""
-    features = self._remap_call(features, weights, training, remapped, serving_config)
-    return self._lookup(features, weights, serving_config)
+    features, guard = self._remap_call(features, weights, training, remapped, serving_config)
+    return guard(self._lookup(features, weights, serving_config))
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
   @tf.autograph.experimental.do_not_convert

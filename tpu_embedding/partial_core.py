@@ -132,6 +132,7 @@ class PartialTPUEmbeddingCore(
       hardware.ExecutionPath.CPU, table_updates, check_finite, batch_size
     )
     self._table_updates = table_updates
+    self._check_finite = check_finite
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once
     self._sides = self._choose_sides(size_threshold)
@@ -319,8 +320,8 @@ class PartialTPUEmbeddingCore(
   def call(
     self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
   ) -> Any:
-    features = self._remap_call(features, weights, training, remapped)
-    return self._lookup(features, weights)
+    features, guard = self._remap_call(features, weights, training, remapped)
+    return guard(self._lookup(features, weights))
 
   # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras
   # and Keras 3 apply to a model's call inside `fit`) would convert every function it reaches,

@@ -177,3 +177,73 @@ def test_raw_keys_in_a_jit_compiled_step_name_the_layer_and_the_remedy(kind):
   tf.function(lambda: _step(layer, rows, remapped=True), jit_compile=True)()  # the documented way
   keys = layer.managed_ids["managed"].export()[0].numpy().tolist()
   assert keys == ref.export()[0] == [6]
+
+
+# ---------------------------------------------------------------------------------------------
+# check_finite: the verdict comes after the map's step, which a refused step undoes
+
+
+def _checked(kind, min_count=1):
+  """As `_trained`, with check_finite=True (and min_count: the candidates are undone too)."""
+  managed = {"managed": tpu_embedding.ManagedIds(eviction="lru", min_count=min_count)}
+  make = {
+    "TPUEmbedding": lambda: tpu_embedding.TPUEmbedding(
+      _features(), SGD, check_finite=True, managed_ids=managed
+    ),
+    "PartialTPUEmbedding": lambda: tpu_embedding.PartialTPUEmbedding(
+      _features(), SGD, size_threshold=3, check_finite=True, managed_ids=managed
+    ),
+    "keras.TPUEmbedding": lambda: keras3.TPUEmbedding(
+      _features(), SGD, check_finite=True, managed_ids=managed
+    ),
+    "keras.PartialTPUEmbedding": lambda: keras3.PartialTPUEmbedding(
+      _features(), SGD, size_threshold=3, check_finite=True, managed_ids=managed
+    ),
+    "keras.DistributedEmbedding": lambda: keras3.DistributedEmbedding(
+      _features(), optimizer=SGD, check_finite=True, managed_ids=managed
+    ),
+  }[kind]
+  layer, ref = make(), ReferenceMap(2, "lru", min_count=min_count)
+  for _ in range(min_count):
+    _step(layer, {"m": tf.constant([5], tf.int64), "u": tf.constant([1])})
+    ref.train([5])
+  return layer, ref
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_a_step_refused_for_a_nan_gradient_undoes_the_map_step(kind, traced):
+  layer, ref = _checked(kind)
+  step = tf.function(_step) if traced else _step
+  features = {"m": tf.constant([6, 6], tf.int64), "u": tf.constant([1])}
+  with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite.*wrote nothing"):
+    step(layer, features, upstream=float("nan"))
+  _assert_unchanged(layer, ref)  # key 5 kept its row, trained once (0.4); key 6 has none
+  step(layer, features)  # accepted: key 6 evicts key 5 and trains its fresh row
+  ref.train([6, 6])
+  keys, rows, counts = (t.numpy().tolist() for t in layer.managed_ids["managed"].export())
+  assert (keys, rows, counts) == tuple(ref.export())
+  np.testing.assert_allclose(layer.variables_by_table["managed"]["parameters"], [[0.5], [0.3]])
+
+
+def test_a_refused_step_leaves_the_candidates_as_they_were(engine_path):
+  layer, ref = _checked("TPUEmbedding", min_count=2)
+  features = {"m": tf.constant([7], tf.int64), "u": tf.constant([1])}
+  with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+    _step(layer, features, upstream=float("inf"))
+  _step(layer, features)
+  ref.train([7])
+  keys, rows, counts = (t.numpy().tolist() for t in layer.managed_ids["managed"].export())
+  assert (keys, rows, counts) == tuple(ref.export()) == ([5], [1], [2])  # 7 counted once
+
+
+@pytest.mark.parametrize("kind", ["TPUEmbedding", "keras.PartialTPUEmbedding"])
+def test_non_finite_weights_are_refused_before_the_map_step(kind):
+  layer, ref = _checked(kind)
+  ids = tf.ragged.constant([[6, 6]], tf.int64)
+  weights = {"m": tf.ragged.constant([[1.0, float("nan")]]), "u": None}
+  with pytest.raises(
+    (ValueError, tf.errors.InvalidArgumentError), match=r"Feature .{0,2}m.{0,2}.*weights hold"
+  ):
+    _step(layer, {"m": ids, "u": tf.ragged.constant([[1]])}, weights)
+  _assert_unchanged(layer, ref)

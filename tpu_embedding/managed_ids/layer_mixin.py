@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
-from tpu_embedding.engine import inputs, static_path
+from tpu_embedding.engine import finite, inputs, static_path
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
+from tpu_embedding.managed_ids.undo import StepUndo
 
 
 class ManagedIdsMixin:
   """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_row_resets` (how
-  its path resets rows given to new keys) and `_config`."""
+  its path resets rows given to new keys), `_config` and `_check_finite`."""
 
   _managed: Optional[ManagedTables]
   _row_resets: Optional[ImmediateResets]
   _config: config_lib.EmbeddingConfig
+  _check_finite: bool
 
   @property
   def managed_ids(self) -> dict[str, KeyRowMap]:
@@ -90,17 +92,23 @@ class ManagedIdsMixin:
     training: Any,
     remapped: bool,
     serving_config: Any = None,
-  ) -> Any:
+  ) -> tuple[Any, Callable[[Any], Any]]:
     """The features a call looks up: remapped unless the layer has no maps or `remapped`;
     admitting keys unless `training` is False or the call serves through `serving_config`.
-    A training remap waits for the checks of the whole call (`weights` included)."""
+    A training remap waits for the checks of the whole call (`weights` included). Also what
+    the call's outputs go through: with `check_finite`, a guard that undoes the map steps if
+    their gradient is not finite (`StepUndo`)."""
     if self._managed is None or remapped:
-      return features
+      return features, _unchanged
     config = self._config
     if serving_config is not None:
       config = config_lib.for_serving(serving_config, self._config)
     admits = training is not False and serving_config is None
-    return self._remap(config, features, admits, weights=weights, whole_call=True)
+    step_undo = None
+    if admits and self._check_finite and not tf_internals.in_save_context():
+      step_undo = StepUndo(self._managed.maps, lambda: self.variables_by_table)
+    rows = self._remap(config, features, admits, weights=weights, whole_call=True, undo=step_undo)
+    return rows, _unchanged if step_undo is None else step_undo.guard
 
   def _remap(
     self,
@@ -110,17 +118,24 @@ class ManagedIdsMixin:
     reset: Optional[ResetRows] = None,
     weights: Any = None,
     whole_call: bool = False,
+    undo: Optional[StepUndo] = None,
   ) -> Any:
     """`reset`: where the rows given to new keys go (by default, this path's resets).
-    `whole_call`: `features` must hold every feature (a call), not some (a `remap`)."""
+    `whole_call`: `features` must hold every feature (a call), not some (a `remap`). `undo`:
+    keeps what the map steps change."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
     checks = []
     if admits:
       self._row_resets.check_training_remap()
       checks = self._checks_before_step(config, features, weights, not whole_call)
+    step_reset = reset or self._row_resets.reset
+    if undo is not None:
+      step_reset = undo.recording(step_reset)
     with tf.control_dependencies(checks):
-      rows = self._managed.remap(config, features, admits, reset or self._row_resets.reset)
+      rows = self._managed.remap(config, features, admits, step_reset)
+    if undo is not None:
+      undo.stepped()
     if admits and reset is None:  # rows this call trains: resets left by dropped batches first
       for feature, ids in config_lib.match_structure(config, rows, subset=True):
         if feature.table.name in self._managed.maps:
@@ -137,7 +152,9 @@ class ManagedIdsMixin:
     raises here; traced, the ops it returns gate the map's step."""
     placeholders = self._managed.with_row_zero(config, features, subset)
     step = inputs.Step.prepare(config, placeholders, weights, subset=subset)
-    return [bag.ids for bag in step.bags]
+    if self._check_finite:  # the weights' check too: it comes before the gradient's verdict
+      step = finite.check_weights(step)
+    return [t for bag in step.bags for t in (bag.ids, bag.gains) if t is not None]
 
   def _refuse_keys_in_tpu_step(self) -> None:
     """Hash tables do not compile for the TPU or XLA: keys are remapped before the step."""
@@ -157,6 +174,10 @@ class ManagedIdsMixin:
         "rows = layer.remap(features) outside strategy.run, then layer(rows, remapped=True) "
         "inside it."
       )
+
+
+def _unchanged(outputs: Any) -> Any:
+  return outputs
 
 
 def _padded(given: list[tf.Tensor], keys: list[tf.Tensor]) -> tf.Tensor:
