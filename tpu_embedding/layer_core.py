@@ -24,6 +24,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding.backends import keras_trained
 from tpu_embedding.engine import serving_lookup
+from tpu_embedding.engine.build_once import build_once
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 
@@ -129,6 +130,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     the name tf-recommenders gives its mid-level object)."""
     return self._engine
 
+  @build_once
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)

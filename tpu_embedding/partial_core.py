@@ -41,6 +41,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
 from tpu_embedding.engine import joint_step
+from tpu_embedding.engine.build_once import build_once
 from tpu_embedding.layer_core import (
   RefusesCopies,
   TPUEmbeddingCore,
@@ -304,6 +305,7 @@ class PartialTPUEmbeddingCore(
   # -------------------------------------------------------------------------------------------
   # Keras
 
+  @build_once
   def build(self, input_shape: Any) -> None:
     if self._sharded is not None and not self._sharded.built:
       self._sharded.build(self._sharded_shapes(input_shape))

@@ -32,6 +32,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import exchange, finite, inputs, lookup, sharded, static_path, updates
 from tpu_embedding.engine import trap as trap_lib
+from tpu_embedding.engine.build_once import build_once
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.engine.state import PendingUpdate, TableState
 
@@ -99,10 +100,9 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   def built(self) -> bool:
     return self._built
 
+  @build_once
   def build(self) -> None:
     """Creates every table (and its slots) once, outside any function being traced."""
-    if self._built:
-      return
     with tf.init_scope():
       if tf.distribute.has_strategy():
         self._create_tables()
