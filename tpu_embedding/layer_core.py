@@ -23,8 +23,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding.backends import keras_trained
-from tpu_embedding.engine import serving_lookup
-from tpu_embedding.engine.build_once import build_once
+from tpu_embedding.engine import build_once, serving_lookup
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
 

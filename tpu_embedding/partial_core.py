@@ -40,8 +40,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
-from tpu_embedding.engine import joint_step
-from tpu_embedding.engine.build_once import build_once
+from tpu_embedding.engine import build_once, joint_step
 from tpu_embedding.layer_core import (
   RefusesCopies,
   TPUEmbeddingCore,

@@ -32,7 +32,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding.engine import exchange, finite, inputs, lookup, sharded, static_path, updates
 from tpu_embedding.engine import trap as trap_lib
-from tpu_embedding.engine.build_once import build_once
+from tpu_embedding.engine.builds import build_once
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.engine.state import PendingUpdate, TableState
 
