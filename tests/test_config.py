@@ -68,3 +68,25 @@ def test_a_table_config_changed_after_construction_changes_nothing_of_the_layer(
   expected = np.ones([5, 2], np.float32)
   expected[[1, 4]] -= 0.5
   np.testing.assert_array_equal(layer.variables_by_table["videos"]["parameters"].numpy(), expected)
+
+
+@pytest.mark.parametrize("field,value", [("dim", 0), ("vocabulary_size", -3), ("dim", 2.0)])
+@pytest.mark.parametrize("managed", [False, True], ids=["plain", "managed_ids"])
+def test_a_table_config_changed_before_the_layer_is_made_is_refused_by_name(field, value, managed):
+  """TF checks dim and vocabulary_size when the TableConfig is made; set after, they reach the
+  layer unchecked ([B, 0] outputs trained without a word)."""
+  table = emb.TableConfig(5, 2, name="videos")
+  setattr(table, field, value)
+  managed_ids = {"videos": tpu_embedding.ManagedIds()} if managed else None
+  with pytest.raises(ValueError, match=f"Table 'videos' has {field}={value!r}.*int >= 1"):
+    tpu_embedding.TPUEmbedding(
+      {"f": emb.FeatureConfig(table)}, emb.SGD(0.5), managed_ids=managed_ids
+    )
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+  table = emb.TableConfig(5, 2, name="videos")
+  table.dim, table.vocabulary_size = np.int64(3), np.int32(4)
+  layer = tpu_embedding.TPUEmbedding({"f": emb.FeatureConfig(table)}, emb.SGD(0.5))
+  assert layer({"f": tf.constant([1])})["f"].shape == (1, 3)
+  assert layer.variables_by_table["videos"]["parameters"].shape == (4, 3)

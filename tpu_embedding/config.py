@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -163,6 +164,14 @@ def _clone_table(
   clone = copy.copy(table)
   if clone.name is None:
     clone.name = f"table_{index}"
+  for field in ("vocabulary_size", "dim"):  # TF checks them when the config is made, not after
+    value = getattr(table, field)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(
+        f"Table {clone.name!r} has {field}={value!r} (changed after the TableConfig was made?); "
+        "expected an int >= 1."
+      )
+    setattr(clone, field, int(value))
   combiner = getattr(table.combiner, "combiner", table.combiner)
   if not isinstance(combiner, str) or combiner not in COMBINERS:
     raise ValueError(

@@ -11,11 +11,11 @@ and ':' of the variable's name as '_'. `slot_names` here are the tf-keras names
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import tensorflow as tf
 
-from tpu_embedding import tf_internals
+from tpu_embedding import optimizer_specs, tf_internals
 
 # Keras 3's names for the tf-keras slot names that differ.
 _KERAS3_NAMES = {"m": "momentum", "v": "velocity"}
@@ -56,6 +56,23 @@ def slots_of(optimizer: Any, variable: tf.Variable, slot_names: Iterable[str]) -
       )
     found[name] = candidate
   return found
+
+
+def create_slots(optimizer: Any, tables: Mapping[Any, tf.Variable]) -> None:
+  """Creates the slots a tf-keras legacy `optimizer` keeps for each table ({mid-level
+  TableConfig: its variable}), with the initial values of the table's mid-level optimizer, as
+  tf-recommenders does when its layer is built: so `get_slot` finds them at once, and a
+  checkpoint restored before the build fills them then. Other Keras optimizers create theirs
+  at their own `build` (the first step)."""
+  if not (hasattr(optimizer, "add_slot") and hasattr(optimizer, "get_slot_names")):
+    return
+  for table, variable in tables.items():
+    names = optimizer_specs.slot_names(table.optimizer) if table.optimizer else ()
+    initializers = optimizer_specs.slot_initializers(table.optimizer) if names else ()
+    for name, initializer in zip(names, initializers):
+      keras_name = optimizer_specs.keras_slot_name(table.optimizer, name)
+      if keras_name:
+        optimizer.add_slot(variable, keras_name, initializer)
 
 
 def is_keras3(optimizer: Any) -> bool:

@@ -23,7 +23,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding.backends import keras_trained
-from tpu_embedding.engine import serving_lookup
+from tpu_embedding.engine import build_once, serving_lookup
 from tpu_embedding.preflight import recorder as stats_recorder
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -80,6 +80,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     and `embedding_feature`."""
     super().__init__(**kwargs)
     self._config = config_lib.prepare(feature_config, optimizer)
+    self._check_finite = check_finite
     self._strategy = tf.distribute.get_strategy()
     if execution_path is None:
       execution_path = hardware.choose_path(self._strategy, embedding_feature)
@@ -130,6 +131,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     the name tf-recommenders gives its mid-level object)."""
     return self._engine
 
+  @build_once
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
@@ -153,8 +155,8 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
     """Activations for `features`. For managed tables (`managed_ids`) the features hold raw
     keys, remapped here (admitting keys unless `training` is False), or rows from `remap`
     when `remapped`."""
-    features = self._remap_call(features, training, remapped, serving_config)
-    return self._lookup(features, weights, serving_config)
+    features, guard = self._remap_call(features, weights, training, remapped, serving_config)
+    return guard(self._lookup(features, weights, serving_config))
 
   # No tensor-dependent Python control flow below: converting it would only slow tracing (~10x).
   @tf.autograph.experimental.do_not_convert

@@ -41,7 +41,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
-from tpu_embedding.engine import joint_step
+from tpu_embedding.engine import build_once, joint_step
 from tpu_embedding.layer_core import (
   RefusesCopies,
   TPUEmbeddingCore,
@@ -125,6 +125,7 @@ class PartialTPUEmbeddingCore(
       hardware.ExecutionPath.CPU, table_updates, check_finite, batch_size
     )
     self._table_updates = table_updates
+    self._check_finite = check_finite
     self._size_threshold = size_threshold
     self._config = config_lib.prepare(feature_config, optimizer)  # names every table once
     self._sides = self._choose_sides(size_threshold)
@@ -293,6 +294,7 @@ class PartialTPUEmbeddingCore(
   # -------------------------------------------------------------------------------------------
   # Keras
 
+  @build_once
   def build(self, input_shape: Any) -> None:
     if self._sharded is not None and not self._sharded.built:
       self._sharded.build(self._sharded_shapes(input_shape))
@@ -309,8 +311,8 @@ class PartialTPUEmbeddingCore(
   def call(
     self, features: Any, weights: Any = None, training: Any = None, remapped: bool = False
   ) -> Any:
-    features = self._remap_call(features, training, remapped)
-    return self._lookup(features, weights)
+    features, guard = self._remap_call(features, weights, training, remapped)
+    return guard(self._lookup(features, weights))
 
   # Plain Python over the features, no tensor-dependent control flow: AutoGraph (which tf-keras
   # and Keras 3 apply to a model's call inside `fit`) would convert every function it reaches,

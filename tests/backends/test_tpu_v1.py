@@ -207,3 +207,23 @@ def test_wide_dense_ids_of_a_non_sequence_feature_are_refused_by_name(v1):
     with pytest.raises(ValueError, match=r"'watched'.*\[4, 2\].*max_sequence_length") as error:
       _traced_training_step(layer, inputs)
   assert "TPU_V1" in str(error.value)
+
+
+def test_features_of_one_call_may_have_different_batch_sizes_as_on_tf_s_class(v1):
+  """TF's V1 class takes one input shape per feature (its config proto's feature descriptors),
+  so features of one call with 4 and 3 samples are accepted, each giving [its batch, dim]; the
+  CPU path gives the same shapes and the rows NumPy reads (not refused: TPU-identical)."""
+  strategy, recorded = v1
+  inputs = {"watched": tf.constant([0, 1, 1, 0]), "friends": tf.constant([3, 0, 2])}
+  with strategy.scope():
+    layer = TPUEmbedding(_config(), optimizer="sgd")
+    graph = _traced_training_step(layer, inputs)
+  (receive,) = _ops(graph, "RecvTPUEmbeddingActivations")
+  assert [o.shape.as_list() for o in receive.outputs] == [[3, 2], [4, 4]]
+  (proto,) = recorded.config_protos
+  assert [list(f.input_shape) for f in proto.feature_descriptor] == [[3], [4]]
+  cpu = TPUEmbedding(_config(), optimizer=emb.SGD(0.5))
+  out = cpu(inputs)
+  video, user = (np.arange(8.0).reshape(2, 4), np.arange(8.0).reshape(4, 2))
+  np.testing.assert_array_equal(out["watched"].numpy(), video[[0, 1, 1, 0]])
+  np.testing.assert_array_equal(out["friends"].numpy(), user[[3, 0, 2]])

@@ -160,6 +160,45 @@ def test_table_stacking_other_than_auto_or_none_is_refused():
   assert config_conversion.sparse_core_config(None).disable_table_stacking
 
 
+@pytest.mark.parametrize("stacking", ["bogus", 123])
+def test_bad_table_stacking_is_refused_off_tpu_too(stacking):
+  """Off TPU the value is unused, but it is saved in the config: a later TPU run would fail."""
+  with pytest.raises(ValueError, match=f"table_stacking={stacking!r}: on TensorFlow only"):
+    DistributedEmbedding(rs_config(), table_stacking=stacking)
+  assert (
+    DistributedEmbedding(rs_config(), table_stacking=None).get_config()["table_stacking"] is None
+  )
+
+
+def test_placements_naming_an_unknown_table_are_refused():
+  table = tf.tpu.experimental.embedding.TableConfig(VOCABULARY, DIM, name="movies")
+  features = {"movie": tf.tpu.experimental.embedding.FeatureConfig(table)}
+  with pytest.raises(ValueError, match=r"names tables \['typo_table'\].*tables are \['movies'\]"):
+    DistributedEmbedding(features, placements={"typo_table": "sparsecore"})
+
+
+@pytest.mark.parametrize(
+  "placement,hint",
+  [("SparseCore", "lower case: placement='sparsecore'"), ("hbm", "keras-rs placements are")],
+)
+def test_misspelt_keras_rs_placement_says_what_to_write(placement, hint):
+  with pytest.raises(ValueError, match=f"placement='{placement}'.*{hint}") as refused:
+    DistributedEmbedding(rs_config(placement=placement))
+  assert "use tpu_embedding.keras.DistributedEmbedding" not in str(refused.value)
+  with pytest.raises(ValueError, match="default_device.*use tpu_embedding.keras.Distributed"):
+    TPUEmbedding(rs_config(placement="default_device"))
+
+
+def test_weights_beside_preprocessed_inputs_are_refused_not_dropped():
+  layer = DistributedEmbedding(rs_config("mean"))
+  before = table_of(layer)
+  with pytest.raises(ValueError, match=r"pass the weights to preprocess\(inputs, weights\)"):
+    layer(layer.preprocess({"movie": IDS}), {"movie": WEIGHTS})
+  np.testing.assert_array_equal(table_of(layer), before)
+  got = layer(layer.preprocess({"movie": IDS}, {"movie": WEIGHTS}))["movie"]
+  np.testing.assert_allclose(got, expected_activations(before, "mean"), rtol=1e-6)
+
+
 @pytest.mark.parametrize(
   "ids,weights,match",
   [

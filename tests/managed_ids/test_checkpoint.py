@@ -210,3 +210,28 @@ def test_a_checkpoint_with_the_former_int64_counts_is_refused_with_nothing_chang
   tf.train.Checkpoint(layer=layer).read(same.write(str(tmp_path / "int32"))).assert_consumed()
   for got, want in zip(_state(layer), _state(source)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_checkpoint_giving_one_key_two_rows_is_refused_before_anything_is_assigned(tmp_path):
+  source = _layer()
+  _train(source, [1, 2, 3])  # rows 1, 2, 3
+  path = tf.train.Checkpoint(layer=source).write(str(tmp_path / "good"))
+  damaged = _as_plain_objects(
+    path, lambda name, value: np.where(np.arange(5) == 3, 1, value) if name == "keys" else value
+  )
+  bad_path = tf.train.Checkpoint(layer=damaged.layer).write(str(tmp_path / "damaged"))
+  layer = _layer()
+  _train(layer, [3, 4, 5, 3])
+  before = _state(layer)
+  with pytest.raises(
+    ValueError,
+    match=r"table 'movies': its managed-id map in the checkpoint gives keys \[1\] two rows"
+    r"(.|\n)*Nothing was changed",
+  ):
+    tf.train.Checkpoint(layer=layer).read(bad_path)
+  for got, want in zip(_state(layer), before):
+    np.testing.assert_array_equal(got, want)
+  assert layer.managed_ids["movies"].lookup(tf.constant([3, 4], tf.int64)).numpy().tolist() == [
+    1,
+    2,
+  ]

@@ -129,6 +129,30 @@ def test_bad_specs_are_refused(kwargs, message):
     ManagedIds(**kwargs)
 
 
+def test_numpy_integers_are_taken_as_python_ints():
+  spec = ManagedIds(
+    eviction="ttl", min_count=np.int64(2), ttl_steps=np.int32(3), candidate_capacity=np.uint8(4)
+  )
+  assert spec == ManagedIds(eviction="ttl", min_count=2, ttl_steps=3, candidate_capacity=4)
+  assert type(spec.to_config()["min_count"]) is int  # JSON-able in a Keras config
+  with pytest.raises(ValueError, match=r"min_count=np.True_\): expected an int >= 1"):
+    ManagedIds(min_count=np.bool_(True))
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.uint8, tf.int64])
+def test_lookup_widens_narrower_integer_keys_as_the_layer_does(dtype):
+  id_map, ref = IdMap(ManagedIds(), "items", 4), ReferenceMap(4)
+  id_map.remap(tf.constant([7, 3], tf.int64), training=True)
+  ref.train([7, 3])
+  assert id_map.lookup(tf.constant([3, 7, 9], dtype)).numpy().tolist() == ref.lookup([3, 7, 9])
+
+
+def test_lookup_refuses_keys_of_another_kind_naming_the_table():
+  id_map = IdMap(ManagedIds(), "items", 4)
+  with pytest.raises(ValueError, match="Table 'items' manages its ids with key_dtype int64.*got"):
+    id_map.lookup(tf.constant(["a"]))
+
+
 def test_capacity_below_two_is_refused_by_table():
   with pytest.raises(ValueError, match="Table 'tiny'.*vocabulary_size >= 2"):
     IdMap(ManagedIds(), "tiny", 1)

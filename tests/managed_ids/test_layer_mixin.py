@@ -33,9 +33,9 @@ def _layer(eviction="lru", key_dtype=tf.int64, min_count=1, initializer=None, co
   )
 
 
-def _train(layer, features, upstream, weights=None, training=None):
+def _train(layer, features, upstream, weights=None, training=None, **kwargs):
   with tf.GradientTape() as tape:
-    out = layer(features, weights, training=training)["movie"]
+    out = layer(features, weights, training=training, **kwargs)["movie"]
     loss = tf.reduce_sum(out * upstream)
   tape.gradient(loss, layer.trainable_variables)
   return out
@@ -156,7 +156,7 @@ def test_resets_a_remap_returned_are_written_by_flush_if_never_by_reset_rows():
   )
   assert sorted(second[1]["movies"].numpy().tolist()) == [1, 2, 3, 4]  # the same rows again
   layer.reset_rows(first[1])
-  _train(layer, first[0], tf.ones([4, DIM]))
+  _train(layer, first[0], tf.ones([4, DIM]), remapped=True)
   parameters = layer.variables_by_table["movies"]["parameters"]
   trained = parameters.numpy()[1:5].copy()
   assert not np.allclose(trained, INIT)
@@ -166,7 +166,7 @@ def test_resets_a_remap_returned_are_written_by_flush_if_never_by_reset_rows():
   slots = layer.variables_by_table["movies"]["accumulators"].numpy()
   np.testing.assert_allclose(slots[1:5], np.full([4, DIM], ACC))
   layer.reset_rows(second[1])  # late, as a loop resuming would: written, counted
-  _train(layer, second[0], tf.ones([4, DIM]))
+  _train(layer, second[0], tf.ones([4, DIM]), remapped=True)
   trained = parameters.numpy().copy()
   layer.flush()  # nothing returned is left unwritten: trained rows stay
   np.testing.assert_array_equal(parameters.numpy(), trained)

@@ -1,5 +1,5 @@
-"""managed_ids on PartialTPUEmbedding and the Keras 3 layers: the same maps and tables as
-TPUEmbedding for the same stream; checkpoints interchangeable."""
+"""managed_ids on PartialTPUEmbedding and the Keras 3 layers (DistributedEmbedding included):
+the same maps and tables as TPUEmbedding for the same stream; checkpoints interchangeable."""
 
 import json
 import os
@@ -42,6 +42,12 @@ LAYERS = {
   ),
   "keras.PartialTPUEmbedding": lambda: keras3.PartialTPUEmbedding(
     _features(), E.Adagrad(0.3), size_threshold=6, managed_ids=_managed()
+  ),
+  "keras.DistributedEmbedding": lambda: keras3.DistributedEmbedding(
+    _features(),
+    optimizer=E.Adagrad(0.3),
+    placements={"small": "default_device", "large": "auto"},
+    managed_ids=_managed(),
   ),
 }
 

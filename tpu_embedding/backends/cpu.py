@@ -7,7 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding import hardware
+from tpu_embedding import hardware, keras_slots
 from tpu_embedding.backends.base import Backend
 from tpu_embedding.engine import EmbeddingEngine
 
@@ -34,6 +34,9 @@ class CpuBackend(Backend):
 
   def create_tables(self, per_replica_input_shapes: Any) -> None:
     self._engine.build()
+    if self.table_updates == "keras":  # its slots too, as tf-recommenders makes them
+      with tf.init_scope():
+        keras_slots.create_slots(self._keras_optimizer, self._engine.embedding_tables)
 
   def lookup(self, features, weights, trap):
     return self._engine.lookup(features, weights, trap)

@@ -30,6 +30,7 @@ from tpu_embedding import config as config_lib
 from tpu_embedding.engine import backward, exchange, finite, inputs, lookup, static_path
 from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.engine import variables as variables_lib
+from tpu_embedding.engine.builds import build_once
 from tpu_embedding.engine.distribution import Distribution
 
 TableConfig = tf.tpu.experimental.embedding.TableConfig
@@ -94,10 +95,9 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   def built(self) -> bool:
     return self._built
 
+  @build_once
   def build(self) -> None:
     """Creates every table (and its slots) once, outside any function being traced."""
-    if self._built:
-      return
     with tf.init_scope():
       if tf.distribute.has_strategy():
         self._create_tables()

@@ -72,8 +72,7 @@ def to_mid_level_table(
   if table.placement not in placements:
     raise ValueError(
       f"{where} has placement={table.placement!r}; this layer takes "
-      f"{' or '.join(map(repr, placements))}. For keras-rs placements (default_device: "
-      "replicated tables) use tpu_embedding.keras.DistributedEmbedding."
+      f"{' or '.join(map(repr, placements))}. {_placement_hint(table.placement, placements)}"
     )
   initializer = _keras_object(keras.initializers, table.initializer, f"{where}.initializer")
   optimizer = _keras_object(keras.optimizers, table.optimizer, f"{where}.optimizer")
@@ -85,6 +84,17 @@ def to_mid_level_table(
     combiner=table.combiner,
     name=table.name,
   )
+
+
+def _placement_hint(placement: Any, placements: tuple[str, ...]) -> str:
+  """What to do about a placement this layer does not take."""
+  if isinstance(placement, str) and placement.lower() in placements:
+    return f"Placements are lower case: placement={placement.lower()!r}."
+  if placement in ALL_PLACEMENTS:
+    return (
+      "For its default_device (replicated) tables use tpu_embedding.keras.DistributedEmbedding."
+    )
+  return "keras-rs placements are 'auto', 'sparsecore' and 'default_device'."
 
 
 def _keras_object(module: Any, value: Any, where: str) -> Any:

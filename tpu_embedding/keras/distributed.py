@@ -122,8 +122,9 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
     self._sides_by_table = {
       table: _side(table.name, placement, path) for table, placement in by_table.items()
     }
+    stacking = config_conversion.sparse_core_config(table_stacking)  # refused on every path
     if sparse_core_embedding_config is None and path is hardware.ExecutionPath.TPU_V2:
-      sparse_core_embedding_config = config_conversion.sparse_core_config(table_stacking)
+      sparse_core_embedding_config = stacking
     super().__init__(
       converted,
       optimizer,
@@ -150,8 +151,6 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
     config = super().get_config()
     # Plain values: the tracked copies Keras keeps of attributes drag their owner along.
     config["placements"] = dict(config["placements"])
-    stacking = config["table_stacking"]
-    config["table_stacking"] = stacking if stacking in (None, "auto") else list(stacking)
     return config
 
   def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
@@ -161,13 +160,17 @@ class DistributedEmbedding(saving.KerasFileMixin, PartialTPUEmbeddingCore, keras
   # -------------------------------------------------------------------------------------------
   # keras-rs's surface
 
-  def call(self, inputs: Any, weights: Any = None, training: bool = False) -> Any:
-    del training  # tables are trained through the gradient, whatever Keras says
+  # `training` reaches managed ids (inference calls admit no keys), as in the other layers;
+  # tables are trained through the gradient whatever it says. `remapped`: rows from `remap`.
+  def call(
+    self, inputs: Any, weights: Any = None, training: Any = None, remapped: bool = False
+  ) -> Any:
     if _is_preprocessed(inputs):
-      inputs, weights = inputs[PREPROCESSED_KEY]
+      inputs, packed = inputs[PREPROCESSED_KEY]
+      weights = _preprocessed_weights(packed, weights)
     else:
       inputs, weights = self._as_bags(shapes.cast_placeholders(inputs), weights)
-    return super().call(inputs, weights)
+    return super().call(inputs, weights, training=training, remapped=remapped)
 
   def preprocess(self, inputs: Any, weights: Any = None, training: bool = False) -> Any:
     """The inputs (and weights) as the bags `call` looks up, packed for `call(preprocessed)`.
@@ -226,6 +229,18 @@ def _is_preprocessed(inputs: Any) -> bool:
   return isinstance(inputs, Mapping) and set(inputs) == {PREPROCESSED_KEY}
 
 
+def _preprocessed_weights(packed: Any, given: Any) -> Any:
+  """The weights `preprocess` packed; weights given to `call` beside preprocessed inputs are
+  refused (keras-rs drops them silently): they belong in `preprocess`, which converts both."""
+  if given is not None:
+    raise ValueError(
+      "DistributedEmbedding.call was given `weights` with preprocessed inputs, which already "
+      "hold theirs: pass the weights to preprocess(inputs, weights) instead. Nothing was "
+      "looked up."
+    )
+  return packed
+
+
 def _dense_as_bag(name: str, ids: Any, weights: Any) -> tuple[Any, Any]:
   """One feature's dense `[B]` / `[B, L]` ids and weights as `[B, (L)]` ragged bags."""
   if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
@@ -259,6 +274,13 @@ def _dense_as_bag(name: str, ids: Any, weights: Any) -> tuple[Any, Any]:
 
 def _placements(user_configs: Any, converted: Any, given: Mapping[str, str]) -> dict[Any, str]:
   """{converted mid-level TableConfig: placement}: keras-rs's own, else `given` by name."""
+  names = {feature.table.name for feature in tf.nest.flatten(converted)}
+  unknown = sorted(set(given) - names, key=str)
+  if unknown:
+    raise ValueError(
+      f"DistributedEmbedding(placements=...) names tables {unknown} that no feature uses; its "
+      f"tables are {sorted(names)}."
+    )
   result = {}
   for user, mid_level in zip(tf.nest.flatten(user_configs), tf.nest.flatten(converted)):
     if config_conversion.is_keras_rs_feature(user):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import tf_restore
@@ -22,7 +23,8 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
   """Raises ValueError, naming each table, unless the checkpoint holds a matching map for each."""
   restore = tf_restore.restore_of(layer)
   maps = _child(restore, _child(restore, restore.node, CHECKPOINT_KEY), "maps")
-  dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
+  reader = tf.train.load_checkpoint(path)
+  dtypes = reader.get_variable_to_dtype_map()
   problems = []
   for name, id_map in managed.maps.items():
     node = _child(restore, maps, name)
@@ -39,11 +41,18 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
     for where, part, label in _parts(restore, node, id_map):
       keys = _child(restore, where, "keys")
       shape, dtype = restore.stored_shape(keys), dtypes.get(_checkpoint_key(keys))
-      if shape != [part.capacity] or dtype != part.key_dtype:
+      matches = shape == [part.capacity] and dtype == part.key_dtype
+      if not matches:
         problems.append(
           f"table {name!r}: its managed-id map{label} has capacity "
           f"{part.capacity} and key dtype {part.key_dtype.name} in this layer, but "
           f"{shape[0] if shape else None} and {getattr(dtype, 'name', None)} in the checkpoint"
+        )
+      twice = _keys_given_two_rows(restore, where, reader) if matches else []
+      if twice:
+        problems.append(
+          f"table {name!r}: its managed-id map{label} in the checkpoint gives keys {twice} "
+          "two rows or more each (a damaged or hand-edited checkpoint); each key has one row"
         )
       stale = _stale_dtypes(restore, where, part, dtypes)
       if stale:
@@ -85,6 +94,18 @@ def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Opti
     f"its managed-id map is {split(wanted)} in this layer but {split(stored)} in the "
     "checkpoint; restore it under a ParameterServerStrategy exactly when it was written under one"
   )
+
+
+def _keys_given_two_rows(restore: tf_restore.Restore, where: Any, reader: Any) -> list[Any]:
+  """Up to 5 keys that the checkpoint's map gives several rows (rows above 0 seen at some step:
+  those holding keys)."""
+  nodes = [_child(restore, where, name) for name in ("keys", "last_seen")]
+  if any(node is None for node in nodes):
+    return []
+  keys, last_seen = (reader.get_tensor(_checkpoint_key(node)) for node in nodes)
+  held = keys[1:][last_seen[1:] >= 0]
+  values, counts = np.unique(held, return_counts=True)
+  return [v.decode() if isinstance(v, bytes) else int(v) for v in values[counts > 1][:5]]
 
 
 def _stale_dtypes(

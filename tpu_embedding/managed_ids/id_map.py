@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tpu_embedding import tf_internals
 from tpu_embedding.engine import lookup, native
-from tpu_embedding.managed_ids.key_row_map import Reset
+from tpu_embedding.managed_ids.key_row_map import Reset, as_keys
 from tpu_embedding.managed_ids.map_table import MapTable
 from tpu_embedding.managed_ids.spec import ManagedIds
 
@@ -72,7 +72,7 @@ class IdMap(tf.Module):
   def lookup(self, keys: tf.Tensor) -> tf.Tensor:
     """Rows of `keys` (0 for keys without a row); never admits, evicts or counts. In a
     SavedModel trace, TF's table (saved whole, see MapTable)."""
-    keys = tf.convert_to_tensor(keys, self.key_dtype)
+    keys = as_keys(keys, self.key_dtype, f"Table {self.table_name!r}")
     if self._kernel_runs():
       with tf.device(self.step.device):
         return native.managed_lookup(self._index(), self._variables(), keys, self.table_name)

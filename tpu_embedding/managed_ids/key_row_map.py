@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
+import numpy as np
 import tensorflow as tf
 
 from tpu_embedding.managed_ids.spec import ManagedIds
@@ -51,3 +52,37 @@ class KeyRowMap(Protocol):
 
   def reindex(self) -> None:
     """Rebuilds the hash tables from the map's variables, once something else assigned them."""
+
+
+def as_keys(keys: Any, key_dtype: tf.DType, where: str) -> tf.Tensor:
+  """`keys` in a map's `key_dtype`: narrower integers widened to int64, uint64 keys above
+  2**63 - 1 refused (int64 cannot hold them: they would wrap onto negative keys); `where`
+  starts each error, naming the feature and table."""
+  keys = tf.convert_to_tensor(keys)
+  dtype = keys.dtype
+  if not (dtype == tf.string if key_dtype == tf.string else dtype.is_integer):
+    wanted = "tf.string keys" if key_dtype == tf.string else "integer keys (int64 or narrower)"
+    raise ValueError(
+      f"{where} manages its ids with key_dtype {key_dtype.name}, which takes {wanted}; got "
+      f"{dtype.name} keys."
+    )
+  if dtype == tf.uint64:
+    keys = _below_int64_max(keys, where)
+  return tf.cast(keys, key_dtype) if dtype != key_dtype else keys
+
+
+def _below_int64_max(keys: tf.Tensor, where: str) -> tf.Tensor:
+  """uint64 `keys`, checked to fit int64 (eagerly an error listing some; traced, an op)."""
+  largest = tf.constant(np.iinfo(np.int64).max, tf.uint64)
+  message = (
+    f"{where} manages int64 keys: uint64 keys above 2**63 - 1 cannot be held without wrapping "
+    "onto negative ones. Map them into int64 first (e.g. tf.bitcast to int64, if the bits "
+    "are what identifies a key). Nothing was changed."
+  )
+  if tf.executing_eagerly():
+    too_large = tf.boolean_mask(keys, keys > largest)[:5].numpy().tolist()
+    if too_large:
+      raise ValueError(f"{message} Offending keys: {too_large}.")
+    return keys
+  with tf.control_dependencies([tf.debugging.assert_less_equal(keys, largest, message=message)]):
+    return tf.identity(keys)

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
+from tpu_embedding.engine import finite, inputs, static_path
 from tpu_embedding.managed_ids import replicated
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.row_resets import ImmediateResets
 from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
+from tpu_embedding.managed_ids.undo import StepUndo
 
 
 class ManagedIdsMixin:
   """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_row_resets` (how
-  its path resets rows given to new keys) and `_config`."""
+  its path resets rows given to new keys), `_config` and `_check_finite`."""
 
   _managed: Optional[ManagedTables]
   _row_resets: Optional[ImmediateResets]
   _config: config_lib.EmbeddingConfig
+  _check_finite: bool
 
   @property
   def managed_ids(self) -> dict[str, KeyRowMap]:
@@ -91,16 +94,29 @@ class ManagedIdsMixin:
         self._row_resets.reset_returned(self._config.find_table(name), rows)
 
   def _remap_call(
-    self, features: Any, training: Any, remapped: bool, serving_config: Any = None
-  ) -> Any:
+    self,
+    features: Any,
+    weights: Any,
+    training: Any,
+    remapped: bool,
+    serving_config: Any = None,
+  ) -> tuple[Any, Callable[[Any], Any]]:
     """The features a call looks up: remapped unless the layer has no maps or `remapped`;
-    admitting keys unless `training` is False or the call serves through `serving_config`."""
+    admitting keys unless `training` is False or the call serves through `serving_config`.
+    A training remap waits for the checks of the whole call (`weights` included). Also what
+    the call's outputs go through: with `check_finite`, a guard that undoes the map steps if
+    their gradient is not finite (`StepUndo`)."""
     if self._managed is None or remapped:
-      return features
+      return features, _unchanged
     config = self._config
     if serving_config is not None:
       config = config_lib.for_serving(serving_config, self._config)
-    return self._remap(config, features, training is not False and serving_config is None)
+    admits = training is not False and serving_config is None
+    step_undo = None
+    if admits and self._check_finite and not tf_internals.in_save_context():
+      step_undo = StepUndo(self._managed.maps, lambda: self.variables_by_table)
+    rows = self._remap(config, features, admits, weights=weights, whole_call=True, undo=step_undo)
+    return rows, _unchanged if step_undo is None else step_undo.guard
 
   def _remap(
     self,
@@ -108,29 +124,67 @@ class ManagedIdsMixin:
     features: Any,
     admits: bool,
     reset: Optional[ResetRows] = None,
+    weights: Any = None,
+    whole_call: bool = False,
+    undo: Optional[StepUndo] = None,
   ) -> Any:
     """`reset`: where the rows given to new keys go (by default, this path's resets). A training
-    remap inside one of several replicas is one step for all of them (`replicated`)."""
+    remap inside one of several replicas is one step for all of them (`replicated`).
+    `whole_call`: `features` must hold every feature (a call), not some (a `remap`). `undo`:
+    keeps what the map steps change."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
     managed = self._managed.keys_of(config, features)
+    keys = managed.keys
+    if admits:  # every check of the call passes before any map changes
+      checks = self._checks_before_step(config, features, weights, not whole_call)
+      with tf.control_dependencies(checks):
+        keys = [tf.identity(k) for k in keys]  # carries the checks into a merge_call too
+    step_reset = reset or self._row_resets.reset
+    if undo is not None:
+      step_reset = undo.recording(step_reset)
 
     def step(keys: list[tf.Tensor]) -> list[tf.Tensor]:
       if admits:
         self._row_resets.check_training_remap()
-      rows = self._managed.step(managed.tables, keys, admits, reset or self._row_resets.reset)
+      rows = self._managed.step(managed.tables, keys, admits, step_reset)
       if admits:
         self._row_resets.end_step()
       return rows
 
-    rows = replicated.run_once(step, managed.keys) if admits else step(managed.keys)
-    return self._row_resets.visible(config, managed.with_rows(rows))
+    rows = managed.with_rows(replicated.run_once(step, keys) if admits else step(keys))
+    if undo is not None:
+      undo.stepped()
+    if admits and reset is None:  # rows this call trains: resets left by dropped batches first
+      for feature, ids in config_lib.match_structure(config, rows, subset=True):
+        if feature.table.name in self._managed.maps:
+          self._row_resets.before_training(feature.table, flat_values(ids))
+    return self._row_resets.visible(config, rows)
+
+  def _checks_before_step(
+    self, config: config_lib.EmbeddingConfig, features: Any, weights: Any, subset: bool
+  ) -> list[tf.Tensor]:
+    """Runs every check of the ids, weights and shapes the lookup will make, on the features
+    with the managed keys read as row 0, so that a call they refuse changes no map: eagerly it
+    raises here; traced, the ops it returns gate the map's step."""
+    placeholders = self._managed.with_row_zero(config, features, subset)
+    step = inputs.Step.prepare(config, placeholders, weights, subset=subset)
+    if self._check_finite:  # the weights' check too: it comes before the gradient's verdict
+      step = finite.check_weights(step)
+    return [t for bag in step.bags for t in (bag.ids, bag.gains) if t is not None]
 
   def _refuse_keys_in_tpu_step(self) -> None:
     """A map steps once per global batch, on the host. A TPU step is traced once for all its
     replicas, whose host work (outside compilation) then runs apart, each on its own keys: no
     host code inside it sees the global batch (a `merge_call` gets one replica's keys), and
     TF's V1 enqueue there takes only the step's own inputs. So keys are remapped before it."""
+    if static_path.compiling() and not hardware.is_tpu_strategy(tf.distribute.get_strategy()):
+      raise ValueError(
+        f"Layer {self.name!r} has managed_ids and was given raw keys in a step that XLA "
+        "compiles (jit_compile=True), where its key -> row maps (hash tables) cannot run. Remap "
+        "outside the compiled function: rows = layer.remap(features), then layer(rows, "
+        "remapped=True) inside it. Nothing was changed."
+      )
     if tf.distribute.in_cross_replica_context():
       return
     if hardware.is_tpu_strategy(tf.distribute.get_strategy()):
@@ -141,6 +195,10 @@ class ManagedIdsMixin:
         "host before the step: rows = layer.remap(features) outside strategy.run, then "
         "layer(rows, remapped=True) inside it. Nothing was changed."
       )
+
+
+def _unchanged(outputs: Any) -> Any:
+  return outputs
 
 
 def _padded(given: list[tf.Tensor], keys: list[tf.Tensor]) -> tf.Tensor:

@@ -161,10 +161,24 @@ class ImmediateResets:
     given.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
 
   def reset_returned(self, table: TableConfig, rows: tf.Tensor) -> None:
-    """The caller writes resets a remap returned (`reset_rows`)."""
+    """The caller writes resets a remap returned (`reset_rows`); one written late, after
+    `apply` or `before_training` wrote it, is written again but counted once."""
     self.reset(table, rows)
-    _, written = self._counts(table)
-    written.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
+    given, written = self._counts(table)
+    done = tf.minimum(tf.gather(written, rows) + 1, tf.gather(given, rows))
+    written.scatter_update(tf.IndexedSlices(done, rows))
+
+  def before_training(self, table: TableConfig, rows: tf.Tensor) -> None:
+    """A call with raw keys is about to train `rows` of `table`: resets a remap returned for
+    them and nobody wrote (its batch was dropped) are written now, once, before their keys
+    train the rows; never after (a later `apply` finds them written)."""
+    if table.name not in self._returned:  # no remap returned resets of this table
+      return
+    given, written = self._counts(table)
+    rows = tf.unique(tf.cast(rows, tf.int64))[0]
+    due = tf.boolean_mask(rows, tf.gather(given, rows) > tf.gather(written, rows))
+    self.reset(table, due)
+    written.scatter_update(tf.IndexedSlices(tf.gather(given, due), due))
 
   def _counts(self, table: TableConfig) -> tuple[tf.Variable, tf.Variable]:
     if table.name not in self._returned:
@@ -186,10 +200,12 @@ class ImmediateResets:
   def apply(self) -> None:
     """Writes every reset still waiting (before a save, an export or a restore): here, those
     remaps returned that `reset_rows` has not written (batches remapped ahead of training, or
-    left in a pipeline when its loop stopped). Their counts stay: `reset_rows` still writes
-    them when it comes."""
+    left in a pipeline when its loop stopped). Each is due once: it counts as written, so
+    later saves leave the row (trained since) alone; `reset_rows` still writes it when it
+    comes, before its batch's step."""
     for table, given, written in self._returned.values():
       self.reset(table, tf.where(given > written)[:, 0])
+      written.assign(given)
 
   def visible(self, config: config_lib.EmbeddingConfig, features: Any) -> Any:
     """`features` (rows) as the tables can serve them now."""
@@ -354,6 +370,9 @@ class RoutedResets(ImmediateResets):
 
   def reset_returned(self, table: TableConfig, rows: tf.Tensor) -> None:
     self._by_table[table.name].reset_returned(table, rows)
+
+  def before_training(self, table: TableConfig, rows: tf.Tensor) -> None:
+    self._by_table[table.name].before_training(table, rows)
 
   def end_step(self) -> None:
     for side in self._distinct:

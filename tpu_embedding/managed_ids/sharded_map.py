@@ -33,7 +33,7 @@ from tpu_embedding import tf_internals
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset, as_keys
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 
@@ -107,7 +107,7 @@ class ShardedIdMap(tf.Module):
 
   def shard_of(self, keys: tf.Tensor) -> tf.Tensor:
     """The shard holding each key: FarmHash64 of the key (int64: its decimal string) mod shards."""
-    keys = tf.convert_to_tensor(keys, self.key_dtype)
+    keys = as_keys(keys, self.key_dtype, f"Table {self.table_name!r}")
     text = keys if keys.dtype == tf.string else tf.strings.as_string(keys)
     return tf.cast(tf.strings.to_hash_bucket_fast(text, self.num_shards), tf.int32)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import tensorflow as tf
 
 EVICTION_POLICIES = ("lfu", "lru", "ttl")
@@ -50,14 +52,12 @@ class ManagedIds:
         f"ManagedIds(eviction={self.eviction!r}): unknown eviction policy; expected one of "
         f"{EVICTION_POLICIES}."
       )
-    _check_positive_int("min_count", self.min_count)
-    _check_positive_int("lfu_half_life_steps", self.lfu_half_life_steps)
-    _check_positive_int("reset_every_steps", self.reset_every_steps)
-    if self.candidate_capacity is not None:
-      _check_positive_int("candidate_capacity", self.candidate_capacity)
-    if self.eviction == "ttl":
-      _check_positive_int("ttl_steps", self.ttl_steps)
-    elif self.ttl_steps is not None:
+    counts = ["min_count", "lfu_half_life_steps", "reset_every_steps"]
+    counts += ["ttl_steps"] if self.eviction == "ttl" else []
+    counts += [] if self.candidate_capacity is None else ["candidate_capacity"]
+    for name in counts:
+      object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+    if self.eviction != "ttl" and self.ttl_steps is not None:
       raise ValueError(
         f"ManagedIds(ttl_steps={self.ttl_steps!r}) is only used with eviction='ttl' (got "
         f"eviction={self.eviction!r})."
@@ -96,6 +96,8 @@ def _as_dtype(value: Any) -> Any:
     return value
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _positive_int(name: str, value: Any) -> int:
+  """`value` as a Python int (NumPy integers accepted, as everywhere ints are), if >= 1."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
     raise ValueError(f"ManagedIds({name}={value!r}): expected an int >= 1.")
+  return int(value)

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding.managed_ids import sharded_map
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap, as_keys
 from tpu_embedding.managed_ids.spec import ManagedIds
 
 # Resets rows of a table given to new keys (`row_resets.ImmediateResets.reset`).
@@ -45,6 +45,11 @@ class ManagedTables(tf.Module):
         raise ValueError(
           f"managed_ids names table {name!r}, which no feature of this layer uses; its tables "
           f"are {[t.name for t in config.tables]}."
+        )
+      if table.name in maps:
+        raise ValueError(
+          f"managed_ids names table {table.name!r} twice (by name and by its TableConfig?): "
+          "give each table one ManagedIds."
         )
       if not isinstance(spec, ManagedIds):
         raise TypeError(
@@ -90,6 +95,19 @@ class ManagedTables(tf.Module):
     for position, name in enumerate(tables):
       streams.setdefault(name, []).append(position)
     rows: list[Optional[tf.Tensor]] = [None] * len(keys)
+    with tf.control_dependencies(keys):  # every table's keys checked before any map step
+      self._step_streams(streams, keys, rows, training, reset_rows)
+    return rows
+
+  def _step_streams(
+    self,
+    streams: Mapping[str, list[int]],
+    keys: list[tf.Tensor],
+    rows: list[Optional[tf.Tensor]],
+    training: bool,
+    reset_rows: ResetRows,
+  ) -> None:
+    """One step of each table's map over its stream of keys; `rows` given their rows."""
     for name, positions in streams.items():
       parts = [keys[p] for p in positions]
       stream = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
@@ -100,7 +118,18 @@ class ManagedTables(tf.Module):
         pieces = tf.split(got, tf.stack([tf.size(k) for k in parts]))
       for position, piece in zip(positions, pieces):
         rows[position] = piece
-    return rows
+
+  def with_row_zero(self, config: config_lib.EmbeddingConfig, features: Any, subset: bool) -> Any:
+    """`features` with each managed table's keys replaced by row 0, in their layout: what the
+    call's checks of ids, weights and shapes take before any map changes."""
+    pairs = config_lib.match_structure(config, features, subset=subset)
+    leaves = [
+      _with_rows(ids, tf.zeros(tf.shape(flat_values(ids)), tf.int64))
+      if feature.table.name in self.maps
+      else ids
+      for feature, ids in pairs
+    ]
+    return tf.nest.pack_sequence_as(features, leaves)
 
 
 class ManagedKeys:
@@ -126,16 +155,8 @@ def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
 
 def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
   """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
-  values = flat_values(ids)
-  dtype, expected = values.dtype, id_map.key_dtype
-  ok = dtype == tf.string if expected == tf.string else dtype.is_integer
-  if not ok:
-    wanted = "tf.string keys" if expected == tf.string else "integer keys (int64 or narrower)"
-    raise ValueError(
-      f"Feature {feature.name!r}: its table {feature.table.name!r} manages its ids with "
-      f"key_dtype {expected.name}, which takes {wanted}; got {dtype.name} keys."
-    )
-  return tf.cast(values, expected) if dtype != expected else values
+  where = f"Feature {feature.name!r}: its table {feature.table.name!r}"
+  return as_keys(flat_values(ids), id_map.key_dtype, where)
 
 
 def flat_values(ids: Any) -> tf.Tensor:

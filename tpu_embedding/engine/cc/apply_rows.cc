@@ -11,6 +11,7 @@
 // graph, TF rewrites their `x / sqrt(y)` into the less exact `x * rsqrt(y)`.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -20,6 +21,25 @@
 
 namespace tpu_embedding {
 namespace {
+
+// The first id of `id[0..n)` (all in [0, rows)) that appears twice, or -1: by a bit per row
+// when the ids are a sizeable part of the table, else by sorting a copy (O(n log n)).
+int64_t FirstRepeated(const int64_t* id, int64_t n, int64_t rows) {
+  if (n * 64 >= rows) {
+    std::vector<uint64_t> seen((rows + 63) / 64, 0);
+    for (int64_t u = 0; u < n; ++u) {
+      uint64_t& word = seen[id[u] >> 6];
+      const uint64_t bit = uint64_t{1} << (id[u] & 63);
+      if (word & bit) return id[u];
+      word |= bit;
+    }
+    return -1;
+  }
+  std::vector<int64_t> sorted(id, id + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
+  return repeated == sorted.end() ? -1 : *repeated;
+}
 
 REGISTER_OP("TpuEmbeddingApplyRows")
     .Input("table: resource")
@@ -138,6 +158,13 @@ class ApplyRowsOp : public OpKernel {
                   InvalidArgument("row id ", id[u], " is not in [0, ",
                                                         rows, ")"));
     }
+    const int64_t twice = FirstRepeated(id, n, rows);
+    OP_REQUIRES(ctx, twice < 0,
+                InvalidArgument("row id ", twice, " appears more than once in row_ids: the "
+                                "update takes unique rows (shards updating one row at once "
+                                "would lose updates). Deduplicate them first, summing their "
+                                "gradients (tf.unique and tf.math.unsorted_segment_sum); "
+                                "nothing was written"));
     std::vector<float*> base(num_vars);
     for (int i = 0; i < num_vars; ++i) base[i] = vars[i].flat<float>().data();
     const float learning_rate = lr.scalar<float>()();
