@@ -335,7 +335,9 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     with tf.control_dependencies(refusals):
       if static:  # fixed shapes, and an all-reduce where several replicas train
         static_path.apply_gradients(trainable, self._rule, self._state, self._learning_rate)
-      elif not exchange.in_replica():
+      elif exchange.replicas_to_sum() == 1:  # this step's gradients are the global batch's:
+        # no merge, whose per-table gathers, second deduplication and sums cost a one-device
+        # strategy's first step (TF Model Garden trains under one) more than the update itself
         self._update_tables(
           [
             (t, batch.unique_ids, batch.row_gradients(upstream, t.dim))
@@ -362,7 +364,7 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     step checked them before any engine's gradient).
     """
     read_rows = read_rows or {}
-    rates = [self._learning_rate(table, checked) for table, _, _ in per_table]
+    rates = self._learning_rates([table for table, _, _ in per_table], checked)
     checks = []
     if self._check_finite and not checked:
       for (table, ids, grads), rate in zip(per_table, rates):
@@ -450,12 +452,22 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
   def _learning_rate(self, table: TableConfig, checked: bool = False) -> tf.Tensor:
     """The table's learning rate for this step (checked to be finite with `check_finite`,
     unless `checked` already)."""
-    learning_rate = optimizer_specs.learning_rate_tensor(
-      table.optimizer, where=f"Table {table.name!r}"
-    )
+    return self._learning_rates([table], checked)[0]
+
+  def _learning_rates(self, tables: Sequence[TableConfig], checked: bool = False) -> list:
+    """`_learning_rate` of each table, each learning rate the tables share computed once (as
+    the TPU engine calls each learning-rate callable once per step): a Keras schedule builds
+    a dozen ops per call, and once per table it was most of Model Garden's first step."""
+    computed = {}
+    for table in tables:
+      if id(table.optimizer.learning_rate) not in computed:
+        computed[id(table.optimizer.learning_rate)] = optimizer_specs.learning_rate_tensor(
+          table.optimizer, where=f"Table {table.name!r}"
+        )
+    rates = [computed[id(table.optimizer.learning_rate)] for table in tables]
     if self._check_finite and not checked:
-      learning_rate = finite.check_learning_rate(learning_rate, table.name)
-    return learning_rate
+      rates = [finite.check_learning_rate(r, t.name) for r, t in zip(rates, tables)]
+    return rates
 
   def _rule(self, table: TableConfig) -> updates.UpdateRule:
     return self._rules[table.name]
