@@ -3,6 +3,10 @@
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
 (benchmarks/managed_ids.py) on its own.
 
+`python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
+trainer with tfrs's layers and with ours (benchmarks/model_garden.py; needs the client set up
+outside this repository, and says how when it is missing).
+
 Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
 benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
 benchmarks/results/<cases>[-quick]/ (single cases), unless --out is given.
@@ -30,6 +34,11 @@ def main(argv=None) -> None:
     speed_only = "--speed-only" in argv
     name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
     managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
+    return
+  if argv[:1] == ["model_garden"]:
+    from benchmarks import model_garden
+
+    model_garden.main(argv[1:])
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",

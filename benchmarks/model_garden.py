@@ -259,8 +259,12 @@ def main(argv=None) -> None:
     for loop in args.loops.split(","):
       for impl in IMPLS:
         results.append(run_child(impl, loop, args))
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in
-                       results[-1].items()), flush=True)
+        print(
+          " ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in results[-1].items()
+          ),
+          flush=True,
+        )
   loads = [r["load_avg"] for r in results]
   load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
   rows = summarize(results)
