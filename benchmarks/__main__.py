@@ -4,6 +4,10 @@
 (benchmarks/managed_ids.py) on its own; `python -m benchmarks preflight [--quick]
 [--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
 
+`python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
+trainer with tfrs's layers and with ours (benchmarks/model_garden.py; needs the client set up
+outside this repository, and says how when it is missing).
+
 Prints markdown tables and writes RESULTS.md, results.json and PNG plots to
 benchmarks/results/ (full run of all cases), benchmarks/results/quick/ (--quick) or
 benchmarks/results/<cases>[-quick]/ (single cases), unless --out is given.
@@ -39,6 +43,11 @@ def main(argv=None) -> None:
     data_dir = argv[argv.index("--data_dir") + 1] if "--data_dir" in argv else None
     name = "preflight" + ("-quick" if quick else "")
     preflight.main(quick, os.path.join(HERE, "results", name), data_dir)
+    return
+  if argv[:1] == ["model_garden"]:
+    from benchmarks import model_garden
+
+    model_garden.main(argv[1:])
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",

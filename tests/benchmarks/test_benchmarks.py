@@ -171,3 +171,33 @@ def test_static_path_formulations_times_both_and_names_the_one_update_for_picks(
   saved = json.loads((tmp_path / "static_path_formulations.json").read_text())
   assert [len(r["us"]["whole table"]) for r in saved] == [1, 1]
   assert (tmp_path / "static_path_formulations.md").read_text() == text
+
+
+def test_model_garden_says_how_to_set_up_the_client_when_it_is_missing(tmp_path, monkeypatch):
+  from benchmarks import model_garden
+
+  monkeypatch.setenv("MODEL_GARDEN_DIR", str(tmp_path))
+  with pytest.raises(SystemExit) as exit_info:
+    model_garden.main([])
+  message = str(exit_info.value)
+  assert f"not found under {tmp_path}" in message
+  assert "pip download tf-models-official==2.20.0 --no-deps" in message
+  assert "install --no-deps --target site gin-config pyyaml tensorboard" in message
+
+
+def test_model_garden_table_takes_medians_per_loop_and_ours_over_tfrs():
+  from benchmarks import model_garden
+
+  def run(impl, loop, seconds, rate):
+    figures = dict.fromkeys(model_garden.FIGURES, seconds)
+    return {"impl": impl, "loop": loop, **figures, "steady_examples_per_s": rate}
+
+  runs = [run("tfrs", "fit", s, 1000.0) for s in (10.0, 30.0, 20.0)]
+  runs += [run("ours", "fit", s, 2000.0) for s in (24.0, 12.0, 99.0)]
+  (row,) = model_garden.summarize(runs)
+  assert row["medians"]["tfrs"]["first_100_steps_s"] == 20.0
+  assert row["medians"]["ours"]["first_100_steps_s"] == 24.0
+  assert row["ratio"]["first_100_steps_s"] == pytest.approx(1.2)
+  assert row["ratio"]["steady_examples_per_s"] == 2.0
+  table = model_garden.markdown([row], "partial", 300, "load 1")
+  assert "| fit | ours / tfrs | 1.20x | 1.20x | 1.20x | 2.00x |" in table

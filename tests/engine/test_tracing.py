@@ -8,6 +8,7 @@ shows up without timing anything (`benchmarks/first_steps.py` measures the time 
 
 import contextlib
 import sys
+import threading
 from typing import Callable
 
 import numpy as np
@@ -17,7 +18,7 @@ import tf_keras
 from tensorflow.python.eager import context
 
 import tpu_embedding
-from tpu_embedding.engine import inputs, lookup
+from tpu_embedding.engine import engine, exchange, inputs, lookup
 
 E = tf.tpu.experimental.embedding
 BATCH = 4
@@ -31,19 +32,24 @@ LAYERS = {
 }
 
 
-def features(count: int) -> dict:
-  """`count` one-id features, each with its own table."""
+def features(count: int, output_shape: bool = False) -> dict:
+  """`count` one-id features, each with its own table; `output_shape`: each configured with
+  the batch's (as TF Model Garden's ranking task configures them)."""
   return {
     f"f{i}": E.FeatureConfig(
-      E.TableConfig(10 if i % 2 else 100, 4, name=f"t{i}", combiner="sum"), name=f"f{i}"
+      E.TableConfig(10 if i % 2 else 100, 4, name=f"t{i}", combiner="sum"),
+      name=f"f{i}",
+      output_shape=[BATCH] if output_shape else None,
     )
     for i in range(count)
   }
 
 
-def model_over(layer_kind: str, count: int) -> tuple[tf_keras.Model, dict]:
+def model_over(
+  layer_kind: str, count: int, output_shape: bool = False
+) -> tuple[tf_keras.Model, dict]:
   """(a compiled functional model over the layer, one batch of its ids)."""
-  config = features(count)
+  config = features(count, output_shape)
   layer = LAYERS[layer_kind](config)
   ids = {name: tf_keras.Input(shape=(), dtype=tf.int64, name=name) for name in config}
   joined = tf_keras.layers.Concatenate()(list(layer(ids).values()))
@@ -56,18 +62,25 @@ def model_over(layer_kind: str, count: int) -> tuple[tf_keras.Model, dict]:
 def entries(code, run: Callable[[], None]) -> int:
   """How many times `run()` enters the Python code object `code` (a function converted by
   AutoGraph runs converted code instead, so it is not counted)."""
-  count = [0]
+  return entries_of((code,), run)[0]
+
+
+def entries_of(codes: tuple, run: Callable[[], None]) -> list[int]:
+  """`entries` of each code object, in one run."""
+  count = [0] * len(codes)
 
   def profile(frame, event, arg):
-    if event == "call" and frame.f_code is code:
-      count[0] += 1
+    if event == "call" and frame.f_code in codes:
+      count[codes.index(frame.f_code)] += 1
 
   sys.setprofile(profile)
+  threading.setprofile(profile)  # a strategy's replica steps run in threads of their own
   try:
     run()
   finally:
     sys.setprofile(None)
-  return count[0]
+    threading.setprofile(None)
+  return count
 
 
 @pytest.mark.parametrize("layer_kind,sides", [("tpu", 1), ("partial", 2)])
@@ -87,9 +100,9 @@ def test_fit_traces_its_step_twice_and_our_code_once_per_side_and_trace(layer_ki
   assert prepared == 2 * sides
 
 
-def train_step_nodes(layer_kind: str, count: int) -> tuple[int, int]:
-  """(nodes, Assert nodes) of a custom training step's graph, the functions it calls included."""
-  model, batch = model_over(layer_kind, count)
+def train_step_graph(layer_kind: str, count: int, output_shape: bool = False) -> list:
+  """The nodes of a custom training step's graph, the functions it calls included."""
+  model, batch = model_over(layer_kind, count, output_shape)
   optimizer = tf_keras.optimizers.legacy.SGD(0.1)
   model(batch)  # creates the dense variables outside the step
 
@@ -101,7 +114,12 @@ def train_step_nodes(layer_kind: str, count: int) -> tuple[int, int]:
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
   graph = step.get_concrete_function(batch).graph.as_graph_def()
-  nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+  return list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+
+
+def train_step_nodes(layer_kind: str, count: int) -> tuple[int, int]:
+  """(nodes, Assert nodes) of a custom training step's graph, the functions it calls included."""
+  nodes = train_step_graph(layer_kind, count)
   return len(nodes), sum(n.op == "Assert" for n in nodes)
 
 
@@ -119,6 +137,91 @@ def test_training_step_graph_size_per_feature(layer_kind, most_per_feature, most
   # The id-range check is one function, built once however many features, whichever side of
   # PartialTPUEmbedding calls it (both sides hold 2 or 4 features here).
   assert asserts_4 == asserts_8 == 1
+
+
+# TF Model Garden's ranking trainer (tf-models-official 2.20), against which these were found
+# (`python -m benchmarks model_garden`): its task gives every feature an output_shape of the
+# batch's, trains under a MirroredStrategy (one device off TPU) with AutoGraph on (`fit` and its
+# Orbit loop), and the tables' Keras optimizer follows a learning-rate schedule. Its first 100
+# steps took 1.6-2.5x tfrs's: a `tf.cond` per feature checking the output_shape, the schedule
+# called once per table, and the whole update converted by AutoGraph through the strategy's
+# merge. Each pinned below by a count.
+
+
+@pytest.mark.parametrize("layer_kind", ["tpu", "partial"])
+def test_an_output_shape_the_trace_knows_holds_builds_no_check(layer_kind):
+  with_shape = train_step_graph(layer_kind, 4, output_shape=True)
+  without = [n.op for n in train_step_graph(layer_kind, 4)]
+  # The check is decided while tracing (the batch's shape is static): no `tf.cond` with its
+  # asserts per feature (9 Asserts here before); per feature only the configured shape and the
+  # count as constants, and the comparison the trace evaluated (unused: pruned before running).
+  assert sum(n.op == "Assert" for n in with_shape) == 1  # the range check's, as without
+  assert len(with_shape) - len(without) <= 3 * 4
+
+
+class CountedSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
+  """A constant rate that counts the calls (each one builds its ops into the step)."""
+
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self, step):
+    self.calls += 1
+    return tf.constant(0.1)
+
+  def get_config(self) -> dict:
+    return {}
+
+
+def fit_as_model_garden(devices: list[str]) -> tuple[tf_keras.Model, int, int, CountedSchedule]:
+  """TF Model Garden's pattern (above) on a `PartialTPUEmbedding` of 4 features, 2 per side,
+  `fit` over two batches: (the model, entries into `gather_and_update`, into `_update_tables`
+  as written (not converted), the tables' schedule)."""
+  schedule = CountedSchedule()
+  strategy = tf.distribute.MirroredStrategy(devices)
+  config = features(4, output_shape=True)
+  with strategy.scope():
+    optimizer = tf_keras.optimizers.legacy.SGD(schedule)
+    # The step the schedule reads, made before the step (as the trainer's optimizer has it):
+    # made lazily in a step of two replicas, that step would fail on TF's variable lifting.
+    optimizer.iterations
+    layer = tpu_embedding.PartialTPUEmbedding(config, optimizer, size_threshold=THRESHOLD)
+    ids = {name: tf_keras.Input(shape=(), dtype=tf.int64, name=name) for name in config}
+    joined = tf_keras.layers.Concatenate()(list(layer(ids).values()))
+    model = tf_keras.Model(ids, tf_keras.layers.Dense(1)(joined))
+    model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1), loss="mse")
+  global_batch = BATCH * len(devices)
+  data = tf.data.Dataset.from_tensor_slices(
+    ({name: np.arange(2 * global_batch) % 10 for name in config}, np.ones([2 * global_batch, 1]))
+  ).batch(global_batch, drop_remainder=True)  # static shapes, as the trainer's batches
+  gathered, updated = entries_of(
+    (exchange.gather_and_update.__code__, engine.EmbeddingEngine._update_tables.__code__),
+    lambda: model.fit(data, verbose=0),
+  )
+  return model, gathered, updated, schedule
+
+
+def test_fit_under_a_one_device_strategy_updates_without_a_merge_and_one_rate_per_side():
+  model, gathered, updated, schedule = fit_as_model_garden(["CPU:0"])
+  assert model.train_function.experimental_get_tracing_count() == 2
+  # One replica's gradients are the global batch's: the update runs in the replica step as
+  # without a strategy, with no merge (its gathers, second deduplication and sums per table).
+  assert gathered == 0
+  assert updated == 2 * 2  # each trace, each side
+  # The schedule the 2 tables of each side share is called once per side and trace (it was
+  # once per table: 8), as the TPU engine calls a learning-rate callable once per step.
+  assert schedule.calls == 2 * 2
+
+
+def test_fit_under_two_replicas_merges_each_step_without_converting_the_update():
+  model, gathered, updated, schedule = fit_as_model_garden(["CPU:0", "CPU:1"])
+  assert model.train_function.experimental_get_tracing_count() == 2
+  assert gathered == 2 * 2 * 2  # each trace, side and replica
+  # The merge runs the update as written: AutoGraph, which converts a function `merge_call`
+  # is given from converted code, converted it and all it calls (about 3,000 conversions in
+  # the trainer), and a converted function's own code is never entered.
+  assert updated == 2 * 2
+  assert schedule.calls == 2 * 2
 
 
 def serving_function(

@@ -74,7 +74,7 @@ class TableUpdates:
     step checked them before any engine's gradient).
     """
     read_rows = read_rows or {}
-    rates = [self.learning_rate(table, checked) for table, _, _ in per_table]
+    rates = self.learning_rates([table for table, _, _ in per_table], checked)
     checks = []
     if self._check_finite and not checked:
       for (table, ids, grads), rate in zip(per_table, rates):
@@ -161,12 +161,22 @@ class TableUpdates:
   def learning_rate(self, table: TableConfig, checked: bool = False) -> tf.Tensor:
     """The table's learning rate for this step (checked to be finite with `check_finite`,
     unless `checked` already)."""
-    learning_rate = optimizer_specs.learning_rate_tensor(
-      table.optimizer, where=f"Table {table.name!r}"
-    )
+    return self.learning_rates([table], checked)[0]
+
+  def learning_rates(self, tables: Sequence[TableConfig], checked: bool = False) -> list:
+    """`learning_rate` of each table, each learning rate the tables share computed once (as
+    the TPU engine calls each learning-rate callable once per step): a Keras schedule builds
+    a dozen ops per call, and once per table it was most of Model Garden's first step."""
+    computed = {}
+    for table in tables:
+      if id(table.optimizer.learning_rate) not in computed:
+        computed[id(table.optimizer.learning_rate)] = optimizer_specs.learning_rate_tensor(
+          table.optimizer, where=f"Table {table.name!r}"
+        )
+    rates = [computed[id(table.optimizer.learning_rate)] for table in tables]
     if self._check_finite and not checked:
-      learning_rate = finite.check_learning_rate(learning_rate, table.name)
-    return learning_rate
+      rates = [finite.check_learning_rate(r, t.name) for r, t in zip(rates, tables)]
+    return rates
 
   def rule(self, table: TableConfig) -> updates.UpdateRule:
     return self._rules[table.name]

@@ -305,7 +305,9 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
       if static:  # fixed shapes, and an all-reduce where several replicas train
         written = self._updates
         static_path.apply_gradients(trainable, written.rule, written.state, written.learning_rate)
-      elif not exchange.in_replica():
+      elif exchange.replicas_to_sum() == 1:  # this step's gradients are the global batch's:
+        # no merge, whose per-table gathers, second deduplication and sums cost a one-device
+        # strategy's first step (TF Model Garden trains under one) more than the update itself
         self._updates.update_tables(
           [
             (t, batch.unique_ids, batch.row_gradients(upstream, t.dim))

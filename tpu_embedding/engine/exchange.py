@@ -92,6 +92,11 @@ def gather_and_update(per_table: Sequence[tuple[TableConfig, Any, list]], update
   )
 
 
+# `merge_call` has AutoGraph convert its function when the step calls it from converted code (a
+# model's step in `fit`, Orbit's loop: any step run under a strategy), which would convert the
+# whole update (engine, update rules, learning-rate schedules): several times its tracing cost.
+# It has no tensor-dependent Python control flow.
+@tf.autograph.experimental.do_not_convert
 def _merge_and_update(tables, multi_worker, update: Update, strategy, bags, sizes) -> None:
   if multi_worker:
     all_sizes = strategy.gather(sizes, axis=0)  # [replicas, bags]

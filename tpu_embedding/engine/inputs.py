@@ -137,9 +137,16 @@ def _dense_bags(feature: Feature, ids: Tensor, compiled: bool) -> Bags:
     ids if ids.shape.rank == 1 else tf.reshape(ids, [-1]),
     None,
     None,
-    tf.reduce_prod(shape),
+    _count(shape, static),
     *_with_output_shape(feature, shape, static),
   )
+
+
+def _count(shape: Tensor, static: tf.TensorShape) -> Tensor:
+  """The number of elements of `shape`: a constant when the trace knows it, so that a check of
+  it (a configured output_shape's) is decided while tracing instead of built into the graph."""
+  known = static.num_elements()
+  return tf.reduce_prod(shape) if known is None else tf.constant(known, tf.int64)
 
 
 def _sparse_bags(
