@@ -18,7 +18,7 @@ import tf_keras
 from tensorflow.python.eager import context
 
 import tpu_embedding
-from tpu_embedding.engine import engine, exchange, inputs, lookup
+from tpu_embedding.engine import backward, exchange, inputs, lookup
 
 E = tf.tpu.experimental.embedding
 BATCH = 4
@@ -175,8 +175,8 @@ class CountedSchedule(tf_keras.optimizers.schedules.LearningRateSchedule):
 
 def fit_as_model_garden(devices: list[str]) -> tuple[tf_keras.Model, int, int, CountedSchedule]:
   """TF Model Garden's pattern (above) on a `PartialTPUEmbedding` of 4 features, 2 per side,
-  `fit` over two batches: (the model, entries into `gather_and_update`, into `_update_tables`
-  as written (not converted), the tables' schedule)."""
+  `fit` over two batches: (the model, entries into `gather_and_update`, into
+  `TableUpdates.update_tables` as written (not converted), the tables' schedule)."""
   schedule = CountedSchedule()
   strategy = tf.distribute.MirroredStrategy(devices)
   config = features(4, output_shape=True)
@@ -195,7 +195,7 @@ def fit_as_model_garden(devices: list[str]) -> tuple[tf_keras.Model, int, int, C
     ({name: np.arange(2 * global_batch) % 10 for name in config}, np.ones([2 * global_batch, 1]))
   ).batch(global_batch, drop_remainder=True)  # static shapes, as the trainer's batches
   gathered, updated = entries_of(
-    (exchange.gather_and_update.__code__, engine.EmbeddingEngine._update_tables.__code__),
+    (exchange.gather_and_update.__code__, backward.TableUpdates.update_tables.__code__),
     lambda: model.fit(data, verbose=0),
   )
   return model, gathered, updated, schedule
