@@ -12,8 +12,13 @@ JAX_STAMP := $(JAX_VENV)/.installed
 # jax-tpu-embedding, for tests/preflight/test_jax_comparison.py and `python -m benchmarks
 # preflight` (a child process in its own environment; they skip, saying so, without it).
 JAX_PINS := jax-tpu-embedding==0.1.0 jax==0.10.2 jaxlib==0.10.2
+# FBGEMM's CPU build, for tests/test_quantization.py's comparison with its 8-bit rowwise
+# quantization (a child process in its own environment; skipped, saying so, without it).
+FBGEMM_VENV := .venv-fbgemm
+FBGEMM_STAMP := $(FBGEMM_VENV)/.installed
+FBGEMM_PINS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 numpy==2.4.6
 
-.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env
+.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env fbgemm-env
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -34,7 +39,14 @@ $(JAX_STAMP):
 
 jax-env: $(JAX_STAMP)
 
-test: $(STAMP) $(JAX_STAMP)
+$(FBGEMM_STAMP):
+	test -x $(FBGEMM_VENV)/bin/python || $(PYTHON) -m venv $(FBGEMM_VENV)
+	$(FBGEMM_VENV)/bin/python -m pip install --quiet $(FBGEMM_PINS) && touch $(FBGEMM_STAMP) \
+		|| echo "fbgemm-gpu-cpu did not install: its comparison will be skipped"
+
+fbgemm-env: $(FBGEMM_STAMP)
+
+test: $(STAMP) $(JAX_STAMP) $(FBGEMM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests --durations=25

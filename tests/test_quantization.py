@@ -89,7 +89,10 @@ def test_rowwise_codes_and_rows_equal_the_numpy_formula(dtype, levels, dim):
 
 
 # A Python with torch and fbgemm-gpu-cpu (docs/checkpoints-and-serving.md says how to make one).
-FBGEMM_PYTHON = os.environ.get("FBGEMM_PYTHON", "")
+# `make fbgemm-env` builds .venv-fbgemm; FBGEMM_PYTHON names another interpreter.
+FBGEMM_PYTHON = os.environ.get("FBGEMM_PYTHON") or os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-fbgemm", "bin", "python"
+)
 FBGEMM_QUANTIZE = """
 import sys
 import numpy as np
@@ -105,7 +108,7 @@ np.savez(sys.argv[2], codes=fused[:, :dim], scale_bias=fused[:, dim:].copy().vie
 @pytest.mark.integration
 @pytest.mark.skipif(
   not os.path.isfile(FBGEMM_PYTHON),
-  reason="FBGEMM_PYTHON does not name a Python with torch and fbgemm-gpu-cpu",
+  reason="no fbgemm-gpu-cpu environment (make fbgemm-env, or set FBGEMM_PYTHON)",
 )
 def test_int8_codes_are_fbgemms_but_at_rounding_ties(tmp_path):
   x = random_table(rows=20000, dim=32, seed=3)
