@@ -7,6 +7,7 @@ the same key stream (rows, rows given to new keys, export).
 from __future__ import annotations
 
 import collections
+import math
 from typing import Hashable, Optional, Sequence
 
 import tensorflow as tf
@@ -29,8 +30,11 @@ class ReferenceMap:
     ttl_steps: Optional[int] = None,
     half_life: int = 1000,
     candidate_capacity: Optional[int] = None,
+    admission: str = "always",
+    distance_decay: float = 1.0,
   ):
     self.capacity, self.eviction, self.min_count = capacity, eviction, min_count
+    self.admission, self.distance_decay = admission, distance_decay
     self.ttl_steps, self.half_life = ttl_steps, half_life
     self.candidate_capacity = candidate_capacity or capacity
     self.row_of: dict = {}
@@ -42,7 +46,21 @@ class ReferenceMap:
 
   def aged(self, row: int, epoch: int) -> int:
     count, at = self.count[row]
+    if self.eviction == "distance_lfu":  # never halved
+      return count
     return count >> min(epoch - at, 62)
+
+  def score(self, row: int, step: int, epoch: int):
+    """What orders victims first, and what a competing new key must beat."""
+    if self.eviction == "distance_lfu":
+      distance = float(step - self.last[row])
+      power = 1.0
+      for _ in range(int(self.distance_decay)):
+        power *= distance
+      if self.distance_decay % 1:
+        power *= math.sqrt(distance)
+      return self.count[row][0] / power
+    return self.aged(row, epoch)
 
   def lookup(self, keys: Sequence[Hashable]) -> list[int]:
     return [self.row_of.get(k, 0) for k in keys]
@@ -68,11 +86,20 @@ class ReferenceMap:
     eligible = [k for k in new if totals[k] >= self.min_count]
     free = [r for r in range(1, self.capacity) if r not in self.key_of]
     victims = [r for r in self.key_of if self.last[r] < step]
-    if self.eviction == "lfu":
-      victims.sort(key=lambda r: (self.aged(r, epoch), self.last[r], r))
+    if self.eviction in ("lfu", "distance_lfu"):
+      victims.sort(key=lambda r: (self.score(r, step, epoch), self.last[r], r))
     else:
       victims.sort(key=lambda r: (self.last[r], r))
-    given = list(zip(eligible, free + victims))
+    given = list(zip(eligible, free))
+    rest = eligible[len(free) :]
+    if self.admission == "compete":  # the strongest new keys meet the weakest rows first
+      rest.sort(key=lambda k: -totals[k])  # stable: ties in first-occurrence order
+      for key, row in zip(rest, victims):
+        if totals[key] <= self.score(row, step, epoch):
+          break
+        given.append((key, row))
+    else:
+      given += list(zip(rest, victims))
     for key, row in given:
       if row in self.key_of:
         self._free(row)

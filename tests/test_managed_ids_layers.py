@@ -154,7 +154,7 @@ def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):
 
 # ManagedIds's defaults, as a config gives them.
 SETTINGS = dict(ttl_steps=None, lfu_half_life_steps=1000, candidate_capacity=None)
-SETTINGS.update(reset_every_steps=1, min_count=1)
+SETTINGS.update(reset_every_steps=1, min_count=1, admission="always", distance_decay=1.0)
 
 
 @pytest.mark.parametrize("kind", ["keras.TPUEmbedding", "keras.PartialTPUEmbedding"])

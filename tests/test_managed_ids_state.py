@@ -13,11 +13,11 @@ from tpu_embedding import serving
 E = tf.tpu.experimental.embedding
 
 
-def _layer(capacity=5, key_dtype=tf.int64, managed=True):
+def _layer(capacity=5, key_dtype=tf.int64, managed=True, **policy):
   table = E.TableConfig(capacity, 2, initializer=tf.constant_initializer(0.5), name="movies")
   kwargs = {}
   if managed:
-    kwargs["managed_ids"] = {"movies": tpu_embedding.ManagedIds(key_dtype=key_dtype)}
+    kwargs["managed_ids"] = {"movies": tpu_embedding.ManagedIds(key_dtype=key_dtype, **policy)}
   return tpu_embedding.TPUEmbedding(
     {"movie": E.FeatureConfig(table, name="movie")}, optimizer=E.SGD(0.5), **kwargs
   )
@@ -38,13 +38,16 @@ def _state(layer):
   return keys, rows, counts, int(layer.managed_ids["movies"].step), table
 
 
-def test_checkpoint_restores_map_with_table_and_training_continues_identically(tmp_path):
-  layer = _layer()
+@pytest.mark.parametrize(
+  "policy", [{}, dict(eviction="distance_lfu", admission="compete")], ids=["default", "distance"]
+)
+def test_checkpoint_restores_map_with_table_and_training_continues_identically(tmp_path, policy):
+  layer = _layer(**policy)
   for keys in KEYS[:2]:
     _train(layer, keys)
   path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
   saved = _state(layer)
-  restored = _layer()
+  restored = _layer(**policy)
   assert restored.variables_by_table  # tables created: the restore binds at once
   tf.train.Checkpoint(layer=restored).restore(path).assert_consumed()
   for got, want in zip(_state(restored), saved):

@@ -7,7 +7,10 @@ from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
-EVICTION_POLICIES = ("lfu", "lru", "ttl")
+EVICTION_POLICIES = ("lfu", "lru", "ttl", "distance_lfu")
+ADMISSIONS = ("always", "compete")
+SCORED_POLICIES = ("lfu", "distance_lfu")  # those whose rows have a score a newcomer can beat
+DISTANCE_DECAYS = (0.5, 1.0, 1.5, 2.0)
 KEY_DTYPES = (tf.int64, tf.string)
 
 
@@ -18,10 +21,21 @@ class ManagedIds:
   Args:
     key_dtype: tf.int64 (any int64 value; narrower integer inputs are widened) or tf.string.
     eviction: which row to free when every row is taken: "lfu" (smallest aged count), "lru"
-      (least recently seen) or "ttl" (rows unseen for `ttl_steps` steps are freed, then lru).
+      (least recently seen), "ttl" (rows unseen for `ttl_steps` steps are freed, then lru) or
+      "distance_lfu" (smallest `count / distance ** distance_decay`: the key's occurrences since
+      it took its row, never halved, over the steps since it was last seen: a heavy key keeps
+      its row through a long absence, a key seen once loses it after a step or two).
+    admission: "always" (every eligible new key takes a row while one can be freed) or
+      "compete" ("lfu" and "distance_lfu" only): once no row is free, a new key takes a victim's
+      row only if its score, its count so far (occurrences at this step plus its candidate
+      count), is strictly above the victim's (aged count, or count over distance); the
+      strongest new keys meet the weakest rows first, ties keep the row's key.
     min_count: a key gets a row at its `min_count`-th occurrence in training steps.
     ttl_steps: for "ttl" only: steps without an occurrence after which a row is freed.
     lfu_half_life_steps: LFU counts are halved every this many steps (yesterday's hits fade).
+    distance_decay: for "distance_lfu" only: the exponent of the distance, one of 0.5, 1.0, 1.5,
+      2.0 (in halves, so every path computes the same score bit for bit: square roots and
+      products are exactly rounded, a general power is not). Higher forgets absent keys faster.
     candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1);
       None: the table's vocabulary size.
     reset_every_steps: TPU V1 only: rows given to new keys are reset in TPU memory at training
@@ -34,6 +48,8 @@ class ManagedIds:
   min_count: int = 1
   ttl_steps: Optional[int] = None
   lfu_half_life_steps: int = 1000
+  admission: str = "always"
+  distance_decay: float = 1.0
   candidate_capacity: Optional[int] = None
   reset_every_steps: int = 1
 
@@ -50,6 +66,18 @@ class ManagedIds:
         f"ManagedIds(eviction={self.eviction!r}): unknown eviction policy; expected one of "
         f"{EVICTION_POLICIES}."
       )
+    if self.admission not in ADMISSIONS:
+      raise ValueError(f"ManagedIds(admission={self.admission!r}): expected one of {ADMISSIONS}.")
+    if self.admission == "compete" and self.eviction not in SCORED_POLICIES:
+      raise ValueError(
+        f"ManagedIds(admission='compete') needs a scored eviction policy, one of "
+        f"{SCORED_POLICIES} (got eviction={self.eviction!r}, whose rows have no count to beat)."
+      )
+    if isinstance(self.distance_decay, bool) or self.distance_decay not in DISTANCE_DECAYS:
+      raise ValueError(
+        f"ManagedIds(distance_decay={self.distance_decay!r}): expected one of {DISTANCE_DECAYS}."
+      )
+    object.__setattr__(self, "distance_decay", float(self.distance_decay))
     _check_positive_int("min_count", self.min_count)
     _check_positive_int("lfu_half_life_steps", self.lfu_half_life_steps)
     _check_positive_int("reset_every_steps", self.reset_every_steps)
