@@ -524,6 +524,12 @@ class Step {
     return rows;
   }
 
+  // After a step that gave many rows the pool holds them all: cut back to its usual size now
+  // rather than at the next step, so that no step leaves the index above its bound.
+  void Trim() {
+    if (PoolSize() > 2 * PoolFor(0)) Rebuild(0, {});
+  }
+
   // A row whose key changed at this step (given to a new key) enters the index.
   void Push(int64_t row) {
     if (last_[row] < 0) return;
@@ -613,9 +619,13 @@ class Step {
     if (!x_.everything) cut();
     SortVictims(kept);
     if (!kept.empty()) x_.threshold = kept.back();
-    x_.sorted.assign(kept.begin(), kept.end());  // at its size, not the buffer's
+    // At its size, not the buffer's; heaps grown by a step that gave many rows (a map filled at
+    // once) are given back, so that the index keeps its bound of bytes a row whatever the batch.
+    std::vector<Victim>(kept.begin(), kept.end()).swap(x_.sorted);
     x_.next = 0;
     x_.pushed.clear();
+    if (x_.pushed.capacity() > size) x_.pushed.shrink_to_fit();
+    if (x_.freed.capacity() > 2 * x_.freed.size() + kMinPool) x_.freed.shrink_to_fit();
   }
 
   ManagedIndex& x_;
@@ -1005,6 +1015,7 @@ class ManagedRemapOp : public OpKernel {
       held = table.Insert(hashes[u], static_cast<uint32_t>(row)) && held;
       index_step.Push(row);
     }
+    index_step.Trim();
 
     Tensor new_keys;
     absl::Status status = held ? absl::OkStatus()
