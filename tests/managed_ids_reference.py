@@ -35,6 +35,7 @@ class ReferenceMap:
   ):
     self.capacity, self.eviction, self.min_count = capacity, eviction, min_count
     self.admission, self.distance_decay = admission, distance_decay
+    self.keeps_candidates = min_count > 1 or admission == "compete"
     self.ttl_steps, self.half_life = ttl_steps, half_life
     self.candidate_capacity = candidate_capacity or capacity
     self.row_of: dict = {}
@@ -81,7 +82,7 @@ class ReferenceMap:
         if step - self.last[row] >= self.ttl_steps:
           self._free(row)
     totals = {k: self.candidates.get(k, 0) + occurrences[k] for k in new}
-    if self.min_count == 1:
+    if not self.keeps_candidates:
       totals = {k: occurrences[k] for k in new}
     eligible = [k for k in new if totals[k] >= self.min_count]
     free = [r for r in range(1, self.capacity) if r not in self.key_of]
@@ -105,7 +106,7 @@ class ReferenceMap:
         self._free(row)
       self.row_of[key], self.key_of[row] = row, key
       self.count[row], self.last[row] = (totals[key], epoch), step
-    if self.min_count > 1:
+    if self.keeps_candidates:
       admitted = {k for k, _ in given}
       for key in new:
         if key in admitted:

@@ -276,7 +276,8 @@ def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
 
 def test_competing_new_key_needs_a_higher_count_than_its_victim(engine_path):
   """LFU, two rows: key 2 (count 1) is the victim; a new key seen once ties with it and waits,
-  one seen twice beats it; of two new keys the stronger meets the victim first."""
+  one seen twice beats it; of two new keys the stronger meets the victim first; a key that
+  lost keeps its count as a candidate and wins once its total beats the victim."""
   id_map = _id_map(3, "lfu", min_count=1, admission="compete")
   steps = ([1, 1, 1, 2], [3], [4, 4], [5, 6, 6, 6])
   expected = ([1, 1, 1, 2], [0], [2, 2], [0, 2, 2, 2])
@@ -285,17 +286,24 @@ def test_competing_new_key_needs_a_higher_count_than_its_victim(engine_path):
     assert got.numpy().tolist() == rows
   # Key 4 (count 2 at step 3) lost its row at step 4 to key 6 (3 > 2): 1 and 6 hold rows.
   assert id_map.export()[0].numpy().tolist() == [1, 6]
+  keys, counts = id_map.candidates.export()
+  assert dict(zip(keys.numpy().tolist(), counts.numpy().tolist())) == {3: 1, 5: 1}
+  # Key 3: 1 + 1 = 2 against key 1's 3 (the weakest row: count 3, seen at step 1): waits;
+  # then 2 + 2 = 4 > 3: it takes row 1.
+  assert id_map.remap(tf.constant([3], tf.int64), True)[0].numpy().tolist() == [0]
+  assert id_map.remap(tf.constant([3, 3], tf.int64), True)[0].numpy().tolist() == [1, 1]
+  assert id_map.export()[2].numpy().tolist() == [4, 3]
 
 
 def test_distance_lfu_score_is_count_over_distance(engine_path):
-  """Key 2 (count 2) holds its row against a key seen once while 2 / distance >= 1: at
+  """Key 2 (count 2) holds its row against new keys seen once while 2 / distance >= 1: at
   distances 1 and 2 (a tie keeps it), not at 3 (2 / 3); key 1 (count 4, 4 / 3) stays."""
   id_map = _id_map(3, "distance_lfu", min_count=1, admission="compete")
   id_map.remap(tf.constant([1, 1, 1, 1, 2, 2], tf.int64), True)  # step 1
-  got = [int(id_map.remap(tf.constant([5], tf.int64), True)[0][0]) for _ in range(3)]
+  got = [int(id_map.remap(tf.constant([k], tf.int64), True)[0][0]) for k in (5, 6, 7)]
   assert got == [0, 0, 2]  # steps 2, 3, 4
   keys, rows, counts = id_map.export()
-  assert keys.numpy().tolist() == [1, 5] and counts.numpy().tolist() == [4, 1]
+  assert keys.numpy().tolist() == [1, 7] and counts.numpy().tolist() == [4, 1]
 
 
 def test_distance_lfu_without_competition_evicts_the_lowest_score(engine_path):

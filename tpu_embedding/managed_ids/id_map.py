@@ -44,7 +44,9 @@ class IdMap(tf.Module):
       # SavedModels take its entries from the variables either way (MapTable).
       self.rows_of_keys = MapTable(dtype, self._pairs, lambda: not self._on_kernels)
       self.candidates = (
-        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
+        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0)
+        if spec.keeps_candidates
+        else None
       )
       self.keys = _variable(tf.fill([capacity], empty), table_name, "keys")
       # A row's count was last updated when its key was last seen: its age is

@@ -28,15 +28,17 @@ class ManagedIds:
     admission: "always" (every eligible new key takes a row while one can be freed) or
       "compete" ("lfu" and "distance_lfu" only): once no row is free, a new key takes a victim's
       row only if its score, its count so far (occurrences at this step plus its candidate
-      count), is strictly above the victim's (aged count, or count over distance); the
-      strongest new keys meet the weakest rows first, ties keep the row's key.
+      count: keys that lose wait as candidates, their counts kept), is strictly above the
+      victim's (aged count, or count over distance); the strongest new keys meet the weakest
+      rows first, ties keep the row's key.
     min_count: a key gets a row at its `min_count`-th occurrence in training steps.
     ttl_steps: for "ttl" only: steps without an occurrence after which a row is freed.
     lfu_half_life_steps: LFU counts are halved every this many steps (yesterday's hits fade).
     distance_decay: for "distance_lfu" only: the exponent of the distance, one of 0.5, 1.0, 1.5,
       2.0 (in halves, so every path computes the same score bit for bit: square roots and
       products are exactly rounded, a general power is not). Higher forgets absent keys faster.
-    candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1);
+    candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1, or
+      competing);
       None: the table's vocabulary size.
     reset_every_steps: TPU V1 only: rows given to new keys are reset in TPU memory at training
       steps that are multiples of this (a copy of the tables out of TPU memory and back); until
@@ -90,6 +92,12 @@ class ManagedIds:
         f"ManagedIds(ttl_steps={self.ttl_steps!r}) is only used with eviction='ttl' (got "
         f"eviction={self.eviction!r})."
       )
+
+  @property
+  def keeps_candidates(self) -> bool:
+    """Whether keys without a row have their counts kept (to reach `min_count`, or to beat a
+    row's score when they compete)."""
+    return self.min_count > 1 or self.admission == "compete"
 
   def to_config(self) -> dict:
     """These settings as JSON-able values (the key dtype by name), for a Keras layer's config."""

@@ -671,7 +671,8 @@ rows `given` to new keys, in the order of their keys' first occurrence. Adds 1 t
 its count aged by halving once per `half_life` steps since its row's last_seen, at most 62
 times, plus its occurrences; saturating at 2**31 - 1; last_seen = step); for 'ttl', frees the
 rows last seen at or before step - ttl_steps (last_seen = -1). New keys whose occurrences (plus
-their count in the one `candidates` table when min_count > 1) reach `min_count` get rows, in
+their count in the one `candidates` table, given when min_count > 1 or with `compete`) reach
+`min_count` get rows, in
 this order: the free rows (last_seen < 0, row > 0) ascending, then rows whose key was not seen
 at this step, by (count aged to step, last_seen, row) for 'lfu', by (count / (step -
 last_seen) ** (decay_halves / 2), last_seen, row) for 'distance_lfu' (counts never halved), by
@@ -862,8 +863,9 @@ class ManagedRemapOp : public OpKernel {
     ttl_ = eviction == "ttl";
     OP_REQUIRES(ctx, !ttl_ || ttl_steps_ >= 1,
                 InvalidArgument("eviction 'ttl' needs ttl_steps >= 1"));
-    OP_REQUIRES(ctx, num_candidates_ == (min_count_ > 1 ? 1 : 0),
-                InvalidArgument("a candidates table is needed exactly when min_count > 1"));
+    OP_REQUIRES(ctx, num_candidates_ == (min_count_ > 1 || compete_ ? 1 : 0),
+                InvalidArgument("a candidates table is needed exactly when min_count > 1 or "
+                                "new keys compete"));
   }
 
   void Compute(OpKernelContext* ctx) override {
