@@ -30,10 +30,12 @@ class ReferenceMap:
     ttl_steps: Optional[int] = None,
     half_life: int = 1000,
     candidate_capacity: Optional[int] = None,
-    admission: str = "always",
+    admission: Optional[str] = None,
     distance_decay: float = 1.0,
   ):
     self.capacity, self.eviction, self.min_count = capacity, eviction, min_count
+    if admission is None:  # ManagedIds' default: compete where rows have a score
+      admission = "compete" if eviction in ("lfu", "distance_lfu") else "always"
     self.admission, self.distance_decay = admission, distance_decay
     self.keeps_candidates = min_count > 1 or admission == "compete"
     self.ttl_steps, self.half_life = ttl_steps, half_life

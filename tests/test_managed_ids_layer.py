@@ -51,8 +51,13 @@ def _stream(steps=12, batch=4, seed=0):
 
 @pytest.mark.parametrize(
   "policy",
-  [dict(eviction="lfu"), dict(eviction="lru"), dict(eviction="distance_lfu", admission="compete")],
-  ids=lambda p: p["eviction"],
+  [
+    dict(eviction="lfu", admission="always"),
+    dict(eviction="lfu"),  # the default: competing
+    dict(eviction="lru"),
+    dict(eviction="distance_lfu", admission="compete"),
+  ],
+  ids=lambda p: "-".join(p.values()),
 )
 @pytest.mark.parametrize("traced", [False, True])
 def test_training_follows_numpy_reference_with_resets(policy, traced):

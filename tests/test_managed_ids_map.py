@@ -8,7 +8,7 @@ from tests.managed_ids_reference import ReferenceMap
 from tpu_embedding.managed_ids import IdMap, ManagedIds
 
 POLICIES = [
-  dict(eviction="lfu", half_life=3),
+  dict(eviction="lfu", half_life=3, admission="always"),
   dict(eviction="lru"),
   dict(eviction="ttl", ttl_steps=2),
   dict(eviction="lfu", half_life=3, admission="compete"),
@@ -145,7 +145,7 @@ def test_capacity_below_two_is_refused_by_table():
 
 
 @pytest.mark.parametrize(
-  "policy", POLICIES + [dict(eviction="lfu", half_life=1000)], ids=_policy_id
+  "policy", POLICIES + [dict(eviction="lfu", half_life=1000, admission="always")], ids=_policy_id
 )
 def test_large_map_follows_reference(policy, engine_path):
   """A map larger than the compiled kernel's eviction pool (1024 rows at this capacity), full
@@ -198,8 +198,8 @@ def test_large_lfu_map_evicts_rows_seen_again_before_heavier_ones(engine_path):
   sees the previous step's ones again (count 2): those rows, lighter than the pool's heaviest
   row when it was built, must be evicted before the count-3 rows, as the reference says."""
   capacity = 3000
-  id_map = _id_map(capacity, "lfu", min_count=1)
-  reference = ReferenceMap(capacity, "lfu", min_count=1)
+  id_map = _id_map(capacity, "lfu", min_count=1, admission="always")
+  reference = ReferenceMap(capacity, "lfu", min_count=1, admission="always")
   step = tf.function(id_map.remap, reduce_retracing=True)
   singles = []
   for s in range(40):
@@ -244,8 +244,8 @@ def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
   write from outside leaves one). The map's variables are written directly (as a restore
   would), the reference given the same state; rows must agree."""
   capacity, half_life = 20_000, 2**30  # one LFU epoch: counts are not aged
-  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life)
-  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life)
+  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life, admission="always")
+  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life, admission="always")
   rng = np.random.default_rng(8)
   universe = rng.integers(-(2**62), 2**62, size=80_000)
   id_map.remap(tf.constant(universe[: capacity - 1]), True)
@@ -310,7 +310,7 @@ def test_distance_lfu_without_competition_evicts_the_lowest_score(engine_path):
   """Scores at step 3: key 1 (count 4, seen at 1) 4 / 2 = 2; key 2 (count 3, seen at 2) 3 / 1
   = 3: key 1 goes, though its count is higher; decay 2 gives 4 / 4 = 1 against 3: the same."""
   for decay in (1.0, 2.0):
-    id_map = _id_map(3, "distance_lfu", min_count=1, distance_decay=decay)
+    id_map = _id_map(3, "distance_lfu", min_count=1, distance_decay=decay, admission="always")
     id_map.remap(tf.constant([1, 1, 1, 1], tf.int64), True)
     id_map.remap(tf.constant([2, 2, 2], tf.int64), True)
     rows, fresh = id_map.remap(tf.constant([9], tf.int64), True)

@@ -85,7 +85,7 @@ def test_checkpoint_of_another_map_is_refused_with_nothing_changed(tmp_path, oth
 
 
 def _model_and_expected(tmp_path):
-  layer = _layer()
+  layer = _layer(admission="always")  # the rows below are the former default's
   for keys in KEYS[:2]:
     _train(layer, keys)
   table = layer.variables_by_table["movies"]["parameters"].numpy()

@@ -26,7 +26,8 @@ class ManagedIds:
       it took its row, never halved, over the steps since it was last seen: a heavy key keeps
       its row through a long absence, a key seen once loses it after a step or two).
     admission: "always" (every eligible new key takes a row while one can be freed) or
-      "compete" ("lfu" and "distance_lfu" only): once no row is free, a new key takes a victim's
+      "compete" ("lfu" and "distance_lfu" only; None, the default: "compete" for those,
+      "always" for "lru" and "ttl", chosen by benchmarks/managed_policies.py): once no row is free, a new key takes a victim's
       row only if its score, its count so far (occurrences at this step plus its candidate
       count: keys that lose wait as candidates, their counts kept), is strictly above the
       victim's (aged count, or count over distance); the strongest new keys meet the weakest
@@ -50,7 +51,7 @@ class ManagedIds:
   min_count: int = 1
   ttl_steps: Optional[int] = None
   lfu_half_life_steps: int = 1000
-  admission: str = "always"
+  admission: Optional[str] = None
   distance_decay: float = 1.0
   candidate_capacity: Optional[int] = None
   reset_every_steps: int = 1
@@ -68,6 +69,9 @@ class ManagedIds:
         f"ManagedIds(eviction={self.eviction!r}): unknown eviction policy; expected one of "
         f"{EVICTION_POLICIES}."
       )
+    if self.admission is None:
+      scored = self.eviction in SCORED_POLICIES
+      object.__setattr__(self, "admission", "compete" if scored else "always")
     if self.admission not in ADMISSIONS:
       raise ValueError(f"ManagedIds(admission={self.admission!r}): expected one of {ADMISSIONS}.")
     if self.admission == "compete" and self.eviction not in SCORED_POLICIES:
