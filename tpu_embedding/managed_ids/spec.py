@@ -26,12 +26,12 @@ class ManagedIds:
       it took its row, never halved, over the steps since it was last seen: a heavy key keeps
       its row through a long absence, a key seen once loses it after a step or two).
     admission: "always" (every eligible new key takes a row while one can be freed) or
-      "compete" ("lfu" and "distance_lfu" only; None, the default: "compete" for those,
-      "always" for "lru" and "ttl", chosen by benchmarks/managed_policies.py): once no row is free, a new key takes a victim's
-      row only if its score, its count so far (occurrences at this step plus its candidate
-      count: keys that lose wait as candidates, their counts kept), is strictly above the
-      victim's (aged count, or count over distance); the strongest new keys meet the weakest
-      rows first, ties keep the row's key.
+      "compete" ("lfu" and "distance_lfu" only): once no row is free, a new key takes a
+      victim's row only if its score, its count so far (occurrences at this step plus its
+      candidate count: keys that lose wait as candidates, their counts kept), is strictly above
+      the victim's (aged count, or count over distance); the strongest new keys meet the
+      weakest rows first, ties keep the row's key. None (the default): "compete" for "lfu" and
+      "distance_lfu", "always" for "lru" and "ttl" (measured: benchmarks/managed_policies.py).
     min_count: a key gets a row at its `min_count`-th occurrence in training steps.
     ttl_steps: for "ttl" only: steps without an occurrence after which a row is freed.
     lfu_half_life_steps: LFU counts are halved every this many steps (yesterday's hits fade).
@@ -39,8 +39,7 @@ class ManagedIds:
       2.0 (in halves, so every path computes the same score bit for bit: square roots and
       products are exactly rounded, a general power is not). Higher forgets absent keys faster.
     candidate_capacity: how many not yet admitted keys' counts are kept (min_count > 1, or
-      competing);
-      None: the table's vocabulary size.
+      competing); None: the table's vocabulary size.
     reset_every_steps: TPU V1 only: rows given to new keys are reset in TPU memory at training
       steps that are multiples of this (a copy of the tables out of TPU memory and back); until
       then their keys read row 0. 1 gives every path the same rows at every step.
