@@ -1,7 +1,8 @@
 """`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
 
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
-(benchmarks/managed_ids.py) on its own; `python -m benchmarks preflight [--quick]
+(benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]`
+compares its policies (benchmarks/managed_policies.py); `python -m benchmarks preflight [--quick]
 [--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
 
 `python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
@@ -28,6 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["managed"] and "--quality" in argv:
+    from benchmarks import managed_policies
+
+    seeds = argv[argv.index("--seeds") + 1] if "--seeds" in argv else "5"
+    managed_policies.main(int(seeds))
+    return
   if argv[:1] == ["managed"]:
     from benchmarks import managed_ids
 

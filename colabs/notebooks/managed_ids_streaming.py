@@ -45,11 +45,14 @@ CAPACITY = DISTINCT_ITEMS // 2  # rows for half the items the stream will ever s
 print(f"{DISTINCT_ITEMS} items over {STREAM['days']} days; {CAPACITY} rows per table")
 
 # %% [markdown]
-# ## Three tables of the same model
+# ## Five tables of the same model
 #
-# Each variant is a `TPUEmbedding` with one table of item biases (dim 1, Adagrad). The managed
-# one gives a row to a key at its second occurrence (`min_count=2`) and evicts the least
-# frequently used row, its counts halved every 20 steps so that yesterday's hits fade.
+# Each variant is a `TPUEmbedding` with one table of item biases (dim 1, Adagrad). The first
+# managed one gives a row to a key at its second occurrence (`min_count=2`) and evicts the least
+# frequently used row, its counts halved every 20 steps so that yesterday's hits fade. Beside it
+# the default `ManagedIds()` (LFU; a new key takes a row only if its count beats the victim's)
+# and `distance_lfu` (count over steps since last seen; new keys compete likewise): the policies
+# of docs/managed-ids.md, "Policies".
 
 # %%
 E = tf.tpu.experimental.embedding
@@ -80,6 +83,11 @@ managed_layer, managed_step = make_variant(
   CAPACITY,
   {"items": tpu_embedding.ManagedIds(eviction="lfu", min_count=2, lfu_half_life_steps=20)},
 )
+# The default policy (LFU, new keys competing for rows) and the distance-weighted one, beside it.
+_, default_step = make_variant(CAPACITY, {"items": tpu_embedding.ManagedIds()})
+_, distance_step = make_variant(
+  CAPACITY, {"items": tpu_embedding.ManagedIds(eviction="distance_lfu")}
+)
 _, hashed_step = make_variant(CAPACITY)
 _, full_step = make_variant(DISTINCT_ITEMS)
 item_map = managed_layer.managed_ids["items"]
@@ -93,12 +101,20 @@ item_map = managed_layer.managed_ids["items"]
 # their rows since the day before.
 
 # %%
-losses = {"managed ids": [], "hashing trick": [], "full vocabulary": []}
+losses = {
+  "managed ids": [],
+  "ManagedIds()": [],
+  "distance_lfu": [],
+  "hashing trick": [],
+  "full vocabulary": [],
+}
 held = set()
 print("day  keys held  admitted  evicted")
 day_losses = {name: [] for name in losses}
 for day, keys, items, labels in drifting_ratings.rating_stream(**STREAM):
   day_losses["managed ids"].append(float(managed_step(tf.constant(keys), labels)))
+  day_losses["ManagedIds()"].append(float(default_step(tf.constant(keys), labels)))
+  day_losses["distance_lfu"].append(float(distance_step(tf.constant(keys), labels)))
   day_losses["hashing trick"].append(float(hashed_step(tf.constant(keys % CAPACITY), labels)))
   day_losses["full vocabulary"].append(float(full_step(tf.constant(items), labels)))
   if len(day_losses["managed ids"]) == STREAM["batches_per_day"]:

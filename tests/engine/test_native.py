@@ -114,7 +114,7 @@ def test_managed_remap_gives_rows_in_numpy_order(eviction, wanted, engine_path):
   victims = victims[np.lexsort((victims, last[victims], aged))]
   want = np.concatenate([free, victims])[:wanted]
 
-  spec = ManagedIds(eviction=eviction, lfu_half_life_steps=half_life)
+  spec = ManagedIds(eviction=eviction, lfu_half_life_steps=half_life, admission="always")
   id_map = IdMap(spec, "t", capacity)
   id_map.keys.assign(1000 + index)
   id_map.last_seen.assign(last.astype(np.int32))

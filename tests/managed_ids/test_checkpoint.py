@@ -16,11 +16,11 @@ pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves 
 E = tf.tpu.experimental.embedding
 
 
-def _layer(capacity=5, key_dtype=tf.int64, managed=True):
+def _layer(capacity=5, key_dtype=tf.int64, managed=True, **policy):
   table = E.TableConfig(capacity, 2, initializer=tf.constant_initializer(0.5), name="movies")
   kwargs = {}
   if managed:
-    kwargs["managed_ids"] = {"movies": tpu_embedding.ManagedIds(key_dtype=key_dtype)}
+    kwargs["managed_ids"] = {"movies": tpu_embedding.ManagedIds(key_dtype=key_dtype, **policy)}
   return tpu_embedding.TPUEmbedding(
     {"movie": E.FeatureConfig(table, name="movie")}, optimizer=E.SGD(0.5), **kwargs
   )
@@ -41,13 +41,16 @@ def _state(layer):
   return keys, rows, counts, int(layer.managed_ids["movies"].step), table
 
 
-def test_checkpoint_restores_map_with_table_and_training_continues_identically(tmp_path):
-  layer = _layer()
+@pytest.mark.parametrize(
+  "policy", [{}, dict(eviction="distance_lfu", admission="compete")], ids=["default", "distance"]
+)
+def test_checkpoint_restores_map_with_table_and_training_continues_identically(tmp_path, policy):
+  layer = _layer(**policy)
   for keys in KEYS[:2]:
     _train(layer, keys)
   path = tf.train.Checkpoint(layer=layer).save(str(tmp_path / "ckpt"))
   saved = _state(layer)
-  restored = _layer()
+  restored = _layer(**policy)
   assert restored.variables_by_table  # tables created: the restore binds at once
   tf.train.Checkpoint(layer=restored).restore(path).assert_consumed()
   for got, want in zip(_state(restored), saved):
@@ -85,7 +88,7 @@ def test_checkpoint_of_another_map_is_refused_with_nothing_changed(tmp_path, oth
 
 
 def _model_and_expected(tmp_path):
-  layer = _layer()
+  layer = _layer(admission="always")  # the rows below are the former default's
   for keys in KEYS[:2]:
     _train(layer, keys)
   table = layer.variables_by_table["movies"]["parameters"].numpy()

@@ -9,10 +9,18 @@ from tpu_embedding.managed_ids import IdMap, ManagedIds
 from managed_ids_reference import ReferenceMap
 
 POLICIES = [
-  dict(eviction="lfu", half_life=3),
+  dict(eviction="lfu", half_life=3, admission="always"),
   dict(eviction="lru"),
   dict(eviction="ttl", ttl_steps=2),
+  dict(eviction="lfu", half_life=3, admission="compete"),
+  dict(eviction="distance_lfu"),
+  dict(eviction="distance_lfu", distance_decay=0.5, admission="compete"),
+  dict(eviction="distance_lfu", distance_decay=1.5, admission="compete"),
 ]
+
+
+def _policy_id(policy: dict) -> str:
+  return "-".join(str(v) for k, v in policy.items() if k != "half_life")
 
 
 def _stream(seed: int, steps: int, string: bool):
@@ -38,7 +46,7 @@ def _id_map(capacity, eviction, min_count, ttl_steps=None, half_life=1000, strin
   return IdMap(spec, "t", capacity)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p["eviction"])
+@pytest.mark.parametrize("policy", POLICIES, ids=_policy_id)
 @pytest.mark.parametrize("min_count", [1, 3])
 @pytest.mark.parametrize("string", [False, True])
 @pytest.mark.parametrize("traced", [False, True])
@@ -122,6 +130,9 @@ def test_lfu_counts_halve_every_half_life():
     (dict(eviction="ttl"), "ttl_steps=None"),
     (dict(ttl_steps=3), "only used with eviction='ttl'"),
     (dict(reset_every_steps=0), r"reset_every_steps=0\): expected an int >= 1"),
+    (dict(admission="maybe"), "admission=.maybe.*expected one of"),
+    (dict(eviction="lru", admission="compete"), "needs a scored eviction policy"),
+    (dict(eviction="distance_lfu", distance_decay=0.7), "distance_decay=0.7.*expected one of"),
   ],
 )
 def test_bad_specs_are_refused(kwargs, message):
@@ -159,9 +170,7 @@ def test_capacity_below_two_is_refused_by_table():
 
 
 @pytest.mark.parametrize(
-  "policy",
-  POLICIES + [dict(eviction="lfu", half_life=1000)],
-  ids=["lfu-aging", "lru", "ttl", "lfu"],
+  "policy", POLICIES + [dict(eviction="lfu", half_life=1000, admission="always")], ids=_policy_id
 )
 def test_large_map_follows_reference(policy, engine_path):
   """A map larger than the compiled kernel's eviction pool (1024 rows at this capacity), full
@@ -187,11 +196,13 @@ def test_large_map_follows_reference(policy, engine_path):
   assert evicted > 2000  # many more victims than the pool holds
 
 
-def test_restore_at_the_same_step_reads_the_restored_map(tmp_path):
+@pytest.mark.parametrize("policy", [POLICIES[0], POLICIES[-1]], ids=_policy_id)
+def test_restore_at_the_same_step_reads_the_restored_map(tmp_path, policy):
   """A restore writes the map's variables behind the compiled kernel's eviction index, here
-  with the very step count the map had: the next steps still follow the restored map."""
-  saved, id_map = _id_map(8, "lfu", min_count=1), _id_map(8, "lfu", min_count=1)
-  reference = ReferenceMap(8, "lfu", min_count=1)
+  with the very step count the map had: the next steps still follow the restored map (the
+  policies' scores need no state beyond counts and last-seen steps)."""
+  saved, id_map = _id_map(8, min_count=1, **policy), _id_map(8, min_count=1, **policy)
+  reference = ReferenceMap(8, min_count=1, **policy)
   for s in range(6):
     keys = [10 * s + k for k in range(5)]
     saved.remap(tf.constant(keys, tf.int64), True)
@@ -212,8 +223,8 @@ def test_large_lfu_map_evicts_rows_seen_again_before_heavier_ones(engine_path):
   sees the previous step's ones again (count 2): those rows, lighter than the pool's heaviest
   row when it was built, must be evicted before the count-3 rows, as the reference says."""
   capacity = 3000
-  id_map = _id_map(capacity, "lfu", min_count=1)
-  reference = ReferenceMap(capacity, "lfu", min_count=1)
+  id_map = _id_map(capacity, "lfu", min_count=1, admission="always")
+  reference = ReferenceMap(capacity, "lfu", min_count=1, admission="always")
   step = tf.function(id_map.remap, reduce_retracing=True)
   singles = []
   for s in range(40):
@@ -258,8 +269,8 @@ def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
   write from outside leaves one). The map's variables are written directly (as a restore
   would), the reference given the same state; rows must agree."""
   capacity, half_life = 20_000, 2**30  # one LFU epoch: counts are not aged
-  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life)
-  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life)
+  id_map = _id_map(capacity, "lfu", min_count=1, half_life=half_life, admission="always")
+  reference = ReferenceMap(capacity, "lfu", min_count=1, half_life=half_life, admission="always")
   rng = np.random.default_rng(8)
   universe = rng.integers(-(2**62), 2**62, size=80_000)
   id_map.remap(tf.constant(universe[: capacity - 1]), True)
@@ -286,3 +297,46 @@ def test_map_with_a_pool_sorted_by_radix_follows_reference(counts, engine_path):
   keys_, _, counts_ = id_map.export()
   assert keys_.numpy().tolist() == reference.export()[0]
   np.testing.assert_array_equal(counts_.numpy(), reference.export()[2])
+
+
+def test_competing_new_key_needs_a_higher_count_than_its_victim(engine_path):
+  """LFU, two rows: key 2 (count 1) is the victim; a new key seen once ties with it and waits,
+  one seen twice beats it; of two new keys the stronger meets the victim first; a key that
+  lost keeps its count as a candidate and wins once its total beats the victim."""
+  id_map = _id_map(3, "lfu", min_count=1, admission="compete")
+  steps = ([1, 1, 1, 2], [3], [4, 4], [5, 6, 6, 6])
+  expected = ([1, 1, 1, 2], [0], [2, 2], [0, 2, 2, 2])
+  for keys, rows in zip(steps, expected):
+    got, _ = id_map.remap(tf.constant(keys, tf.int64), True)
+    assert got.numpy().tolist() == rows
+  # Key 4 (count 2 at step 3) lost its row at step 4 to key 6 (3 > 2): 1 and 6 hold rows.
+  assert id_map.export()[0].numpy().tolist() == [1, 6]
+  keys, counts = id_map.candidates.export()
+  assert dict(zip(keys.numpy().tolist(), counts.numpy().tolist())) == {3: 1, 5: 1}
+  # Key 3: 1 + 1 = 2 against key 1's 3 (the weakest row: count 3, seen at step 1): waits;
+  # then 2 + 2 = 4 > 3: it takes row 1.
+  assert id_map.remap(tf.constant([3], tf.int64), True)[0].numpy().tolist() == [0]
+  assert id_map.remap(tf.constant([3, 3], tf.int64), True)[0].numpy().tolist() == [1, 1]
+  assert id_map.export()[2].numpy().tolist() == [4, 3]
+
+
+def test_distance_lfu_score_is_count_over_distance(engine_path):
+  """Key 2 (count 2) holds its row against new keys seen once while 2 / distance >= 1: at
+  distances 1 and 2 (a tie keeps it), not at 3 (2 / 3); key 1 (count 4, 4 / 3) stays."""
+  id_map = _id_map(3, "distance_lfu", min_count=1, admission="compete")
+  id_map.remap(tf.constant([1, 1, 1, 1, 2, 2], tf.int64), True)  # step 1
+  got = [int(id_map.remap(tf.constant([k], tf.int64), True)[0][0]) for k in (5, 6, 7)]
+  assert got == [0, 0, 2]  # steps 2, 3, 4
+  keys, rows, counts = id_map.export()
+  assert keys.numpy().tolist() == [1, 7] and counts.numpy().tolist() == [4, 1]
+
+
+def test_distance_lfu_without_competition_evicts_the_lowest_score(engine_path):
+  """Scores at step 3: key 1 (count 4, seen at 1) 4 / 2 = 2; key 2 (count 3, seen at 2) 3 / 1
+  = 3: key 1 goes, though its count is higher; decay 2 gives 4 / 4 = 1 against 3: the same."""
+  for decay in (1.0, 2.0):
+    id_map = _id_map(3, "distance_lfu", min_count=1, distance_decay=decay, admission="always")
+    id_map.remap(tf.constant([1, 1, 1, 1], tf.int64), True)
+    id_map.remap(tf.constant([2, 2, 2], tf.int64), True)
+    rows, fresh = id_map.remap(tf.constant([9], tf.int64), True)
+    assert rows.numpy().tolist() == [1] and fresh.numpy().tolist() == [1]

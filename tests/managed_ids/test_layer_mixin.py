@@ -13,7 +13,9 @@ E = tf.tpu.experimental.embedding
 CAPACITY, DIM, LR, INIT, ACC = 5, 3, 0.3, 0.5, 0.1
 
 
-def _layer(eviction="lru", key_dtype=tf.int64, min_count=1, initializer=None, combiner="sum"):
+def _layer(
+  eviction="lru", key_dtype=tf.int64, min_count=1, initializer=None, combiner="sum", **policy
+):
   table = E.TableConfig(
     CAPACITY,
     DIM,
@@ -27,7 +29,7 @@ def _layer(eviction="lru", key_dtype=tf.int64, min_count=1, initializer=None, co
     optimizer=E.Adagrad(LR, initial_accumulator_value=ACC),
     managed_ids={
       "movies": tpu_embedding.ManagedIds(
-        key_dtype=key_dtype, eviction=eviction, min_count=min_count
+        key_dtype=key_dtype, eviction=eviction, min_count=min_count, **policy
       )
     },
   )
@@ -48,11 +50,20 @@ def _stream(steps=12, batch=4, seed=0):
     yield universe[rng.integers(0, len(universe), batch)], rng.normal(size=[batch, DIM])
 
 
-@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+@pytest.mark.parametrize(
+  "policy",
+  [
+    dict(eviction="lfu", admission="always"),
+    dict(eviction="lfu"),  # the default: competing
+    dict(eviction="lru"),
+    dict(eviction="distance_lfu", admission="compete"),
+  ],
+  ids=lambda p: "-".join(p.values()),
+)
 @pytest.mark.parametrize("traced", [False, True])
-def test_training_follows_numpy_reference_with_resets(eviction, traced):
-  layer = _layer(eviction)
-  ref = ReferenceMap(CAPACITY, eviction)
+def test_training_follows_numpy_reference_with_resets(policy, traced):
+  layer = _layer(**policy)
+  ref = ReferenceMap(CAPACITY, **policy)
   table = np.full([CAPACITY, DIM], INIT)
   slots = {"accumulators": np.full([CAPACITY, DIM], ACC)}
   params = reference.params_from_optimizer(E.Adagrad(LR, initial_accumulator_value=ACC))

@@ -160,7 +160,7 @@ def test_partial_checkpoint_restores_into_tpu_embedding(tmp_path):
 
 # ManagedIds's defaults, as a config gives them.
 SETTINGS = dict(ttl_steps=None, lfu_half_life_steps=1000, candidate_capacity=None)
-SETTINGS.update(reset_every_steps=1, min_count=1)
+SETTINGS.update(reset_every_steps=1, min_count=1, distance_decay=1.0)
 
 
 @pytest.mark.parametrize("kind", ["keras.TPUEmbedding", "keras.PartialTPUEmbedding"])
@@ -170,8 +170,8 @@ def test_keras3_config_holds_managed_ids_as_json_and_rebuilds_them(kind):
   layer = LAYERS[kind]()
   config = json.loads(json.dumps(layer.get_config()))
   assert config["managed_ids"] == {
-    "small": dict(SETTINGS, key_dtype="int64", eviction="lru"),
-    "large": dict(SETTINGS, key_dtype="string", eviction="lfu", min_count=2),
+    "small": dict(SETTINGS, key_dtype="int64", eviction="lru", admission="always"),
+    "large": dict(SETTINGS, key_dtype="string", eviction="lfu", min_count=2, admission="compete"),
   }
   rebuilt = type(layer).from_config(config)
   assert {t: m.spec for t, m in rebuilt.managed_ids.items()} == _managed()
@@ -182,7 +182,7 @@ def test_keras3_config_names_a_table_given_as_its_table_config():
   spec = tpu_embedding.ManagedIds(eviction="ttl", ttl_steps=4)
   layer = keras3.TPUEmbedding(features, E.Adagrad(0.3), managed_ids={features["b"].table: spec})
   config = layer.get_config()
-  expected = dict(SETTINGS, key_dtype="int64", eviction="ttl", ttl_steps=4)
+  expected = dict(SETTINGS, key_dtype="int64", eviction="ttl", ttl_steps=4, admission="always")
   assert config["managed_ids"] == {"large": expected}
   assert keras3.TPUEmbedding.from_config(config).managed_ids["large"].spec == spec
 

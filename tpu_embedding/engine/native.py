@@ -219,13 +219,15 @@ def managed_remap(
   min_count: int,
   ttl_steps: Optional[int],
   table: str,
+  compete: bool = False,
+  distance_decay: float = 1.0,
 ) -> tuple[tf.Tensor, tf.Tensor]:
   """One training step of a managed-id map in one kernel (cc/managed_ids.cc): (row of each of
   `ids`, rows given to new keys), the same as `IdMap`'s TF ops. `candidates`: the handle of its
   candidates' `MutableHashTable` (None where min_count is 1); `map_variables`: its keys,
   counts, last_seen and step, updated in place; `index`: its index (key -> row table and
   eviction order, rebuilt from the variables whenever something else wrote them); errors name
-  `table`."""
+  `table`; `compete` and `distance_decay` (in halves) as `ManagedIds`' admission and decay."""
   keys, counts, last_seen, step = map_variables
   return _library().tpu_embedding_managed_remap(
     index=index,
@@ -240,6 +242,8 @@ def managed_remap(
     min_count=int(min_count),
     ttl_steps=int(ttl_steps or 0),
     table=table,
+    compete=bool(compete),
+    decay_halves=int(2 * distance_decay),
   )
 
 

@@ -22,7 +22,7 @@ from tpu_embedding import tf_internals
 from tpu_embedding.engine import lookup, native
 from tpu_embedding.managed_ids.key_row_map import Reset, as_keys
 from tpu_embedding.managed_ids.map_table import MapTable
-from tpu_embedding.managed_ids.spec import ManagedIds
+from tpu_embedding.managed_ids.spec import SCORED_POLICIES, ManagedIds
 
 _MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
 _INT32_MAX = 2**31 - 1  # counts saturate there; steps may not pass it (last_seen is int32)
@@ -44,7 +44,9 @@ class IdMap(tf.Module):
       # SavedModels take its entries from the variables either way (MapTable).
       self.rows_of_keys = MapTable(dtype, self._pairs, lambda: not self._on_kernels)
       self.candidates = (
-        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0) if spec.min_count > 1 else None
+        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0)
+        if spec.keeps_candidates
+        else None
       )
       self.keys = _variable(tf.fill([capacity], empty), table_name, "keys")
       # A row's count was last updated when its key was last seen: its age is
@@ -128,6 +130,8 @@ class IdMap(tf.Module):
           self.spec.min_count,
           self.spec.ttl_steps,
           self.table_name,
+          self.spec.admission == "compete",
+          self.spec.distance_decay,
         )
       if self.candidates is not None:
         self._prune_candidates()
@@ -205,41 +209,87 @@ class IdMap(tf.Module):
     else:
       totals, eligible = occurrences, tf.ones_like(occurrences, tf.bool)
     chosen_keys, chosen_totals = tf.boolean_mask(keys, eligible), tf.boolean_mask(totals, eligible)
-    rows = self._rows_to_give(tf.size(chosen_keys, tf.int64), step)
-    placed = tf.size(rows)
-    admitted = chosen_keys[:placed]
+    free, victims, scores = self._rows_to_give(tf.size(chosen_keys, tf.int64), step)
+    picked = self._pick(chosen_totals, tf.size(free, tf.int64), scores)
+    rows = tf.concat([free, victims[: tf.size(picked, tf.int64) - tf.size(free, tf.int64)]], 0)
+    admitted = tf.gather(chosen_keys, picked)
     previous = tf.gather(self.keys, rows)
     self.rows_of_keys.remove(tf.boolean_mask(previous, tf.gather(self.last_seen, rows) >= 0))
     self.rows_of_keys.insert(admitted, rows)
     self.keys.scatter_update(tf.IndexedSlices(admitted, rows))
-    self.counts.scatter_update(tf.IndexedSlices(_saturated(chosen_totals[:placed]), rows))
+    self.counts.scatter_update(tf.IndexedSlices(_saturated(tf.gather(chosen_totals, picked)), rows))
     self.last_seen.scatter_update(tf.IndexedSlices(_steps(rows, step), rows))
     if self.candidates is not None:
       self.candidates.remove(admitted)
-      waiting = tf.concat([tf.boolean_mask(keys, ~eligible), chosen_keys[placed:]], 0)
-      waiting_totals = tf.concat([tf.boolean_mask(totals, ~eligible), chosen_totals[placed:]], 0)
+      left = tf.tensor_scatter_nd_update(
+        tf.ones_like(chosen_totals, tf.bool), picked[:, None], tf.zeros_like(picked, tf.bool)
+      )
+      waiting = tf.concat([tf.boolean_mask(keys, ~eligible), tf.boolean_mask(chosen_keys, left)], 0)
+      waiting_totals = tf.concat(
+        [tf.boolean_mask(totals, ~eligible), tf.boolean_mask(chosen_totals, left)], 0
+      )
       self.candidates.insert(waiting, waiting_totals)
       self._prune_candidates()
-    return rows, tf.where(eligible)[:placed, 0]
+    return rows, tf.gather(tf.where(eligible)[:, 0], picked)
 
-  def _rows_to_give(self, wanted: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-    """Up to `wanted` rows: free rows by ascending index, then victims in eviction order among
-    rows whose key was not seen in this step."""
+  def _pick(self, totals: tf.Tensor, free: tf.Tensor, scores: tf.Tensor) -> tf.Tensor:
+    """Positions in `totals` (eligible new keys) of the keys given rows, in the order of the rows
+    they take: the first `free` keys take the free rows; the others take the victims' rows (of
+    ascending `scores`) in first-occurrence order, or, competing, strongest first while their
+    total beats the victim's score (ties keep the row's key)."""
+    rest = tf.range(free, tf.size(totals, tf.int64))
+    if self.spec.admission == "compete":
+      rest = free + tf.cast(
+        tf.argsort(totals[free:], direction="DESCENDING", stable=True), tf.int64
+      )
+    contested = tf.minimum(tf.size(rest, tf.int64), tf.size(scores, tf.int64))
+    if self.spec.admission == "compete":
+      # Totals descend and scores ascend: the keys that win are a prefix.
+      wins = tf.cast(tf.gather(totals, rest[:contested]), tf.float64) > scores[:contested]
+      contested = tf.math.count_nonzero(wins, dtype=tf.int64)
+    return tf.concat([tf.range(tf.minimum(free, tf.size(totals, tf.int64))), rest[:contested]], 0)
+
+  def _rows_to_give(
+    self, wanted: tf.Tensor, step: tf.Tensor
+  ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(up to `wanted` free rows by ascending index, victims for the rest in eviction order among
+    rows whose key was not seen in this step, the victims' scores (float64))."""
     last = tf.cast(self.last_seen.read_value(), tf.int64)
     index = tf.range(self.capacity, dtype=tf.int64)
     free = tf.where((last < 0) & (index > 0))[:, 0]
+    free = free[: tf.minimum(wanted, tf.size(free, tf.int64))]
 
-    def with_victims() -> tf.Tensor:
+    def with_victims() -> tuple[tf.Tensor, tf.Tensor]:
       victims = tf.where(self._used_rows(last) & (last < step))[:, 0]  # ascending rows
       order = tf.argsort(tf.gather(last, victims), stable=True)  # least recently seen first
-      if self.spec.eviction == "lfu":
-        aged = self._aged_counts(tf.gather(victims, order), self._epoch(step), last)
-        order = tf.gather(order, tf.argsort(aged, stable=True))
-      ranked = tf.concat([free, tf.gather(victims, order)], 0)
-      return ranked[: tf.minimum(wanted, tf.size(ranked, tf.int64))]
+      scores = tf.zeros(tf.shape(victims), tf.float64)
+      if self.spec.eviction in SCORED_POLICIES:
+        scores = self._scores(tf.gather(victims, order), step, last)
+        order = tf.gather(order, tf.argsort(scores, stable=True))
+        scores = tf.sort(scores)
+      more = tf.minimum(wanted - tf.size(free, tf.int64), tf.size(victims, tf.int64))
+      return tf.gather(victims, order)[:more], scores[:more]
 
-    enough = tf.size(free, tf.int64) >= wanted
-    return tf.cond(enough, lambda: free[:wanted], with_victims)
+    def without() -> tuple[tf.Tensor, tf.Tensor]:
+      return tf.zeros([0], tf.int64), tf.zeros([0], tf.float64)
+
+    victims, scores = tf.cond(tf.size(free, tf.int64) < wanted, with_victims, without)
+    return free, victims, scores
+
+  def _scores(self, rows: tf.Tensor, step: tf.Tensor, last: tf.Tensor) -> tf.Tensor:
+    """The eviction scores (float64) of `rows` (holding keys, none seen at `step`): the aged
+    count, or for distance_lfu count / distance ** decay (a power in halves: products and a
+    square root, exactly rounded as the kernel and the reference compute them)."""
+    counts = self._aged_counts(rows, self._epoch(step), last)
+    if self.spec.eviction != "distance_lfu":
+      return tf.cast(counts, tf.float64)
+    distance = tf.cast(step - tf.gather(last, rows), tf.float64)
+    power = tf.ones_like(distance)
+    for _ in range(int(self.spec.distance_decay)):
+      power = power * distance
+    if self.spec.distance_decay % 1:
+      power = power * tf.sqrt(distance)
+    return tf.cast(counts, tf.float64) / power
 
   def _prune_candidates(self) -> None:
     """Keeps the `candidate_capacity` highest candidate counts once twice as many are held;
@@ -260,6 +310,8 @@ class IdMap(tf.Module):
   # -------------------------------------------------------------------------------------------
 
   def _epoch(self, step: tf.Tensor) -> tf.Tensor:
+    if self.spec.eviction == "distance_lfu":  # counts are never halved
+      return tf.zeros_like(step)
     return step // self.spec.lfu_half_life_steps
 
   def _aged_counts(

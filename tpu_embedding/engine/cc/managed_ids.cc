@@ -29,6 +29,7 @@
 // The rows given are exactly those of the full ordering (the TF ops' sort): eviction keys end in
 // the row index, so no two are equal. No result depends on the table's layout.
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -348,10 +349,23 @@ absl::Status NewIndex(ManagedIndex** index) {
 using Rows = absl::Span<const int64_t>;
 
 // One step's view of the variables, and the index's maintenance from it.
+// Whether a step's k-th victim, whose score is `score`, is taken.
+using Accept = std::function<bool(int64_t k, double score)>;
+
+// distance_lfu's score: count / distance ** (decay_halves / 2), the power as products and one
+// square root (exactly rounded, as the TF ops and the reference compute it; `pow` is not).
+double DistanceScore(int32_t count, int64_t distance, int decay_halves) {
+  const double d = static_cast<double>(distance);
+  double power = 1.0;
+  for (int i = 0; i < decay_halves / 2; ++i) power *= d;
+  if (decay_halves % 2) power *= std::sqrt(d);
+  return static_cast<double>(count) / power;
+}
+
 class Step {
  public:
   Step(ManagedIndex& x, const int32_t* last_seen, const int32_t* counts, int64_t capacity,
-       int64_t step, int64_t half_life, bool by_count, int64_t seen_now)
+       int64_t step, int64_t half_life, bool by_count, int64_t seen_now, int decay_halves)
       : x_(x),
         last_(last_seen),
         count_(counts),
@@ -360,7 +374,8 @@ class Step {
         divisor_(Divisor(half_life)),
         epoch_(by_count ? step / half_life : 0),
         by_count_(by_count),
-        seen_now_(seen_now) {}
+        seen_now_(seen_now),
+        decay_halves_(decay_halves) {}
 
   // Brings the index up to date with the rows seen at this step (the rows given at earlier
   // steps were pushed when given), or rebuilds it.
@@ -427,8 +442,9 @@ class Step {
     return rows;
   }
 
-  // The `more` smallest keys of rows not seen at this step, popped from the pool.
-  std::vector<int64_t> Victims(int64_t more) {
+  // The `more` smallest keys of rows not seen at this step, popped from the pool, while
+  // `accept(k, score)` takes the k-th (score: its aged count); the first one refused stays.
+  std::vector<int64_t> Victims(int64_t more, const Accept& accept) {
     std::vector<int64_t> rows;
     std::vector<Victim> seen_now;  // current, but not evictable at this step: put back
     bool rebuilt = false;
@@ -451,12 +467,67 @@ class Step {
       if (!Current(v)) continue;
       if (v.last_seen >= step_) {
         seen_now.push_back(v);
-      } else {
+      } else if (accept(rows.size(), v.aged)) {
         rows.push_back(v.row);
+      } else {
+        seen_now.push_back(v);
+        break;
       }
     }
     for (const Victim& v : seen_now) Enter(v);
     return rows;
+  }
+
+  // distance_lfu's victims: its scores change every step, and so may their order, so no pool
+  // keeps them; one scan of the rows not seen at this step keeps the `more` smallest (score,
+  // last_seen, row), taken while `accept` takes them.
+  std::vector<int64_t> DistanceVictims(int64_t more, const Accept& accept) const {
+    struct Scored {
+      double score;
+      int32_t last_seen;
+      uint32_t row;
+      bool operator<(const Scored& other) const {
+        if (score != other.score) return score < other.score;
+        if (last_seen != other.last_seen) return last_seen < other.last_seen;
+        return row < other.row;
+      }
+    };
+    std::vector<Scored> kept;
+    if (more <= 0) return {};
+    const size_t size = more;
+    kept.reserve(std::min<size_t>(2 * size, capacity_));
+    auto cut = [&kept, size] {
+      std::nth_element(kept.begin(), kept.begin() + (size - 1), kept.end());
+      kept.resize(size);
+    };
+    Scored bound{0, 0, 0};
+    bool bounded = false;
+    for (int64_t r = 1; r < capacity_; ++r) {
+      if (last_[r] < 0 || last_[r] >= step_) continue;
+      const Scored key{DistanceScore(count_[r], step_ - last_[r], decay_halves_), last_[r],
+                       static_cast<uint32_t>(r)};
+      if (bounded && !(key < bound)) continue;
+      kept.push_back(key);
+      if (kept.size() == 2 * size) {
+        cut();
+        bound = kept[size - 1];
+        bounded = true;
+      }
+    }
+    if (kept.size() > size) cut();
+    std::sort(kept.begin(), kept.end());
+    std::vector<int64_t> rows;
+    for (const Scored& v : kept) {
+      if (!accept(rows.size(), v.score)) break;
+      rows.push_back(v.row);
+    }
+    return rows;
+  }
+
+  // After a step that gave many rows the pool holds them all: cut back to its usual size now
+  // rather than at the next step, so that no step leaves the index above its bound.
+  void Trim() {
+    if (PoolSize() > 2 * PoolFor(0)) Rebuild(0, {});
   }
 
   // A row whose key changed at this step (given to a new key) enters the index.
@@ -548,9 +619,13 @@ class Step {
     if (!x_.everything) cut();
     SortVictims(kept);
     if (!kept.empty()) x_.threshold = kept.back();
-    x_.sorted.assign(kept.begin(), kept.end());  // at its size, not the buffer's
+    // At its size, not the buffer's; heaps grown by a step that gave many rows (a map filled at
+    // once) are given back, so that the index keeps its bound of bytes a row whatever the batch.
+    std::vector<Victim>(kept.begin(), kept.end()).swap(x_.sorted);
     x_.next = 0;
     x_.pushed.clear();
+    if (x_.pushed.capacity() > size) x_.pushed.shrink_to_fit();
+    if (x_.freed.capacity() > 2 * x_.freed.size() + kMinPool) x_.freed.shrink_to_fit();
   }
 
   ManagedIndex& x_;
@@ -561,6 +636,7 @@ class Step {
   const int64_t epoch_;
   const bool by_count_;
   const int64_t seen_now_;
+  const int decay_halves_;
 };
 
 REGISTER_OP("TpuEmbeddingManagedRemap")
@@ -573,7 +649,9 @@ REGISTER_OP("TpuEmbeddingManagedRemap")
     .Input("candidates: num_candidates * resource")
     .Attr("key_dtype: {int64, string}")
     .Attr("num_candidates: int >= 0")
-    .Attr("eviction: {'lfu', 'lru', 'ttl'}")
+    .Attr("eviction: {'lfu', 'lru', 'ttl', 'distance_lfu'}")
+    .Attr("compete: bool = false")
+    .Attr("decay_halves: int >= 1 = 2")
     .Attr("half_life: int >= 1")
     .Attr("min_count: int >= 1")
     .Attr("ttl_steps: int >= 0")
@@ -593,11 +671,16 @@ rows `given` to new keys, in the order of their keys' first occurrence. Adds 1 t
 its count aged by halving once per `half_life` steps since its row's last_seen, at most 62
 times, plus its occurrences; saturating at 2**31 - 1; last_seen = step); for 'ttl', frees the
 rows last seen at or before step - ttl_steps (last_seen = -1). New keys whose occurrences (plus
-their count in the one `candidates` table when min_count > 1) reach `min_count` get rows, in
+their count in the one `candidates` table, given when min_count > 1 or with `compete`) reach
+`min_count` get rows, in
 this order: the free rows (last_seen < 0, row > 0) ascending, then rows whose key was not seen
-at this step, by (count aged to step, last_seen, row) for 'lfu', by (last_seen, row) for 'lru'
-and 'ttl'. The new key, its count and last_seen are written to the given row; new keys left
-without a row are counted in `candidates` (the caller prunes it). Errors name the `table`.
+at this step, by (count aged to step, last_seen, row) for 'lfu', by (count / (step -
+last_seen) ** (decay_halves / 2), last_seen, row) for 'distance_lfu' (counts never halved), by
+(last_seen, row) for 'lru' and 'ttl'. The first new keys take the free rows; the others take the
+victims' rows in that order, or with `compete` ranked by their total (descending, ties by first
+occurrence) and only while a key's total is above its victim's score. The new key, its count and
+last_seen are written to the given row; new keys left without a row are counted in `candidates`
+(the caller prunes it). Errors name the `table`.
 )doc");
 
 REGISTER_OP("TpuEmbeddingManagedLookup")
@@ -772,12 +855,17 @@ class ManagedRemapOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("ttl_steps", &ttl_steps_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_candidates", &num_candidates_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("compete", &compete_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("decay_halves", &decay_halves_));
     by_count_ = eviction == "lfu";
+    by_distance_ = eviction == "distance_lfu";
+    if (by_distance_) half_life_ = std::numeric_limits<int64_t>::max();  // never halved
     ttl_ = eviction == "ttl";
     OP_REQUIRES(ctx, !ttl_ || ttl_steps_ >= 1,
                 InvalidArgument("eviction 'ttl' needs ttl_steps >= 1"));
-    OP_REQUIRES(ctx, num_candidates_ == (min_count_ > 1 ? 1 : 0),
-                InvalidArgument("a candidates table is needed exactly when min_count > 1"));
+    OP_REQUIRES(ctx, num_candidates_ == (min_count_ > 1 || compete_ ? 1 : 0),
+                InvalidArgument("a candidates table is needed exactly when min_count > 1 or "
+                                "new keys compete"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -869,15 +957,30 @@ class ManagedRemapOp : public OpKernel {
       seen_rows[j] = row;
     }
     const int64_t wanted = eligible.size();
-    Step index_step(index, last, counts, capacity, step, half_life_, by_count_, seen.size());
+    Step index_step(index, last, counts, capacity, step, half_life_, by_count_, seen.size(),
+                    decay_halves_);
     index_step.Update(seen_rows, wanted);
     std::vector<int64_t> leaving;  // rows whose keys leave the map
     if (ttl_) {
       leaving = index_step.Expired(step - ttl_steps_, [last](int64_t row) { last[row] = -1; });
     }
     std::vector<int64_t> given = index_step.FreeRows(wanted);
+    // The first eligible keys take the free rows; the rest take victims' rows, in
+    // first-occurrence order or, competing, strongest first while they beat the victim.
+    std::vector<int64_t> order(eligible.begin(), eligible.begin() + given.size());
+    std::vector<int64_t> rest(eligible.begin() + given.size(), eligible.end());
+    if (compete_) {
+      std::stable_sort(rest.begin(), rest.end(),
+                       [&totals](int64_t a, int64_t b) { return totals[a] > totals[b]; });
+    }
+    const Accept accept = [this, &rest, &totals](int64_t k, double score) {
+      return !compete_ || static_cast<double>(totals[rest[k]]) > score;
+    };
     const std::vector<int64_t> victims =
-        index_step.Victims(wanted - static_cast<int64_t>(given.size()));
+        by_distance_ ? index_step.DistanceVictims(rest.size(), accept)
+                     : index_step.Victims(rest.size(), accept);
+    order.insert(order.end(), rest.begin(), rest.begin() + victims.size());
+    waiting.insert(waiting.end(), rest.begin() + victims.size(), rest.end());
     given.insert(given.end(), victims.begin(), victims.end());
     leaving.insert(leaving.end(), victims.begin(), victims.end());
     // Rows and slots are scattered over memory much larger than the caches: each loop below
@@ -903,18 +1006,18 @@ class ManagedRemapOp : public OpKernel {
         __builtin_prefetch(&keys[later], 1);
         __builtin_prefetch(&counts[later], 1);
         __builtin_prefetch(&last[later], 1);
-        table.Prefetch(hashes[newcomers[eligible[j + kLookAhead]]]);
+        table.Prefetch(hashes[newcomers[order[j + kLookAhead]]]);
       }
-      const int64_t u = newcomers[eligible[j]], row = given[j];
+      const int64_t u = newcomers[order[j]], row = given[j];
       admitted[j] = u;
       keys[row] = unique[u];
-      counts[row] = static_cast<int32_t>(std::min(totals[eligible[j]], kInt32Max));
+      counts[row] = static_cast<int32_t>(std::min(totals[order[j]], kInt32Max));
       last[row] = static_cast<int32_t>(step);
       row_of[u] = row;
       held = table.Insert(hashes[u], static_cast<uint32_t>(row)) && held;
       index_step.Push(row);
     }
-    for (int64_t j = placed; j < wanted; ++j) waiting.push_back(eligible[j]);
+    index_step.Trim();
 
     Tensor new_keys;
     absl::Status status = held ? absl::OkStatus()
@@ -1005,8 +1108,8 @@ class ManagedRemapOp : public OpKernel {
   }
 
   int64_t half_life_ = 1, min_count_ = 1, ttl_steps_ = 0;
-  int num_candidates_ = 0;
-  bool by_count_ = false, ttl_ = false;
+  int num_candidates_ = 0, decay_halves_ = 2;
+  bool by_count_ = false, by_distance_ = false, ttl_ = false, compete_ = false;
   std::string table_;
 };
 

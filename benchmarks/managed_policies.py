@@ -1,0 +1,222 @@
+"""`python -m benchmarks managed --quality [--seeds N]`: which rows managed-id policies keep.
+
+Each policy (`ManagedIds` settings) beside the hashing trick (`key % capacity`) and a full
+vocabulary, on two kinds of stream, at tables of 1/8, 1/4 and 1/2 of the distinct ids:
+- MovieLens 100K (the package's loader: a local ml-100k copy named by `MOVIELENS_DIR`, else its
+  synthetic stand-in of the same shape), ids scrambled into sparse 64-bit keys, split at random
+  or in time order (the last 20 % of ratings by timestamp as the test set); two epochs of a dot
+  product model (user and movie tables, dim 8); test RMSE on the [0, 1] rating scale.
+- The drifting synthetic stream (`tpu_embedding.data.drifting_ratings`): items appear day by day
+  and fade; progressive log loss (each batch scored before it trains).
+Per cell the median over seeds and the spread (max - min), and each policy's share of the
+hashing-to-full-vocabulary gap it closes. The default `ManagedIds()` is the policy of best mean
+rank over the cells (docs/managed-ids.md, "Policies"). Runs are short (two epochs, six days).
+Writes RESULTS.md, results.json and policies.png under benchmarks/results/managed-quality/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import numpy as np
+import tensorflow as tf
+
+import tpu_embedding
+from tpu_embedding.data import drifting_ratings, movielens
+
+E = tf.tpu.experimental.embedding
+HERE = os.path.dirname(os.path.abspath(__file__))
+FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
+HASHING, FULL = "hashing trick", "full vocabulary"
+POLICIES = {
+  "lfu": dict(eviction="lfu", admission="always"),
+  "lru": dict(eviction="lru"),
+  "lfu min_count=2": dict(eviction="lfu", admission="always", min_count=2),
+  "lfu compete": dict(eviction="lfu", admission="compete"),
+  "distance_lfu compete": dict(eviction="distance_lfu", admission="compete"),
+}
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # ids -> scattered 64-bit keys (odd: a bijection)
+DIM, BATCH, LEARNING_RATE, EPOCHS = 8, 256, 0.3, 2
+
+
+def _keys(ids: np.ndarray) -> np.ndarray:
+  return (ids.astype(np.uint64) * _MIX).view(np.int64)
+
+
+def _ids_for(variant: str, ids: np.ndarray, capacity: int) -> np.ndarray:
+  if variant == FULL:
+    return ids
+  if variant == HASHING:
+    return (_keys(ids).view(np.uint64) % np.uint64(capacity)).astype(np.int64)
+  return _keys(ids)
+
+
+def _layer(variant: str, capacities: dict, full_sizes: dict, seed: int):
+  tables, managed = {}, {}
+  for name, capacity in capacities.items():
+    rows = full_sizes[name] if variant == FULL else capacity
+    init = tf.random_normal_initializer(0.0, 0.1, seed=seed)
+    tables[name] = E.TableConfig(rows, DIM, initializer=init, name=name)
+    if variant in POLICIES:
+      managed[name] = tpu_embedding.ManagedIds(**POLICIES[variant])
+  features = {name: E.FeatureConfig(table, name=name) for name, table in tables.items()}
+  return tpu_embedding.TPUEmbedding(
+    features, optimizer=E.Adagrad(LEARNING_RATE), managed_ids=managed
+  )
+
+
+def movielens_rmse(variant: str, fraction: float, split: str, seed: int, data) -> float:
+  """Test RMSE after two epochs of a dot product model on one split of MovieLens 100K."""
+  if split == "time":
+    order = np.argsort(data.timestamps, kind="stable")
+    cut = int(0.8 * len(data))
+    train, test = data.take(order[:cut]), data.take(order[cut:])
+  else:
+    train, test = movielens.train_test_split(data, 0.2, seed=seed)
+  full_sizes = {"users": data.num_users + 1, "movies": data.num_movies + 1}
+  distinct = {"users": len(np.unique(data.user_ids)), "movies": len(np.unique(data.movie_ids))}
+  capacities = {name: max(2, int(n * fraction)) for name, n in distinct.items()}
+  layer = _layer(variant, capacities, full_sizes, seed)
+  bias = tf.Variable(0.5)
+
+  def features(part, at):
+    return {
+      name: tf.constant(_ids_for(variant, ids[at], capacities[name]))
+      for name, ids in (("users", part.user_ids), ("movies", part.movie_ids))
+    }
+
+  @tf.function(reduce_retracing=True)
+  def predict(inputs, training):
+    out = layer(inputs, training=training)
+    return tf.sigmoid(tf.reduce_sum(out["users"] * out["movies"], axis=1) + bias)
+
+  @tf.function(reduce_retracing=True)
+  def step(inputs, labels):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum((predict(inputs, True) - labels) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables + [bias])
+    bias.assign_sub(0.001 * grads[-1])
+
+  labels = movielens.rating_labels(train)
+  rng = np.random.default_rng(seed)
+  order = np.arange(len(train)) if split == "time" else rng.permutation(len(train))
+  for _ in range(EPOCHS):
+    for start in range(0, len(train), BATCH):
+      at = order[start : start + BATCH]
+      step(features(train, at), tf.constant(labels[at]))
+  every = np.arange(len(test))
+  predicted = predict(features(test, every), False).numpy()
+  return float(np.sqrt(np.mean((predicted - movielens.rating_labels(test)) ** 2)))
+
+
+def drift_log_loss(variant: str, fraction: float, seed: int, settings: dict) -> float:
+  """Mean progressive log loss over the drifting stream (each batch scored before it trains)."""
+  total = settings["days"] * settings["new_items_per_day"]
+  capacity = max(2, int(total * fraction))
+  layer = _layer(variant, {"items": capacity}, {"items": total}, seed)
+
+  @tf.function(reduce_retracing=True)
+  def step(ids, labels):
+    with tf.GradientTape() as tape:
+      logits = layer({"items": ids})["items"][:, 0]
+      losses = tf.nn.sigmoid_cross_entropy_with_logits(labels, logits)
+      loss = tf.reduce_sum(losses)
+    tape.gradient(loss, layer.trainable_variables)
+    return tf.reduce_mean(losses)
+
+  losses = []
+  for _, keys, items, labels in drifting_ratings.rating_stream(**settings, seed=seed):
+    ids = items if variant == FULL else (keys % capacity if variant == HASHING else keys)
+    losses.append(float(step(tf.constant(ids), labels)))
+  return float(np.mean(losses))
+
+
+def run(seeds: int) -> dict:
+  data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
+  drift = dict(days=6, batches_per_day=10, batch=512, new_items_per_day=300)
+  variants = list(POLICIES) + [HASHING, FULL]
+  cells = {}
+  for fraction in FRACTIONS:
+    for split in ("time", "random"):
+      cells[f"MovieLens ({data.source}) {split}, 1/{round(1 / fraction)}"] = {
+        v: [movielens_rmse(v, fraction, split, s, data) for s in range(seeds)] for v in variants
+      }
+    cells[f"drifting stream, 1/{round(1 / fraction)}"] = {
+      v: [drift_log_loss(v, fraction, s, drift) for s in range(seeds)] for v in variants
+    }
+  return dict(seeds=seeds, movielens_source=data.source, drift=drift, cells=cells)
+
+
+def summary(result: dict) -> dict:
+  """Per cell: medians, spreads, gap closed; per policy: its mean rank over the cells."""
+  out, ranks = {}, {p: [] for p in POLICIES}
+  for cell, runs in result["cells"].items():
+    median = {v: statistics.median(r) for v, r in runs.items()}
+    gap = median[HASHING] - median[FULL]
+    out[cell] = {
+      v: dict(median=m, spread=max(runs[v]) - min(runs[v]), closed=(median[HASHING] - m) / gap)
+      for v, m in median.items()
+    }
+    for rank, policy in enumerate(sorted(POLICIES, key=lambda p: median[p]), 1):
+      ranks[policy].append(rank)
+  mean_rank = {p: float(np.mean(r)) for p, r in ranks.items()}
+  return dict(cells=out, mean_rank=mean_rank, best=min(mean_rank, key=mean_rank.get))
+
+
+def report(result: dict, table: dict) -> str:
+  variants = list(POLICIES) + [HASHING, FULL]
+  lines = [
+    f"Managed-id policies, {result['seeds']} seeds: median (spread max - min) and share of the "
+    "hashing-to-full-vocabulary gap closed. MovieLens: test RMSE after two epochs; drifting "
+    "stream: progressive log loss. Lower is better.",
+    "",
+    "| cell | " + " | ".join(variants) + " |",
+    "|" + "---|" * (len(variants) + 1),
+  ]
+  for cell, by_variant in table["cells"].items():
+    row = [
+      f"{s['median']:.4f} ({s['spread']:.4f}, {100 * s['closed']:.0f}%)"
+      for s in (by_variant[v] for v in variants)
+    ]
+    lines.append(f"| {cell} | " + " | ".join(row) + " |")
+  ranks = ", ".join(
+    f"{p} {r:.2f}" for p, r in sorted(table["mean_rank"].items(), key=lambda x: x[1])
+  )
+  lines += ["", f"Mean rank over the cells (1 best): {ranks}. Best: **{table['best']}**."]
+  return "\n".join(lines)
+
+
+def plot(table: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  cells = list(table["cells"])
+  fig, ax = plt.subplots(figsize=(9, 4))
+  width = 0.8 / len(POLICIES)
+  for i, policy in enumerate(POLICIES):
+    closed = [100 * table["cells"][c][policy]["closed"] for c in cells]
+    ax.bar(np.arange(len(cells)) + i * width, closed, width, label=policy)
+  ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, cells, rotation=30, ha="right", fontsize=7)
+  ax.set_ylabel("% of hashing -> full vocabulary gap closed")
+  ax.axhline(0, color="black", linewidth=0.5)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(seeds: int = 5) -> None:
+  result = run(seeds)
+  table = summary(result)
+  out_dir = os.path.join(HERE, "results", "managed-quality")
+  os.makedirs(out_dir, exist_ok=True)
+  text = report(result, table)
+  print(text)
+  with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(dict(result, summary=table), f, indent=1)
+  plot(table, os.path.join(out_dir, "policies.png"))
