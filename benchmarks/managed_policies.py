@@ -6,7 +6,7 @@ vocabulary, on two kinds of stream, at tables of 1/8, 1/4 and 1/2 of the distinc
   synthetic stand-in of the same shape), ids scrambled into sparse 64-bit keys, split at random
   or in time order (the last 20 % of ratings by timestamp as the test set); two epochs of a dot
   product model (user and movie tables, dim 8); test RMSE on the [0, 1] rating scale.
-- The drifting synthetic stream (`tpu_embedding.data.drifting_ratings`): items appear day by day
+- The drifting synthetic stream (`examples.data.drifting_ratings`): items appear day by day
   and fade; progressive log loss (each batch scored before it trains).
 Per cell the median over seeds and the spread (max - min), and each policy's share of the
 hashing-to-full-vocabulary gap it closes. The default `ManagedIds()` is the policy of best mean
@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import tpu_embedding
-from tpu_embedding.data import drifting_ratings, movielens
+from examples.data import drifting_ratings, movielens
 
 E = tf.tpu.experimental.embedding
 HERE = os.path.dirname(os.path.abspath(__file__))
