@@ -79,7 +79,7 @@ def test_training_follows_numpy_reference_with_resets(policy, traced):
     np.testing.assert_allclose(out.numpy(), table[rows], rtol=1e-5)
     touched, grads = reference.assemble_gradients([([r], None) for r in rows], upstream, "sum")
     table, slots = reference.apply_step(table, slots, touched, grads, LR, params)
-  assert evicted >= 3  # rows were taken from keys and reset
+  assert evicted >= 1  # rows were taken from keys and reset (competing LFU keeps most: 1 here)
   variables = layer.variables_by_table["movies"]
   np.testing.assert_allclose(variables["parameters"].numpy(), table, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(variables["accumulators"].numpy(), slots["accumulators"], rtol=1e-5)
@@ -91,8 +91,8 @@ def test_remap_ahead_in_tf_data_with_deferred_resets_follows_numpy_reference():
   """The remap as a prefetching tf.data map (run ahead of the loop: checked), its resets
   written by `reset_rows` right before each jit-compiled step: every step reads and trains what
   the reference map and NumPy say, as a remap in the call does."""
-  layer = _layer("lfu")
-  ref = ReferenceMap(CAPACITY, "lfu")
+  layer = _layer("lfu", admission="always")  # every new key evicts: many resets to defer
+  ref = ReferenceMap(CAPACITY, "lfu", admission="always")
   table = np.full([CAPACITY, DIM], INIT)
   slots = {"accumulators": np.full([CAPACITY, DIM], ACC)}
   params = reference.params_from_optimizer(E.Adagrad(LR, initial_accumulator_value=ACC))

@@ -56,11 +56,19 @@ class Bags:
 # Input conversion
 
 
-def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = False) -> Bags:
+def to_bags(
+  feature: Feature,
+  ids: Any,
+  weights: Any = None,
+  compiled: bool = False,
+  global_batch: bool = False,
+) -> Bags:
   """Validates one feature's ids' type (and weights) and turns them into bags.
 
   The ids' range is checked once for all features by `checks.check_id_ranges`. `compiled`: XLA
-  compiles the step, which cannot raise at run time (see `Step.prepare`).
+  compiles the step, which cannot raise at run time (see `Step.prepare`). `global_batch`: the
+  ids are every replica's (a managed table's remap ahead of the step), which the per-replica
+  `output_shape` does not describe, so their sample count is not checked against it.
   """
   name = feature.name
   if isinstance(ids, tf.SparseTensor):
@@ -80,7 +88,7 @@ def to_bags(feature: Feature, ids: Any, weights: Any = None, compiled: bool = Fa
     bags = _dense_bags(feature, ids, compiled)
   if ids.dtype == tf.uint64:
     bags = dataclasses.replace(bags, unsigned=True)
-  return checks.checked_output_shape(bags)
+  return bags if global_batch else checks.checked_output_shape(bags)
 
 
 def _sequence_length(feature: Feature) -> int:
@@ -350,17 +358,19 @@ class Step:
     subset: bool = False,
     compiled: bool = False,
     gathered_on_cpu: AbstractSet[str] = frozenset(),
+    global_batch: bool = False,
   ) -> "Step":
     """Validates `features`/`weights` against `config` (a subset of its features if `subset`).
 
     `compiled`: XLA compiles the step, which cannot raise at run time: the id-range check is
     left out (the static path clamps such ids instead), and `SparseTensor` entries outside their
     `dense_shape` are dropped rather than refused. `gathered_on_cpu`: tables whose lookup's
-    own gather refuses an id outside them (`checks.check_id_ranges`).
+    own gather refuses an id outside them (`checks.check_id_ranges`). `global_batch`: see
+    `to_bags`.
     """
     pairs = config_lib.match_structure(config, features, "features", subset=subset)
     bags = [
-      to_bags(feature, ids, w, compiled)
+      to_bags(feature, ids, w, compiled, global_batch)
       for (feature, ids), w in zip(pairs, config_lib.weight_leaves(features, weights, len(pairs)))
     ]
     return cls(bags if compiled else checks.check_id_ranges(bags, gathered_on_cpu))

@@ -166,9 +166,11 @@ class ManagedIdsMixin:
   ) -> list[tf.Tensor]:
     """Runs every check of the ids, weights and shapes the lookup will make, on the features
     with the managed keys read as row 0, so that a call they refuse changes no map: eagerly it
-    raises here; traced, the ops it returns gate the map's step."""
+    raises here; traced, the ops it returns gate the map's step. `subset`: a `remap` of some
+    features of the global batch, ahead of the step (so not held to the per-replica
+    `output_shape`)."""
     placeholders = self._managed.with_row_zero(config, features, subset)
-    step = inputs.Step.prepare(config, placeholders, weights, subset=subset)
+    step = inputs.Step.prepare(config, placeholders, weights, subset=subset, global_batch=subset)
     if self._check_finite:  # the weights' check too: it comes before the gradient's verdict
       step = finite.check_weights(step)
     return [t for bag in step.bags for t in (bag.ids, bag.gains) if t is not None]
