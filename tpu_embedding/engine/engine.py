@@ -125,6 +125,11 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     )
     variables = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
+    if self._updates_tables:
+      # Trained here, not watched by tapes; a reloaded SavedModel's tables are plain trainable
+      # variables, as tf-recommenders' are, which only an optimizer the user applies changes.
+      for shard in sharded.shards(parameters):
+        tf_internals.saved_as_trainable(shard)
     if table.optimizer is not None and self._updates_tables:
       self._rules[table.name] = updates.rule_for(table.optimizer)
       variables.update(self._create_slots(table, parameters))
