@@ -445,6 +445,37 @@ def test_one_check_per_step_still_names_the_feature_at_fault():
   assert not re.search(r"Feature \\*'watched", message)
 
 
+def test_an_out_of_range_id_on_the_second_mirrored_replica_raises_the_layers_error():
+  """The refusal a user catches names feature, table and id, not another replica's cancelled
+  transfer (`CancelledError: RecvAsync is cancelled`), and the step writes nothing."""
+  strategy = tf.distribute.MirroredStrategy(
+    ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+  )
+  with strategy.scope():
+    layer = _layer()
+    dense = tf_keras.layers.Dense(1, kernel_initializer="ones")
+    optimizer = tf_keras.optimizers.SGD(0.1)
+
+  def replica_step(ids):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(dense(layer({"watched": ids, "liked": tf.zeros_like(ids)})["watched"]))
+    variables = layer.trainable_variables + dense.trainable_variables
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+  ids = strategy.experimental_distribute_values_from_function(
+    lambda context: tf.constant([[1, 2], [3, 9]][context.replica_id_in_sync_group])
+  )
+  pattern = (
+    r"Feature \\*'watched\\*' \(table \\*'videos\\*', vocabulary_size=5\): every id must "
+    r"be in \[0, 5\)\.\] \[Offending ids:\] \[9\]"
+  )
+  with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
+    tf.function(lambda ids: strategy.run(replica_step, args=(ids,)))(ids)
+  (videos,) = layer.embedding_tables.values()
+  np.testing.assert_array_equal(videos.numpy(), row_id_table(5, 2))
+  np.testing.assert_array_equal(dense.kernel.numpy(), np.ones((2, 1)))
+
+
 def test_range_check_traces_one_assert_whatever_the_number_of_features():
   """The check's failure branch is traced into every step: it must not grow with the features
   (first-step latency of a 26-feature DLRM)."""

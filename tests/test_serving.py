@@ -775,3 +775,35 @@ def test_export_dir_given_as_bytes_is_a_path_as_in_tensorflow(exported, tmp_path
   assert serving.export_for_serving(model, os.fsencode(target), signatures(model)) == target
   assert os.listdir(tmp_path) == ["bytes"]
   assert sorted(tf.saved_model.load(target).embedding_tables) == ["genre", "movie", "user"]
+
+
+@pytest.mark.parametrize("saved_by", ["tf.saved_model.save", "export_for_serving"])
+def test_reloaded_tables_are_trainable_variables_a_tape_watches(tmp_path, saved_by):
+  """Reloaded, a table is a plain trainable variable, as tf-recommenders' is: a tape over a call
+  gives its gradient without being asked to watch it, the call changes nothing, and an optimizer
+  the user applies changes it by exactly that gradient."""
+  values = np.arange(10, dtype=np.float32).reshape(5, 2)
+  table = E.TableConfig(5, 2, name="videos", initializer=tf.constant_initializer(values))
+  model = tf_keras.Sequential([tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), "sgd")])
+  model(tf.constant([0], tf.int64))
+  directory = str(tmp_path / "saved")
+  if saved_by == "export_for_serving":
+    serve = tf.function(model, input_signature=[tf.TensorSpec([None], tf.int64)])
+    loaded = tf.saved_model.load(serving.export_for_serving(model, directory, serve))
+    reloaded = loaded.embedding_tables["videos"]
+    call = lambda ids: loaded.signatures["serving_default"](ids)["output_0"]
+  else:
+    tf.saved_model.save(model, directory)
+    loaded = tf.saved_model.load(directory)
+    (reloaded,) = [v for v in loaded.variables if v.name.endswith("/videos:0")]
+    call = lambda ids: loaded(ids, training=True)  # the saved training function: no trap either
+  ids, upstream = [1, 3, 1], np.array([[1, 2], [3, 4], [5, 6]], np.float32)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(call(tf.constant(ids, tf.int64)) * upstream)
+  gradient = tf.convert_to_tensor(tape.gradient(loss, reloaded)).numpy()
+  expected = np.zeros_like(values)
+  np.add.at(expected, ids, upstream)
+  np.testing.assert_array_equal(gradient, expected)
+  np.testing.assert_array_equal(reloaded.numpy(), values)
+  tf_keras.optimizers.SGD(0.5).apply_gradients([(gradient, reloaded)])
+  np.testing.assert_array_equal(reloaded.numpy(), values - 0.5 * expected)

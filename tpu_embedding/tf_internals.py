@@ -93,6 +93,19 @@ def untraced_copy(function: Any) -> Any:
   return function._clone(python_function=None)
 
 
+def saved_as_trainable(variable: Any) -> None:
+  """Makes SavedModels hold `variable` (trainable=False) as trainable, so that a reloaded model
+  lets a `GradientTape` watch it as a plain trainable variable (TF writes the flag in the
+  variable's object proto, which `tf.saved_model.save` asks the variable itself to write)."""
+  write = variable._write_object_proto
+
+  def write_trainable(proto: Any, options: Any) -> None:
+    write(proto, options)
+    proto.variable.trainable = True
+
+  variable._write_object_proto = write_trainable
+
+
 def could_possibly_record() -> bool:
   """Whether a gradient tape may be recording what runs now."""
   return record.could_possibly_record()

@@ -16,31 +16,17 @@ import tf_keras
 from tensorflow.python.eager import context
 
 import tpu_embedding
+from benchmarks.trap_race import (
+  KERNEL_LAYER,
+  expected_row_and_kernel,
+  linear_step,
+  trained_row_and_kernel,
+)
 
 E = tf.tpu.experimental.embedding
-KERNEL_LAYER = "kernel_layer"
-TRIALS = 8  # fresh traces: each met the race about 1 time in 3 before the fix
-
-
-def linear_step(optimizer, jit_compile: bool = False, inner_function: bool = False) -> tuple:
-  """(layer, its table config, the dense layer, a step training both with a linear loss).
-
-  With `inner_function`, the layer is called inside a `tf.function` of its own, whose backward
-  function TF traces and calls inside the step.
-  """
-  table = E.TableConfig(3, 2, initializer=tf.zeros_initializer(), name="t")
-  layer = tpu_embedding.TPUEmbedding(E.FeatureConfig(table=table), optimizer)
-  dense = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", name=KERNEL_LAYER)
-  embed = tf.function(layer) if inner_function else layer
-
-  @tf.function(jit_compile=jit_compile)
-  def step(ids):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(dense(embed(ids)))
-    variables = layer.trainable_variables + dense.trainable_variables
-    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-
-  return layer, table, dense, step
+# Fresh traces: each met the race about 1 time in 3 before the fix; `python -m
+# benchmarks.trap_race 100` runs a hundred.
+TRIALS = 10
 
 
 def one_step(kind: str) -> None:
@@ -114,11 +100,10 @@ def test_the_kernels_update_waits_for_the_read_that_feeds_the_tables_update(kind
 
 def test_the_table_is_updated_with_the_kernel_before_the_steps_update():
   # The last trial compiles the step with XLA, which must train the same.
+  row, kernel = expected_row_and_kernel()
+  np.testing.assert_allclose(row, [-1.25, -1.25])  # row 1 -= 1.0 * ones, then 0.25 * ones
+  np.testing.assert_allclose(kernel, [1.25, 1.25])  # kernel -= 1.0 * zeros, then 0.25 * (-1, -1)
   for trial in range(TRIALS + 1):
-    schedule = tf_keras.optimizers.schedules.PiecewiseConstantDecay([0], [1.0, 0.25])
-    optimizer = tf_keras.optimizers.SGD(schedule)
-    layer, table, dense, step = linear_step(optimizer, jit_compile=trial == TRIALS)
-    step(tf.constant([1]))  # lr 1.0: row 1 -= 1.0 * kernel (ones); kernel -= 1.0 * row 1 (zeros)
-    step(tf.constant([1]))  # lr 0.25: row 1 -= 0.25 * kernel (ones); kernel -= 0.25 * (-1, -1)
-    np.testing.assert_allclose(layer.embedding_tables[table].numpy()[1], [-1.25, -1.25])
-    np.testing.assert_allclose(dense.kernel.numpy(), [[1.25], [1.25]])
+    got_row, got_kernel = trained_row_and_kernel(jit_compile=trial == TRIALS)
+    np.testing.assert_allclose(got_row, row)
+    np.testing.assert_allclose(got_kernel, kernel)

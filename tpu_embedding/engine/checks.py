@@ -147,20 +147,27 @@ def _range_check() -> Callable[..., list[Tensor]]:
   """The range check of the current strategy's steps (made at its first use)."""
   strategy = tf.distribute.get_strategy()
   if strategy not in _RANGE_CHECKS:
-    _RANGE_CHECKS[strategy] = _new_range_check()
+    _RANGE_CHECKS[strategy] = _new_range_check(strategy.num_replicas_in_sync > 1)
   return _RANGE_CHECKS[strategy]
 
 
-def _new_range_check() -> Callable[..., list[Tensor]]:
-  refuse = tf.function(
-    _refuse_out_of_range,
-    autograph=False,
-    reduce_retracing=True,
-    # Never inlined: TF lowers a `tf.cond` in a function to Switch/Merge, so an inlined failure
-    # branch stays in the graph every request runs, where each of its ~65 ops is visited as dead
-    # (most of the serving latency above a plain gather). Kept a function, it is one dead call.
-    experimental_attributes={"_noinline": True},
-  )
+def _new_range_check(replicated: bool) -> Callable[..., list[Tensor]]:
+  """The check; with `replicated` (a step of several replicas) its failure branch is inlined:
+  failing in a function call of its own, a replica's refusal reached the user as another
+  replica's `CancelledError: RecvAsync is cancelled` (TF keeps the cancelled transfer's status
+  and drops the call's), and the layer's message only in TF's log."""
+  refuse = _refuse_out_of_range
+  if not replicated:
+    refuse = tf.function(
+      _refuse_out_of_range,
+      autograph=False,
+      reduce_retracing=True,
+      # Never inlined: TF lowers a `tf.cond` in a function to Switch/Merge, so an inlined
+      # failure branch stays in the graph every request runs, where each of its ~65 ops is
+      # visited as dead (most of the serving latency above a plain gather). Kept a function,
+      # it is one dead call.
+      experimental_attributes={"_noinline": True},
+    )
   return tf.function(
     functools.partial(_ids_in_range, refuse), autograph=False, reduce_retracing=True
   )

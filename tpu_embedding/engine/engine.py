@@ -114,6 +114,11 @@ class EmbeddingEngine(tf_restore.RestoreHook, tf.Module):
     parameters = variables_lib.new_table(table, not self._updates_tables, self._check_finite)
     self._variables[table.name] = {"parameters": parameters}
     self._track_trackable(parameters, name=table.name)
+    if self._updates_tables:
+      # Trained here, not watched by tapes; a reloaded SavedModel's tables are plain trainable
+      # variables, as tf-recommenders' are, which only an optimizer the user applies changes.
+      for shard in sharded.shards(parameters):
+        tf_internals.saved_as_trainable(shard)
     if table.optimizer is not None and self._updates_tables:
       self._variables[table.name].update(self._create_slots(table, parameters))
       self._updates.add(table)
