@@ -27,7 +27,7 @@ from tpu_embedding import (
   tf_restore,
 )
 from tpu_embedding import config as config_lib
-from tpu_embedding.engine import backward, exchange, finite, inputs, lookup, static_path
+from tpu_embedding.engine import backward, exchange, finite, inputs, lookup, sharded, static_path
 from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.engine import variables as variables_lib
 from tpu_embedding.engine.builds import build_once
