@@ -129,6 +129,23 @@ def test_managed_remap_gives_rows_in_numpy_order(eviction, wanted, engine_path):
   assert 0 < len(free) < 40 < len(free) + len(victims) < 500  # every regime was exercised
 
 
+def test_an_index_freed_while_a_graph_is_built_adds_no_op_to_it_and_is_freed_later():
+  """The garbage collector frees a dead map's index at any point, also while TF holds a graph's
+  lock to add an op (a TPU system's set-up did): an op made then waited on that lock for ever.
+  So no op goes into the graph, and the index is freed at the next eager free."""
+  id_map = IdMap(ManagedIds(), "t", 8)
+  id_map.remap(tf.constant([5, 6], tf.int64), True)  # the kernel makes the index
+  graph = tf.Graph()
+  with graph.as_default():
+    native.destroy_managed_index(id_map.index_name)
+  assert graph.get_operations() == []
+  native.destroy_managed_index("never made")  # eager: frees what was left, ignoring the unknown
+  with pytest.raises(tf.errors.NotFoundError):
+    tf.raw_ops.DestroyResourceOp(
+      resource=native.managed_index(id_map.index_name), ignore_lookup_error=False
+    )
+
+
 @pytest.mark.parametrize("eviction", ["lfu", "lru", "ttl"])
 @pytest.mark.parametrize("capacity", [0, 1])
 def test_managed_kernels_refuse_maps_of_fewer_than_two_rows(eviction, capacity):

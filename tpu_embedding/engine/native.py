@@ -202,11 +202,21 @@ def managed_index(name: str) -> tf.Tensor:
   return _library().tpu_embedding_managed_index(shared_name=name)
 
 
+# Indexes whose maps are gone, freed at the next chance to run an op safely (see below).
+_UNUSED_INDEXES: list[str] = []
+
+
 def destroy_managed_index(name: str) -> None:
-  """Frees the index `name` if it was created (its map is gone). Eagerly: the garbage collector
-  may call this while a function is being traced, which must not record it."""
-  with tf.init_scope():
-    tf.raw_ops.DestroyResourceOp(resource=managed_index(name), ignore_lookup_error=True)
+  """Frees the index `name` if it was created (its map is gone). The garbage collector calls this
+  at any point, also while TF holds a graph's lock to add an op to it (tracing a function, or a
+  TPU system's set-up), where making an op would wait on that lock for ever: so the name is
+  queued, and the queue is freed eagerly, here or at the next call outside any graph."""
+  _UNUSED_INDEXES.append(name)
+  if not tf.executing_eagerly():
+    return
+  while _UNUSED_INDEXES:
+    unused = _UNUSED_INDEXES.pop()
+    tf.raw_ops.DestroyResourceOp(resource=managed_index(unused), ignore_lookup_error=True)
 
 
 def managed_remap(
