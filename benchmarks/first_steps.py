@@ -230,17 +230,26 @@ def main(argv=None) -> None:
           ),
           flush=True,
         )
-  loads = [r["load_avg"] for r in results]
-  load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
   rows = summarize(results)
-  table = markdown(rows, args.steps, load)
+  table = markdown(rows, args.steps, load_line(results))
   print(table)
   if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "first_steps.json"), "w", encoding="utf-8") as f:
-      json.dump({"runs": results, "summary": rows, "steps": args.steps}, f, indent=1)
-    with open(os.path.join(args.out, "first_steps.md"), "w", encoding="utf-8") as f:
-      f.write(table)
+    save(args.out, "first_steps", {"runs": results, "summary": rows, "steps": args.steps}, table)
+
+
+def load_line(results: list[dict]) -> str:
+  """The machine's load over the runs, for the record beside their figures."""
+  loads = [r["load_avg"] for r in results]
+  return f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
+
+
+def save(out: str, name: str, record: dict, table: str) -> None:
+  """`record` as `<out>/<name>.json` and the printed `table` as `<out>/<name>.md`."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
+  with open(os.path.join(out, f"{name}.md"), "w", encoding="utf-8") as f:
+    f.write(table)
 
 
 if __name__ == "__main__":

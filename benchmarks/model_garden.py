@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import dlrm_keras
+from benchmarks import dlrm_keras, first_steps
 from benchmarks import harness as h
 
 DEFAULT_CLIENT = "/work/envs/model_garden"
@@ -265,17 +265,12 @@ def main(argv=None) -> None:
           ),
           flush=True,
         )
-  loads = [r["load_avg"] for r in results]
-  load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores"
   rows = summarize(results)
-  table = markdown(rows, args.layer, args.steps, load)
+  table = markdown(rows, args.layer, args.steps, first_steps.load_line(results))
   print(table)
   if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "model_garden.json"), "w", encoding="utf-8") as f:
-      json.dump({"runs": results, "summary": rows, "steps": args.steps}, f, indent=1)
-    with open(os.path.join(args.out, "model_garden.md"), "w", encoding="utf-8") as f:
-      f.write(table)
+    record = {"runs": results, "summary": rows, "steps": args.steps}
+    first_steps.save(args.out, "model_garden", record, table)
 
 
 if __name__ == "__main__":
