@@ -29,7 +29,7 @@ IDS = {"user": tf.constant([1, 2, 3]), "movie": tf.constant([0, 4, 4])}
 class Ranker(tf_keras.Model):
   def __init__(self, hidden=4, seed=0, optimizer=None):
     super().__init__()
-    tf.keras.utils.set_random_seed(seed)
+    tf_keras.utils.set_random_seed(seed)  # tf_keras layers draw from its seeds (tf.keras: Keras 3)
     self.embedding = tpu_embedding.TPUEmbedding(
       {
         "user": E.FeatureConfig(E.TableConfig(10, 2, name="user")),
