@@ -19,9 +19,10 @@ import tensorflow as tf  # noqa: E402
 
 import tpu_embedding  # noqa: E402
 
-# Run as a script from tests/jobs: its helpers are in tests/support.
+# Run as a script from tests/jobs: its helpers are in tests/support, which reads examples/ from
+# the repository's root.
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(TESTS, "support"))
+sys.path[:0] = [os.path.join(TESTS, "support"), os.path.dirname(TESTS)]
 import loopback  # noqa: E402
 
 E = tf.tpu.experimental.embedding
