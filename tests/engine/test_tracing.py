@@ -178,7 +178,10 @@ def fit_as_model_garden(devices: list[str]) -> tuple[tf_keras.Model, int, int, C
   `fit` over two batches: (the model, entries into `gather_and_update`, into
   `TableUpdates.update_tables` as written (not converted), the tables' schedule)."""
   schedule = CountedSchedule()
-  strategy = tf.distribute.MirroredStrategy(devices)
+  # Sums by copying to one device, not collective ops: collective instance keys restart with
+  # every strategy in a process, and a later test's strategy met this one's shapes under them.
+  reduce = tf.distribute.ReductionToOneDevice()
+  strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=reduce)
   config = features(4, output_shape=True)
   with strategy.scope():
     optimizer = tf_keras.optimizers.legacy.SGD(schedule)
