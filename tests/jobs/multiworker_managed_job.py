@@ -1,10 +1,12 @@
 """The managed-ids part of a multi-worker test process (`tests/jobs/multiworker_job.py` runs it
-under its
-strategy): every worker remaps each global batch with its own copy of the map (outside
+under its strategy): every worker remaps each global batch with its own copy of the map (outside
 strategy.run), trains its half; writes the table and the rows of every key seen. Then
 (`train_raw_keys`) each worker calls the layer with its half of the raw keys inside
 strategy.run; writes the table, its slot and the map's export.
 """
+
+import functools
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -13,6 +15,14 @@ import tpu_embedding
 
 E = tf.tpu.experimental.embedding
 GLOBAL_BATCH = 8
+
+
+def shared(strategy: tf.distribute.Strategy, value: tf.Tensor) -> Any:
+  """`value` (the global batch) cut into each replica's share, in replica order."""
+  replicas = strategy.num_replicas_in_sync
+  return strategy.experimental_distribute_values_from_function(
+    lambda context: tf.split(value, replicas)[context.replica_id_in_sync_group]
+  )
 
 
 def train(strategy: tf.distribute.Strategy, out_path: str) -> None:
@@ -37,12 +47,7 @@ def train(strategy: tf.distribute.Strategy, out_path: str) -> None:
   def run(rows, upstream):
     strategy.run(replica_step, args=(rows, upstream))
 
-  replicas = strategy.num_replicas_in_sync
-
-  def share(value):
-    return strategy.experimental_distribute_values_from_function(
-      lambda context: tf.split(value, replicas)[context.replica_id_in_sync_group]
-    )
+  share = functools.partial(shared, strategy)
 
   for keys, upstream in zip(batches, upstreams):
     rows = layer.remap({"f": tf.constant(keys)})["f"]  # the global batch, on every worker
@@ -88,12 +93,7 @@ def train_raw_keys(strategy: tf.distribute.Strategy, out_path: str) -> None:
   def run(features, upstream):
     strategy.run(replica_step, args=(features, upstream))
 
-  replicas = strategy.num_replicas_in_sync
-
-  def share(value):
-    return strategy.experimental_distribute_values_from_function(
-      lambda context: tf.split(value, replicas)[context.replica_id_in_sync_group]
-    )
+  share = functools.partial(shared, strategy)
 
   for features, upstream in zip(batches, upstreams):
     run({f: share(tf.constant(k)) for f, k in features.items()}, share(tf.constant(upstream)))
