@@ -156,7 +156,7 @@ def test_sparse_core_helpers():
   )
 
 
-@pytest.mark.skipif(not tf_internals.HAS_SPARSE_CORE, reason="TF 2.15 has no SparseCore")
+@pytest.mark.skipif(tf_internals.SPARSE_CORE_CONFIG is None, reason="no SparseCore limits here")
 def test_sparse_core_stacking_is_tfs_on_clones():
   """TF's stacker on 2 chips of 4 SparseCores: "a" and "b" (same optimizer) share the stack
   "a_b", "b" after "a"'s 64 padded rows (8 a shard: column offset 8 * 8) and rotated by 4;
@@ -165,7 +165,7 @@ def test_sparse_core_stacking_is_tfs_on_clones():
   tables.append(emb.TableConfig(16, 4, name="c", optimizer=emb.SGD(0.5)))
   config = {t.name: emb.FeatureConfig(t, output_shape=[8]) for t in tables}
   stacking, flat = tf_internals.sparse_core_stacking(
-    config, emb.Adagrad(0.1), 2, 4, emb.SparseCoreEmbeddingConfig()
+    config, emb.Adagrad(0.1), 2, 4, tf_internals.sparse_core_config()
   )
   assert [path for path, _ in flat] == ["a", "b", "c"]
   assert stacking.table_to_stacked_table_offset == {
@@ -175,6 +175,24 @@ def test_sparse_core_stacking_is_tfs_on_clones():
   }
   assert stacking.table_to_sample_count == {"a_b": 16, "c": 8}
   assert [(t.vocabulary_size, t.dim, t.optimizer) for t in tables[:2]] == [(64, 4, None)] * 2
+
+
+def test_sparse_core_limits_exist_from_tf_2_17():
+  assert (tf_internals.SPARSE_CORE_CONFIG is not None) == (MINOR >= (2, 17))
+  if tf_internals.SPARSE_CORE_CONFIG is not None:
+    limits = tf_internals.sparse_core_config(max_ids_per_chip_per_sample=8)
+    assert isinstance(limits, emb.SparseCoreEmbeddingConfig)
+    assert limits.max_ids_per_chip_per_sample == 8
+    return
+  # TF 2.15 and 2.16: the pre-flight's stacking and limits are refused, naming the version.
+  table = emb.TableConfig(8, 4, name="t")
+  config = {"f": emb.FeatureConfig(table, output_shape=[8])}
+  for call in (
+    lambda: tf_internals.sparse_core_config(),
+    lambda: tf_internals.sparse_core_stacking(config, emb.SGD(0.1), 1, 4, None),
+  ):
+    with pytest.raises(tf_internals.NoSparseCore, match="came with TensorFlow 2.17"):
+      call()
 
 
 def test_sparse_core_exists_from_tf_2_16():

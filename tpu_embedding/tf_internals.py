@@ -55,6 +55,8 @@ ShardedVariable = tf.__internal__.distribute.ShardedVariable
 PackingStatus = optimization_parameters_pb2.LowDimensionalPackingStatus.Status
 # The mid-level optimizer that runs a user's per-row function; None where TF lacks it (2.16, 2.17).
 CUSTOM_OPTIMIZER: Optional[type] = getattr(_embedding, "CustomOptimizer", None)
+# SparseCore's per-table limits; None before TF 2.17 (2.16's TPUEmbeddingV2 takes none).
+SPARSE_CORE_CONFIG: Optional[type] = getattr(_embedding, "SparseCoreEmbeddingConfig", None)
 # ---------------------------------------------------------------------------------------------
 # Nests: path-aware flattening in tf.nest's order, and structure-up-to maps.
 
@@ -227,6 +229,21 @@ def sparse_core_checkpoint_needs_relayout(path: str, mid_level: tf.Module) -> bo
   return adapter.create_from_checkpoint(path).is_applicable(mid_level)
 
 
+def _no_sparse_core_limits() -> NoSparseCore:
+  return NoSparseCore(
+    f"TensorFlow {tf.__version__} has no SparseCoreEmbeddingConfig: SparseCore's limits, and the "
+    "stacker that reads them, came with TensorFlow 2.17. Run the SparseCore pre-flight (and the "
+    "SparseCore path) under TensorFlow 2.17 or later."
+  )
+
+
+def sparse_core_config(**limits: Any) -> Any:
+  """TF's `SparseCoreEmbeddingConfig(**limits)`; raises `NoSparseCore` where TF has none."""
+  if SPARSE_CORE_CONFIG is None:
+    raise _no_sparse_core_limits()
+  return SPARSE_CORE_CONFIG(**limits)
+
+
 def sparse_core_stacking(
   feature_config: Any,
   optimizer: Any,
@@ -239,9 +256,10 @@ def sparse_core_stacking(
 
   Runs TF's own stacker (its C++ `SparseCoreLayoutStacker`, which runs on CPU) on clones, as
   the constructor does, so the user's configs are left as they were. Tables without an optimizer
-  take `optimizer`, as TF's base class gives them. Raises `NoSparseCore` on TF 2.15."""
-  if not HAS_SPARSE_CORE:
-    raise NoSparseCore(f"TensorFlow {tf.__version__} has no SparseCore (TPUEmbeddingV2).")
+  take `optimizer`, as TF's base class gives them. Raises `NoSparseCore` on TF 2.15 and 2.16
+  (2.16's `TPUEmbeddingV2` stacks by a method of its own, without SparseCore's limits)."""
+  if SPARSE_CORE_CONFIG is None:
+    raise _no_sparse_core_limits()
   cloned = tpu_embedding_v3._clone_feature_config(feature_config)
   flat_features = nest.flatten_with_joined_string_paths(cloned)
   tables = list({id(feature.table): feature.table for _, feature in flat_features}.values())

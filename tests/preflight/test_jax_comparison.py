@@ -16,7 +16,7 @@ emb = tf.tpu.experimental.embedding
 pytestmark = [
   pytest.mark.integration,
   pytest.mark.skipif(
-    not tf_internals.HAS_SPARSE_CORE, reason=f"no SparseCore on TF {tf.__version__}"
+    tf_internals.SPARSE_CORE_CONFIG is None, reason=f"no SparseCore limits on TF {tf.__version__}"
   ),
   pytest.mark.skipif(
     jax_sparse_core.jax_python() is None,

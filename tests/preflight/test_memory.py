@@ -88,7 +88,7 @@ def test_v1_bytes_are_those_of_tf_tpu_embedding(monkeypatch, optimizer, chips):
   assert plan.slots_bytes_per_chip == SLOTS[optimizer] * want
 
 
-@pytest.mark.skipif(not tf_internals.HAS_SPARSE_CORE, reason="no SparseCore on this TF")
+@pytest.mark.skipif(tf_internals.SPARSE_CORE_CONFIG is None, reason="no SparseCore limits")
 # Each optimizer stacked and not, v5p's 4 and v6e's 2 SparseCores a chip, 1 to 64 chips (a
 # 64-chip build takes TF ~10 s on a loaded CPU, so one of those).
 @pytest.mark.parametrize(

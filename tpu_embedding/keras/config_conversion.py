@@ -180,6 +180,4 @@ def sparse_core_config(table_stacking: Any) -> Any:
       f"table_stacking={table_stacking!r}: on TensorFlow only 'auto' (TensorFlow stacks the "
       "tables) or None (no stacking) are supported, as in keras-rs."
     )
-  return tf.tpu.experimental.embedding.SparseCoreEmbeddingConfig(
-    disable_table_stacking=table_stacking is None
-  )
+  return tf_internals.sparse_core_config(disable_table_stacking=table_stacking is None)

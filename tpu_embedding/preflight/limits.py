@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import numpy as np
 import tensorflow as tf
 
+from tpu_embedding import tf_internals
 from tpu_embedding.preflight import input_stats
 from tpu_embedding.preflight import routing as routing_lib
 
@@ -60,7 +61,7 @@ def sparse_core_config(
   grow = lambda observed: max(1, math.ceil(observed * (1 + headroom)))
   if headroom:
     per_chip = -(-grow(per_chip) // input_stats.PAD) * input_stats.PAD
-  return emb.SparseCoreEmbeddingConfig(
+  return tf_internals.sparse_core_config(
     disable_table_stacking=not stacking,
     max_ids_per_chip_per_sample=per_chip,
     max_ids_per_table={name: grow(t[input_stats.IDS]) for name, t in tables.items()},
@@ -240,8 +241,8 @@ def _batches_with_counts(
   optimizer: Any,
 ) -> Iterator[tuple[Any, _Limits, routing_lib.Routing, dict, dict]]:
   """(batch, limits, routing, its stacks' entries, their counts) for each batch."""
-  config = emb.SparseCoreEmbeddingConfig() if config is None else config
-  if not isinstance(config, emb.SparseCoreEmbeddingConfig):
+  config = tf_internals.sparse_core_config() if config is None else config
+  if not isinstance(config, tf_internals.SPARSE_CORE_CONFIG or ()):
     raise ValueError(f"config must be a SparseCoreEmbeddingConfig or None; got {type(config)}.")
   route, everything = routing_lib.routed(
     feature_config,

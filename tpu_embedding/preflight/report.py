@@ -8,9 +8,7 @@ import dataclasses
 import importlib
 from typing import Any, Iterable, Optional, TextIO
 
-import tensorflow as tf
-
-from tpu_embedding import preflight
+from tpu_embedding import preflight, tf_internals
 from tpu_embedding.preflight import memory as memory_lib
 from tpu_embedding.preflight import progress, sources, topologies
 
@@ -89,9 +87,7 @@ def _sparse_core_section(model, batches, chips, stacking, total, stream) -> Spar
   )
   stats = preflight.sparse_core_stats(model.feature_config, read, stacking=stacking, **where)
   config = preflight.sparse_core_config(stats, stacking=stacking)
-  defaults = tf.tpu.experimental.embedding.SparseCoreEmbeddingConfig(
-    disable_table_stacking=not stacking
-  )
+  defaults = tf_internals.sparse_core_config(disable_table_stacking=not stacking)
   preview = preflight.preview_limits(model.feature_config, read, defaults, **where)
   return SparseCoreSection(stats=stats, config=config, preview=preview, batches=len(read))
 

@@ -174,7 +174,7 @@ def routing(
       feature.table, max_sequence_length=feature.max_sequence_length, output_shape=[per_chip]
     )
     shaped.append(clone)
-  sc_config = emb.SparseCoreEmbeddingConfig(disable_table_stacking=not stacking)
+  sc_config = tf_internals.sparse_core_config(disable_table_stacking=not stacking)
   stacked, flat_features = tf_internals.sparse_core_stacking(
     tf.nest.pack_sequence_as(feature_config, shaped),
     optimizer,
