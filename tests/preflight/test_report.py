@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tpu_embedding import preflight
+from tpu_embedding import preflight, tf_internals
 from tpu_embedding.preflight import __main__ as cli
 from tpu_embedding.preflight import progress, report, sources
 
@@ -43,6 +43,7 @@ def _model():
   return sources.ModelConfig(_feature_config(), "adagrad", "two tables")
 
 
+@pytest.mark.skipif(tf_internals.SPARSE_CORE_CONFIG is None, reason="no SparseCore limits")
 def test_the_markdown_on_sparse_core_holds_the_plan_and_the_data_statistics():
   """v5p-8: 4 chips x 4 SparseCores, rows padded to multiples of 128: each table 32 rows a
   chip at width 8 (dim 4 padded), 32 * 8 * 4 = 1024 B, and 1024 B of Adagrad accumulators.
@@ -93,6 +94,22 @@ def test_off_sparse_core_the_data_is_not_read():
   # v4-8 is 4 chips: ceil(100 / 4) = 25 rows of 8, ceil(50 / 4) = 13 rows of 4, float32.
   assert f"| tables | {25 * 8 * 4 + 13 * 4 * 4:,} |" in text
   assert "SparseCore statistics: not applicable: v4-8 runs TPUEmbedding (V1" in text
+
+
+def test_without_sparse_core_limits_the_plan_is_made_and_the_data_not_read(monkeypatch):
+  # As under TF 2.15 and 2.16, which have no SparseCoreEmbeddingConfig.
+  monkeypatch.setattr(tf_internals, "SPARSE_CORE_CONFIG", None)
+
+  def untouchable():
+    raise AssertionError("the data was read")
+    yield
+
+  built = report.build_report(_model(), untouchable(), topology="v5p-8", batch_size=BATCH)
+  text = report.markdown(built)
+  # v5p-8 is 4 chips of 4 SparseCores: both tables pad to 8 rows a SparseCore (100 / 16 and
+  # 50 / 16 round up to 7 and 4) and to 8 columns, so 32 rows of 8 float32 a chip each.
+  assert f"| tables | {2 * 32 * 8 * 4:,} |" in text
+  assert f"SparseCore statistics: not computed: TensorFlow {tf.__version__} has no" in text
 
 
 def test_the_plot_is_a_png_and_a_missing_matplotlib_is_named(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import dataclasses
 import importlib
 from typing import Any, Iterable, Optional, TextIO
 
+import tensorflow as tf
+
 from tpu_embedding import preflight, tf_internals
 from tpu_embedding.preflight import memory as memory_lib
 from tpu_embedding.preflight import progress, sources, topologies
@@ -72,6 +74,11 @@ def build_report(
     section = SparseCoreSection(
       note=f"not applicable: {plan.topology} runs {PATHS[chips.embedding]}; SparseCore's "
       "input limits concern TPUEmbeddingV2 (v5p, v6e). The data was not read."
+    )
+  elif tf_internals.SPARSE_CORE_CONFIG is None:
+    section = SparseCoreSection(
+      note=f"not computed: TensorFlow {tf.__version__} has no SparseCore limits "
+      "(SparseCoreEmbeddingConfig came with 2.17). The data was not read"
     )
   else:
     section = _sparse_core_section(model, batches, chips, stacking, total, stream)
