@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from tensorflow_only import TensorFlowOnly
 
 import tpu_embedding
 from tpu_embedding import serving
@@ -115,13 +116,6 @@ def files_digest(directory):
   return digest.hexdigest()
 
 
-def run_python(code, timeout=120, **kwargs):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run(
-    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout, **kwargs
-  )
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   """(model, export dir, in-memory outputs of each signature on INPUTS)."""
@@ -178,8 +172,6 @@ def test_serving_config_with_an_unknown_table_is_refused():
 
 LOAD_WITH_TENSORFLOW_ONLY = textwrap.dedent("""
     import sys, numpy as np, tensorflow as tf
-    directory, out = sys.argv[1], sys.argv[4]
-    inputs, examples = eval(sys.argv[2]), eval(sys.argv[3])
     loaded = tf.saved_model.load(directory)
     ids = {k: tf.constant(v, tf.int64) for k, v in inputs.items()}
     results = {
@@ -199,26 +191,33 @@ LOAD_WITH_TENSORFLOW_ONLY = textwrap.dedent("""
 """)
 
 
-def test_export_serves_exactly_in_a_process_with_only_tensorflow(exported, tmp_path):
+@pytest.fixture(scope="module")
+def tensorflow_only():
+  """This module's serving process with neither this package nor tf-keras importable
+  (tests/support/tensorflow_only.py)."""
+  child = TensorFlowOnly(refused=("tpu_embedding", "tf_keras"))
+  yield child
+  child.close()
+
+
+@pytest.fixture(scope="module")
+def without_package():
+  """This module's serving process without this package (tf-keras may load, as it must for a
+  SavedModel holding a Keras optimizer's slots)."""
+  child = TensorFlowOnly(refused=("tpu_embedding",))
+  yield child
+  child.close()
+
+
+def test_export_serves_exactly_in_a_process_with_only_tensorflow(
+  exported, tmp_path, tensorflow_only
+):
   model, directory, expected = exported
   out = str(tmp_path / "served.npz")
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-c",
-      LOAD_WITH_TENSORFLOW_ONLY,
-      directory,
-      repr(INPUTS),
-      repr(serialized_examples()),
-      out,
-    ],
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-    capture_output=True,
-    text=True,
-    timeout=120,
-    cwd=str(tmp_path),
+  given = dict(directory=directory, inputs=INPUTS, examples=serialized_examples(), out=out)
+  tensorflow_only.run(
+    "".join(f"{name} = {value!r}\n" for name, value in given.items()) + LOAD_WITH_TENSORFLOW_ONLY
   )
-  assert result.returncode == 0, result.stderr[-3000:]
   served = np.load(out)
   for name, value in expected.items():
     np.testing.assert_array_equal(served[name], value, err_msg=name)
@@ -259,7 +258,9 @@ def test_exported_graph_holds_only_cpu_ops(exported):
   assert not [op for op in ops if "TPU" in op.upper()]
 
 
-def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(tmp_path):
+def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
+  tmp_path, without_package
+):
   """`tf.saved_model.save` also saves the training graph's gradients, where the engine's compiled
   kernels run; they are traced for the SavedModel with TF's own ops, so it loads anywhere."""
   tf.keras.utils.set_random_seed(0)
@@ -284,7 +285,7 @@ def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
   assert len(kernel_ops) == 3  # one per table: the kernels did the training
   directory = str(tmp_path / "whole")
   tf.saved_model.save(model, directory)
-  result = run_python(
+  without_package.run(
     textwrap.dedent(f"""
       import sys
       import numpy as np, tensorflow as tf
@@ -294,7 +295,6 @@ def test_a_whole_model_saved_after_compiled_training_loads_with_only_tensorflow(
       assert not [m for m in sys.modules if m.startswith("tpu_embedding")]
       """)
   )
-  assert result.returncode == 0, result.stderr[-3000:]
   np.testing.assert_allclose(np.load(tmp_path / "scores.npy"), model(features).numpy(), rtol=1e-6)
 
 
@@ -318,7 +318,7 @@ KERAS_ADAGRAD_LAYERS = {
   ],
 )
 def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorflow(
-  tmp_path, layer, steps, traced
+  tmp_path, layer, steps, traced, without_package
 ):
   """tfrs's guide saves with `tf.saved_model.save(model, path, signatures=...)`. The layer's Keras
   optimizer (not the model's here) is a variable the model does not reach: a serving trace made
@@ -341,10 +341,8 @@ def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorfl
   if traced == "before saving":
     serving = serving.get_concrete_function()
   tf.saved_model.save(model, directory, signatures={"serving_default": serving})
-  result = run_python(
+  without_package.run(
     textwrap.dedent(f"""
-      import sys
-      sys.modules["tpu_embedding"] = None  # importing the package would fail
       import numpy as np, tensorflow as tf
       loaded = tf.saved_model.load({directory!r})
       ids = {{k: tf.constant(v, tf.int64) for k, v in {INPUTS!r}.items()}}
@@ -352,7 +350,6 @@ def test_plain_saved_model_save_with_a_keras_optimizer_serves_with_only_tensorfl
               loaded.signatures["serving_default"](**ids)["score"].numpy())
       """)
   )
-  assert result.returncode == 0, result.stderr[-3000:]
   # Equal to float32 rounding: the serving process (TensorFlow alone) can round the last bit of a
   # score differently from this one (1 ulp, 3e-8, seen on this machine in the untrained case, at
   # the commit before this round too).
@@ -482,7 +479,7 @@ def test_a_serving_config_table_of_another_size_is_refused(exported):
 
 
 def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting(
-  exported, tmp_path
+  exported, tmp_path, tensorflow_only
 ):
   """One request must not kill the server: a huge dense_shape is an error, in TF alone."""
   model, _, _ = exported
@@ -499,7 +496,7 @@ def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting
     return {"user": model.embedding({"user": ids}, serving_config=config)["user"]}
 
   directory = serving.export_for_serving(model, str(tmp_path / "sparse"), sparse_users)
-  result = run_python(
+  printed = tensorflow_only.run(
     textwrap.dedent(f"""
       import tensorflow as tf
       serve = tf.saved_model.load({directory!r}).signatures["serving_default"]
@@ -513,8 +510,7 @@ def test_an_exported_signature_refuses_a_hostile_sparse_request_without_aborting
         print("refused:", e.message.replace("\\n", " "))
       """)
   )
-  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-  lines = result.stdout.splitlines()
+  lines = printed.splitlines()
   assert lines[0] == "(2, 4)"
   assert lines[1].startswith("refused:") and "Feature" in lines[1] and "2147483647" in lines[1]
 
@@ -554,7 +550,8 @@ def test_killed_export_leaves_no_half_model(exported, tmp_path, previous):
     serving.export_for_serving(model, target, signatures(model))
     before = files_digest(target)
   marker = str(tmp_path / "written")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, ROOT]), TF_CPP_MIN_LOG_LEVEL="3")
+  path = os.pathsep.join([HERE, os.path.join(HERE, "support"), ROOT])
+  env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3")
   process = subprocess.Popen(
     [sys.executable, "-c", f"import test_serving as t; t._export_and_hang({target!r}, {marker!r})"],
     env=env,
@@ -676,7 +673,9 @@ def test_readme_snippets_run(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["mid-level SGD", "Keras Adagrad", "None"])
-def test_a_signature_traced_before_saving_gives_plain_table_gradients(tmp_path, optimizer):
+def test_a_signature_traced_before_saving_gives_plain_table_gradients(
+  tmp_path, optimizer, without_package
+):
   """tfrs's notebook traces the signature, then calls tf.saved_model.save. Reloaded with only
   TensorFlow, a gradient through it must train nothing (the tables stay as saved, even with
   optimizer=None) and give the tables the gradient of a plain lookup, as tfrs's tables get."""
@@ -710,10 +709,8 @@ def test_a_signature_traced_before_saving_gives_plain_table_gradients(tmp_path, 
   }
   saved_values = {name: v.numpy() for name, v in tables.items()}
   out = str(tmp_path / "out.npz")
-  result = run_python(
+  without_package.run(
     textwrap.dedent(f"""
-      import sys
-      sys.modules["tpu_embedding"] = None  # importing the package would fail
       import numpy as np, tensorflow as tf
       loaded = tf.saved_model.load({directory!r})
       fn = loaded.signatures["serving_default"]
@@ -734,7 +731,6 @@ def test_a_signature_traced_before_saving_gives_plain_table_gradients(tmp_path, 
                    for k, g in zip(tables, grads)}})
       """)
   )
-  assert result.returncode == 0, result.stderr[-3000:]
   found = np.load(out)
   for name in tables:
     np.testing.assert_array_equal(found[f"value_{name}"], saved_values[name])
