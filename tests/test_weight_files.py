@@ -40,6 +40,7 @@ SAVES = {
   "w.weights.h5": lambda model, path: model.save_weights(path),
   "m.keras": lambda model, path: model.save(path),
 }
+LEGACY_HDF5 = {"w.h5", "m.h5", "m_h5", "k.h5"}
 
 
 def digest(path):
@@ -266,6 +267,8 @@ def test_every_format_holds_and_restores_the_tpu_tables(
   _train_by_hand(layer, sharded, memory, seed=7)
   trained = _tpu_state(layer, sharded, memory)
   path = str(tmp_path / name)
+  if flavour == "keras3" and name in LEGACY_HDF5:
+    layer.flush()  # the file holds the variables as they are: V1's host copies once flushed
   TPU_SAVES[flavour][name](model, path)
 
   other, other_layer, other_sharded = _tpu_model(flavour, strategy, functional)
