@@ -11,7 +11,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import tensorflow as tf
 import tf_keras
 
 from tpu_embedding import hardware, weight_files
@@ -49,39 +48,9 @@ class RebuiltInCodeOnly:
     raise ValueError(_RELOAD_REFUSAL.format(layer=cls.__name__))
 
 
-class StringsInHdf5:
-  """The weight lists of a tf-keras embedding layer. `non_trainable_weights` is the list
-  tf-keras's legacy HDF5 files (`save_weights("w.h5")`, `model.save("m.h5")`) store and load by
-  position: reading it flushes (`flush_before_hdf5`), and a string variable (a managed-ids map's
-  keys) appears there as `weight_files.Hdf5Strings`, which h5py can store. `weights`,
-  `variables` and `non_trainable_variables` (what SavedModels, a parent layer's lists and
-  `get_weights` read) hold the variables themselves."""
-
-  @property
-  def non_trainable_variables(self) -> list:
-    return super().non_trainable_weights
-
-  @property
-  def non_trainable_weights(self) -> list:
-    self.flush_before_hdf5()
-    label = f"Layer {self.name!r}"
-    weights = [
-      weight_files.Hdf5Strings(w, label) if w.dtype == tf.string else w
-      for w in self.non_trainable_variables
-    ]
-    # Strings first: a file whose strings this layer did not write is refused before any of
-    # this layer's weights is assigned (Keras assigns them in this order).
-    return sorted(weights, key=lambda w: w.dtype != tf.string)
-
-  @property
-  def weights(self) -> list:
-    return self.trainable_weights + self.non_trainable_variables
-
-
 @tf_keras.saving.register_keras_serializable(package="tpu_embedding")
 class TPUEmbedding(
   RebuiltInCodeOnly,
-  StringsInHdf5,
   weight_files.TablesInKerasFiles,
   TPUEmbeddingCore,
   tf_keras.layers.Layer,
@@ -111,12 +80,12 @@ class TPUEmbedding(
   """
 
   @property
-  def non_trainable_variables(self) -> list:
+  def non_trainable_weights(self) -> list:
     """Keras's list, which on CPU/GPU holds the engine's tables and slots, and on TPU V1/V2 the
-    pieces of the TPU's tables (`weight_files`), which Keras does not find itself: Keras's
-    legacy HDF5 files (`save_weights("w.h5")`, `model.save("m.h5")`) store this list
-    (`StringsInHdf5`)."""
-    weights = super().non_trainable_variables
+    pieces of the TPU's tables (`weight_files`), which Keras does not find itself. Reading it
+    changes nothing: V1's pieces hold the TPU's memory after `flush` (Keras's legacy HDF5 files,
+    which store this list, say so in docs/checkpoints-and-serving.md)."""
+    weights = super().non_trainable_weights
     if self.built and self.execution_path in weight_files.IN_TPU_MEMORY:
       weights += list(self.table_weights(self.variables_by_table).values())
     return weights

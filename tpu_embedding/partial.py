@@ -9,7 +9,7 @@ from __future__ import annotations
 import tf_keras
 
 from tpu_embedding import weight_files
-from tpu_embedding.layer import RebuiltInCodeOnly, StringsInHdf5, TPUEmbedding
+from tpu_embedding.layer import RebuiltInCodeOnly, TPUEmbedding
 from tpu_embedding.partial_core import (  # the public names of this module, defined there
   REPLICATED,
   SHARDED,
@@ -32,7 +32,6 @@ __all__ = [
 @tf_keras.saving.register_keras_serializable(package="tpu_embedding")
 class PartialTPUEmbedding(
   RebuiltInCodeOnly,
-  StringsInHdf5,
   weight_files.TablesInKerasFiles,
   PartialTPUEmbeddingCore,
   tf_keras.layers.Layer,

@@ -8,17 +8,17 @@ left out without a word, and a reload would keep freshly initialised tables.
 (`checkpoint_names.keras_file_key`), each managed-ids map's variables under
 `managed:<table>:<i>`, and checks all of them before assigning any.
 
-The legacy HDF5 format (`save_weights("w.h5")`, `model.save("m.h5")`) stores a layer's Keras
-weights by position, assigns them back, then calls the layer's `finalize_state`. Keras lists
-the CPU/GPU engine's variables and the maps' variables itself, but not TF's TPU tables, which
-are split over hosts (V1) or devices (SparseCore): `table_weights` gives their pieces, plain
-variables Keras can read and assign (in Keras's own formats too, under `<key>/<piece>`). On V1,
-whose variables are host copies of the TPU's memory, the tables are copied out of the TPU before
-they are read and loaded back after a load, as TF's checkpoints do. A map's hash table is no
-variable: `finalize_state` rebuilds it from the map's variables. That writer and its reader call
-no layer method first and read one list, `non_trainable_weights`, which nothing else reads: its
-read flushes (`flush_before_hdf5`), and gives a map's string keys as fixed-length byte strings
-(`strings_for_hdf5`; h5py stores no NumPy object arrays).
+The legacy HDF5 format (`save_weights("w.h5")`, `model.save("m.h5")`) calls no method of the
+layer before it writes: it stores the layer's Keras weights by position, as they are, and after a
+load calls the layer's `finalize_state`. Keras lists the CPU/GPU engine's variables and the maps'
+variables itself, but not TF's TPU tables, which are split over hosts (V1) or devices
+(SparseCore): `table_weights` gives their pieces, plain variables Keras can read and assign (in
+Keras's own formats too, under `<key>/<piece>`). Reading a weight list changes nothing, so that
+format holds what `flush` has not applied yet (pipelining, row resets still waiting, V1's tables
+in TPU memory) only once the user has called `flush`; Keras's own formats call it themselves.
+`finalize_state` loads V1's tables back into the TPU and rebuilds each map's hash table (no
+variable) from the map's variables just assigned. h5py stores no strings of NumPy object arrays:
+a map's string keys are held by the name-keyed formats only.
 
 This module imports no Keras: the tf-keras layers and the Keras 3 ones
 (`tpu_embedding.keras.saving`) share it.
@@ -58,23 +58,10 @@ class TablesInKerasFiles:
     load_variables(store, stored_variables(self.table_weights(self._own_tables()), maps), self.name)
     self.finalize_state()
 
-  def flush_before_hdf5(self) -> None:
-    """Keras's legacy HDF5 writer and reader read the layer's `non_trainable_weights` and call
-    nothing else of the layer first, and nothing else reads that list (`weights`, `variables`,
-    `get_weights` and summaries read others): its eager read applies what `flush` applies, so
-    that a file holds every pipelined update and row reset, and a load lands on tables no held
-    update will change afterwards, as in the name-keyed formats."""
-    if self.built and tf.executing_eagerly():
-      self.flush()
-
   def table_weights(self, variables_by_table: Mapping[str, Mapping[str, Any]]) -> dict:
     """{name: plain variable} of these tables and slots, in order, for Keras's weight lists
     (`tf_mid_level.plain_variables`; the name is the table's `keras_file_key`, `/<piece>` added
-    where TF splits it). Read eagerly, tables in V1's TPU memory are first copied into these
-    variables, so that a legacy HDF5 file written from this list holds their current values."""
-    if tf.executing_eagerly():
-      for engine in self._engines_in_tpu_memory():
-        tf_mid_level.retrieve_from_tpu(engine)
+    where TF splits it). V1's pieces are host copies of the TPU's memory: current after `flush`."""
     weights = {}
     for table, variables in variables_by_table.items():
       for slot, variable in variables.items():
@@ -156,60 +143,6 @@ def load_variables(store: Any, stored: Mapping[str, tf.Variable], layer: str) ->
     values.append((variable, value))
   for variable, value in values:
     variable.assign(value)
-
-
-# The legacy HDF5 format stores each Keras weight as one dataset of the weight's own dtype, and
-# h5py takes no strings of variable length from NumPy: a string variable is read there as
-# fixed-length byte strings (one length for all, the longest), which HDF5 pads with NUL bytes
-# and NumPy strips of trailing NUL bytes. Each string is followed by this byte, so that its own
-# trailing NUL bytes survive; it is removed on load.
-HDF5_STRING_END = b"\x01"
-
-
-def strings_for_hdf5(values: np.ndarray) -> np.ndarray:
-  """The strings `values` (NumPy's bytes objects) as fixed-length byte strings, each ended with
-  `HDF5_STRING_END`: what a legacy HDF5 file holds of a string variable."""
-  return np.array([s + HDF5_STRING_END for s in values.ravel().tolist()], np.bytes_).reshape(
-    values.shape
-  )
-
-
-def strings_from_hdf5(values: Any, what: str) -> np.ndarray:
-  """The strings `strings_for_hdf5` gave `values`; refuses values it did not write."""
-  strings = np.asarray(values, dtype=object)
-  if any(not isinstance(s, bytes) or not s.endswith(HDF5_STRING_END) for s in strings.ravel()):
-    raise ValueError(
-      f"{what} in the HDF5 file is not a list of strings as this layer stores them (each "
-      f"ended with {HDF5_STRING_END!r}): it was written by another layer. Load a file this "
-      "layer saved."
-    )
-  ends = [s[: -len(HDF5_STRING_END)] for s in strings.ravel().tolist()]
-  return np.array(ends, dtype=object).reshape(strings.shape)
-
-
-class Hdf5Strings(tf.Variable):
-  """A string variable (a managed-ids map's keys) as tf-keras's legacy HDF5 writer and reader
-  see it: read as fixed-length byte strings and assigned from them (`strings_for_hdf5`). That
-  writer takes `tf.Variable`s only and stores what `numpy()` gives, which for strings is a NumPy
-  object array h5py refuses. It provides only what the writer and reader use (name, dtype,
-  shape, `numpy`, `assign`): the tf-keras layers put it in `non_trainable_weights`, the list
-  those read, and the variable itself in `weights`, `variables` and `non_trainable_variables`,
-  which SavedModels, checkpoints and `get_weights` read (`tpu_embedding.layer`)."""
-
-  def __init__(self, variable: tf.Variable, label: str):  # no TF variable of its own
-    self._variable = variable
-    self._label = label  # names the layer in errors
-
-  name = property(lambda self: self._variable.name)
-  dtype = property(lambda self: self._variable.dtype)
-  shape = property(lambda self: self._variable.shape)
-  trainable = property(lambda self: False)
-
-  def numpy(self) -> np.ndarray:
-    return strings_for_hdf5(self._variable.numpy())
-
-  def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True):
-    return self._variable.assign(strings_from_hdf5(value, f"{self._label}: {self.name!r}"))
 
 
 def _strings(data: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:

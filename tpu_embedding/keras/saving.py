@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
@@ -65,26 +64,17 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
     The tables are trained by their own optimizers, never by the model's, so to Keras they
     are non-trainable weights. Listing them here (and not as tracked variables, which `.keras`
     files and checkpoints already hold under their own names) is what makes legacy HDF5 files
-    (`model.save("m.h5")`, `save_weights`/`load_weights` with `.h5`), which store a layer's
+    (`model.save("m.h5")`, `load_weights("m.h5")`), which store a layer's
     `trainable_weights + non_trainable_weights` by position, hold and restore them (on TPU
-    V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`). Only
-    those read this list: reading it flushes (`flush_before_hdf5`), and a map's string keys
-    are read as fixed-length byte strings (`StringTableVariable`).
+    V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`). Reading
+    it changes nothing: that format holds what `flush` applies only after a `flush`, and no
+    string keys (h5py stores no NumPy object arrays).
     """
-    self.flush_before_hdf5()
     stored = weight_files.stored_variables(
       self.table_weights(self.variables_by_table), self.managed_ids or {}
     )
-    strings, numbers = [], []
-    for name, variable in stored.items():
-      keras_name = name.replace(":", "_").replace("/", "_")
-      if variable.dtype == tf.string:
-        strings.append(StringTableVariable(variable, keras_name, f"Layer {self.name!r}: {name!r}"))
-      else:
-        numbers.append(TableVariable(variable, keras_name))
-    # Strings first: a file whose strings this layer did not write is refused before any table
-    # is assigned (Keras assigns them in this order).
-    return super().non_trainable_weights + strings + numbers
+    views = [TableVariable(v, key.replace(":", "_").replace("/", "_")) for key, v in stored.items()]
+    return super().non_trainable_weights + views
 
 
 class TableVariable(keras.Variable):
@@ -103,25 +93,6 @@ class TableVariable(keras.Variable):
 
   def _initialize_with_initializer(self, initializer: Any) -> None:
     self._initialize(self._engine_variable)
-
-
-class StringTableVariable(TableVariable):
-  """A `TableVariable` over strings (a managed-ids map's keys), read as fixed-length byte
-  strings and assigned from them (`weight_files.strings_for_hdf5`): the legacy HDF5 format
-  stores what NumPy gives for a weight, and h5py takes no NumPy object arrays."""
-
-  def __init__(self, variable: tf.Variable, name: str, label: str):
-    self._label = label  # names the layer and the stored key in errors
-    super().__init__(variable, name)
-
-  def __array__(self, dtype: Any = None) -> np.ndarray:
-    return weight_files.strings_for_hdf5(self._engine_variable.numpy())
-
-  def numpy(self) -> np.ndarray:
-    return self.__array__()
-
-  def assign(self, value: Any) -> None:
-    self._engine_variable.assign(weight_files.strings_from_hdf5(value, self._label))
 
 
 # ---------------------------------------------------------------------------------------------
