@@ -262,11 +262,15 @@ def main(seeds: int = 5) -> None:
   result = run(seeds)
   table = summary(result)
   out_dir = os.path.join(HERE, "results", "managed-quality")
+  write(out_dir, report(result, table), dict(result, summary=table))
+  plot(table, os.path.join(out_dir, "policies.png"))
+
+
+def write(out_dir: str, text: str, result: dict) -> None:
+  """Prints `text` and writes it (RESULTS.md) and `result` (results.json) under `out_dir`."""
   os.makedirs(out_dir, exist_ok=True)
-  text = report(result, table)
   print(text)
   with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(dict(result, summary=table), f, indent=1)
-  plot(table, os.path.join(out_dir, "policies.png"))
+    json.dump(result, f, indent=1)
