@@ -17,8 +17,18 @@ JAX_PINS := jax-tpu-embedding==0.1.0 jax==0.10.2 jaxlib==0.10.2
 FBGEMM_VENV := .venv-fbgemm
 FBGEMM_STAMP := $(FBGEMM_VENV)/.installed
 FBGEMM_PINS := torch==2.13.0 fbgemm-gpu-cpu==1.8.0 numpy==2.4.6
+# TorchRec's managed-collision module, for `python -m benchmarks managed --torchrec` and
+# tests/benchmarks/test_torchrec_mch.py (a child process in its own environment; they skip, saying
+# so, without it). TorchRec 1.8 pairs with fbgemm-gpu 1.8, but its wheel requires the CUDA build
+# (`fbgemm-gpu`), which replaces the CPU build's files and does not load here: so the CPU build
+# and TorchRec's other requirements are pinned, and TorchRec installed without its own.
+TORCHREC_VENV := .venv-torchrec
+TORCHREC_STAMP := $(TORCHREC_VENV)/.installed
+TORCHREC_PINS := $(FBGEMM_PINS) tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32 \
+	tqdm==4.70.1
 
-.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env fbgemm-env
+.PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env fbgemm-env \
+	torchrec-env
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -46,7 +56,17 @@ $(FBGEMM_STAMP):
 
 fbgemm-env: $(FBGEMM_STAMP)
 
-test: $(STAMP) $(JAX_STAMP) $(FBGEMM_STAMP)
+# Optional (its comparison skips without it); 45 s from a warm pip cache here.
+$(TORCHREC_STAMP):
+	test -x $(TORCHREC_VENV)/bin/python || $(PYTHON) -m venv $(TORCHREC_VENV)
+	$(TORCHREC_VENV)/bin/python -m pip install --quiet $(TORCHREC_PINS) \
+		&& $(TORCHREC_VENV)/bin/python -m pip install --quiet --no-deps torchrec==1.8.0 \
+		&& touch $(TORCHREC_STAMP) \
+		|| echo "torchrec did not install: its comparison will be skipped"
+
+torchrec-env: $(TORCHREC_STAMP)
+
+test: $(STAMP) $(JAX_STAMP) $(FBGEMM_STAMP) $(TORCHREC_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest tests --durations=25
@@ -71,4 +91,4 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks all --quick
 
 clean:
-	rm -rf $(VENV) $(JAX_VENV) $(DEMO_DIR) build dist *.egg-info tpu_embedding/engine/_kernels*.so
+	rm -rf $(VENV) $(JAX_VENV) $(TORCHREC_VENV) $(DEMO_DIR) build dist *.egg-info tpu_embedding/engine/_kernels*.so

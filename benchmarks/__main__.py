@@ -2,8 +2,10 @@
 
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
 (benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]`
-compares its policies (benchmarks/managed_policies.py); `python -m benchmarks preflight [--quick]
-[--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
+compares its policies (benchmarks/managed_policies.py); `python -m benchmarks managed --torchrec
+[--seeds N] [--full] [--intervals 1,10]` puts them beside TorchRec's managed-collision module
+(benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks preflight
+[--quick] [--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
 
 `python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
 trainer with tfrs's layers and with ours (benchmarks/model_garden.py; needs the client set up
@@ -27,21 +29,31 @@ from benchmarks import report as report_lib
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def main(argv=None) -> None:
-  argv = sys.argv[1:] if argv is None else argv
-  if argv[:1] == ["managed"] and "--quality" in argv:
+def _managed(argv: list) -> None:
+  """`python -m benchmarks managed ...`: the managed-ids benchmarks."""
+  if "--torchrec" in argv:
+    from benchmarks import torchrec_managed
+
+    torchrec_managed.main([a for a in argv[1:] if a != "--torchrec"])
+    return
+  if "--quality" in argv:
     from benchmarks import managed_policies
 
     seeds = argv[argv.index("--seeds") + 1] if "--seeds" in argv else "5"
     managed_policies.main(int(seeds))
     return
-  if argv[:1] == ["managed"]:
-    from benchmarks import managed_ids
+  from benchmarks import managed_ids
 
-    quick = "--quick" in argv
-    speed_only = "--speed-only" in argv
-    name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
-    managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
+  quick = "--quick" in argv
+  speed_only = "--speed-only" in argv
+  name = "managed" + ("-quick" if quick else "") + ("-speed" if speed_only else "")
+  managed_ids.main(quick, os.path.join(HERE, "results", name), speed_only=speed_only)
+
+
+def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["managed"]:
+    _managed(argv)
     return
   if argv[:1] == ["preflight"]:
     from benchmarks import preflight

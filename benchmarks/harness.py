@@ -173,3 +173,20 @@ def run_worker(spec: dict, timeout: float, log: Any = None) -> dict:
       flush=True,
     )
   return result
+
+
+def run_in_environment(
+  python: str, module: str, folder: str, spec: dict, what: str, timeout: float
+) -> dict:
+  """Runs `python -m module folder` (`python` of another virtual environment, from the
+  repository's root) with `spec` written to folder/spec.json; returns the folder/result.json it
+  wrote, or raises naming `what`."""
+  with open(os.path.join(folder, "spec.json"), "w", encoding="utf-8") as f:
+    json.dump(spec, f)
+  done = subprocess.run(
+    [python, "-m", module, folder], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
+  )
+  if done.returncode:
+    raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+  with open(os.path.join(folder, "result.json"), encoding="utf-8") as f:
+    return json.load(f)

@@ -1,10 +1,10 @@
 """jax-tpu-embedding's host preprocessing (its SparseCore input statistics) on the same batches,
 run in its own virtual environment (JAX and TensorFlow do not share one here).
 
-The parent side (`jax_python`, `run`) needs only the standard library and NumPy; run as a script
-under the JAX environment, this module preprocesses the batches the parent wrote and prints what
-jax-tpu-embedding counted. `make jax-env` builds that environment (.venv-jax); the variable
-JAX_TPU_EMBEDDING_PYTHON names another interpreter.
+The parent side (`jax_python`, `run`) needs only the standard library and NumPy; run under the JAX
+environment (`python -m benchmarks.jax_sparse_core DIR`), this module preprocesses the batches the
+parent wrote and writes what jax-tpu-embedding counted. `make jax-env` builds that environment
+(.venv-jax); the variable JAX_TPU_EMBEDDING_PYTHON names another interpreter.
 
 Batches travel as per-sample id lists (ragged): feature f of batch b is `b{b}/{f}/values` and
 `b{b}/{f}/lengths` in an .npz. Tables are not stacked (each its own stack, rotation 0, as TF
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from benchmarks import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVIRONMENT_VARIABLE = "JAX_TPU_EMBEDDING_PYTHON"
@@ -73,15 +74,8 @@ def run(
       "allow_id_dropping": allow_id_dropping,
       "repeats": repeats,
     }
-    with open(os.path.join(folder, "spec.json"), "w", encoding="utf-8") as f:
-      json.dump(spec, f)
-    done = subprocess.run(
-      [python, os.path.abspath(__file__), folder], capture_output=True, text=True, timeout=1800
-    )
-    if done.returncode:
-      raise RuntimeError(f"jax-tpu-embedding's preprocessing failed:\n{done.stderr[-3000:]}")
-    with open(os.path.join(folder, "result.json"), encoding="utf-8") as f:
-      return json.load(f)
+    what = "jax-tpu-embedding's preprocessing"
+    return harness.run_in_environment(python, __name__, folder, spec, what, 1800)
 
 
 def _child(folder: str) -> None:

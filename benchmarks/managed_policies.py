@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -39,57 +40,104 @@ POLICIES = {
 }
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # ids -> scattered 64-bit keys (odd: a bijection)
 DIM, BATCH, LEARNING_RATE, EPOCHS = 8, 256, 0.3, 2
+DRIFT = dict(days=6, batches_per_day=10, batch=512, new_items_per_day=300)
+
+
+class Keys(NamedTuple):
+  """One table's part of a batch: raw 64-bit keys, their dense ids, and the hashed ids."""
+
+  keys: np.ndarray
+  ids: np.ndarray
+  hashed: np.ndarray
 
 
 def _keys(ids: np.ndarray) -> np.ndarray:
   return (ids.astype(np.uint64) * _MIX).view(np.int64)
 
 
-def _ids_for(variant: str, ids: np.ndarray, capacity: int) -> np.ndarray:
-  if variant == FULL:
-    return ids
-  if variant == HASHING:
-    return (_keys(ids).view(np.uint64) % np.uint64(capacity)).astype(np.int64)
-  return _keys(ids)
+def _hashed(ids: np.ndarray, capacity: int) -> np.ndarray:
+  return (_keys(ids).view(np.uint64) % np.uint64(capacity)).astype(np.int64)
 
 
-def _layer(variant: str, capacities: dict, full_sizes: dict, seed: int):
-  tables, managed = {}, {}
-  for name, capacity in capacities.items():
-    rows = full_sizes[name] if variant == FULL else capacity
+def _layer(rows: dict, managed: Optional[tpu_embedding.ManagedIds], seed: int):
+  """A layer of tables {name: rows}, each managed by `managed` if given."""
+  tables = {}
+  for name, size in rows.items():
     init = tf.random_normal_initializer(0.0, 0.1, seed=seed)
-    tables[name] = E.TableConfig(rows, DIM, initializer=init, name=name)
-    if variant in POLICIES:
-      managed[name] = tpu_embedding.ManagedIds(**POLICIES[variant])
+    tables[name] = E.TableConfig(size, DIM, initializer=init, name=name)
   features = {name: E.FeatureConfig(table, name=name) for name, table in tables.items()}
+  managed_ids = {} if managed is None else {name: managed for name in rows}
   return tpu_embedding.TPUEmbedding(
-    features, optimizer=E.Adagrad(LEARNING_RATE), managed_ids=managed
+    features, optimizer=E.Adagrad(LEARNING_RATE), managed_ids=managed_ids
   )
 
 
-def movielens_rmse(variant: str, fraction: float, split: str, seed: int, data) -> float:
-  """Test RMSE after two epochs of a dot product model on one split of MovieLens 100K."""
+class Feed:
+  """What one variant's steps train on: its layer, and each batch's features from the batch's
+  `Keys` per table. Here the managed variants pass raw keys (the layer's call remaps them), the
+  hashing trick its hashed ids, the full vocabulary the dense ids. Subclasses give other rows
+  (benchmarks/torchrec_managed.py): `remapped` says the features are rows already."""
+
+  remapped = False
+
+  def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
+    self.variant = variant
+    rows = full_sizes if variant == FULL else capacities
+    policy = POLICIES.get(variant)
+    self.layer = _layer(rows, None if policy is None else tpu_embedding.ManagedIds(**policy), seed)
+
+  def train(self, batch: dict) -> dict:
+    """The features of one training step (called once per step, in order)."""
+    return self._ids(batch)
+
+  def test(self, batch: dict) -> dict:
+    """The features of the held-out examples (after training)."""
+    return self._ids(batch)
+
+  def _ids(self, batch: dict) -> dict:
+    pick = {FULL: "ids", HASHING: "hashed"}.get(self.variant, "keys")
+    return {name: tf.constant(getattr(keys, pick)) for name, keys in batch.items()}
+
+
+def movielens_split(data, split: str, seed: int) -> tuple:
+  """(train, test, the rows of `train` each training step takes, in order, over the epochs)."""
   if split == "time":
     order = np.argsort(data.timestamps, kind="stable")
     cut = int(0.8 * len(data))
     train, test = data.take(order[:cut]), data.take(order[cut:])
   else:
     train, test = movielens.train_test_split(data, 0.2, seed=seed)
-  full_sizes = {"users": data.num_users + 1, "movies": data.num_movies + 1}
+  rng = np.random.default_rng(seed)
+  order = np.arange(len(train)) if split == "time" else rng.permutation(len(train))
+  steps = [order[start : start + BATCH] for start in range(0, len(train), BATCH)]
+  return train, test, steps * EPOCHS
+
+
+def movielens_capacities(data, fraction: float) -> dict:
   distinct = {"users": len(np.unique(data.user_ids)), "movies": len(np.unique(data.movie_ids))}
-  capacities = {name: max(2, int(n * fraction)) for name, n in distinct.items()}
-  layer = _layer(variant, capacities, full_sizes, seed)
+  return {name: max(2, int(n * fraction)) for name, n in distinct.items()}
+
+
+def movielens_rmse(
+  variant: str, fraction: float, split: str, seed: int, data, feed: Callable = Feed
+) -> float:
+  """Test RMSE after two epochs of a dot product model on one split of MovieLens 100K."""
+  train, test, steps = movielens_split(data, split, seed)
+  full_sizes = {"users": data.num_users + 1, "movies": data.num_movies + 1}
+  capacities = movielens_capacities(data, fraction)
+  source = feed(variant, capacities, full_sizes, seed)
+  layer = source.layer
   bias = tf.Variable(0.5)
 
-  def features(part, at):
+  def batch(part, at):
     return {
-      name: tf.constant(_ids_for(variant, ids[at], capacities[name]))
+      name: Keys(_keys(ids[at]), ids[at], _hashed(ids[at], capacities[name]))
       for name, ids in (("users", part.user_ids), ("movies", part.movie_ids))
     }
 
   @tf.function(reduce_retracing=True)
   def predict(inputs, training):
-    out = layer(inputs, training=training)
+    out = layer(inputs, training=training, remapped=source.remapped)
     return tf.sigmoid(tf.reduce_sum(out["users"] * out["movies"], axis=1) + bias)
 
   @tf.function(reduce_retracing=True)
@@ -100,27 +148,29 @@ def movielens_rmse(variant: str, fraction: float, split: str, seed: int, data) -
     bias.assign_sub(0.001 * grads[-1])
 
   labels = movielens.rating_labels(train)
-  rng = np.random.default_rng(seed)
-  order = np.arange(len(train)) if split == "time" else rng.permutation(len(train))
-  for _ in range(EPOCHS):
-    for start in range(0, len(train), BATCH):
-      at = order[start : start + BATCH]
-      step(features(train, at), tf.constant(labels[at]))
-  every = np.arange(len(test))
-  predicted = predict(features(test, every), False).numpy()
+  for at in steps:
+    step(source.train(batch(train, at)), tf.constant(labels[at]))
+  predicted = predict(source.test(batch(test, np.arange(len(test)))), False).numpy()
   return float(np.sqrt(np.mean((predicted - movielens.rating_labels(test)) ** 2)))
 
 
-def drift_log_loss(variant: str, fraction: float, seed: int, settings: dict) -> float:
+def drift_capacity(fraction: float, settings: dict) -> int:
+  return max(2, int(settings["days"] * settings["new_items_per_day"] * fraction))
+
+
+def drift_log_loss(
+  variant: str, fraction: float, seed: int, settings: dict, feed: Callable = Feed
+) -> float:
   """Mean progressive log loss over the drifting stream (each batch scored before it trains)."""
   total = settings["days"] * settings["new_items_per_day"]
-  capacity = max(2, int(total * fraction))
-  layer = _layer(variant, {"items": capacity}, {"items": total}, seed)
+  capacity = drift_capacity(fraction, settings)
+  source = feed(variant, {"items": capacity}, {"items": total}, seed)
+  layer = source.layer
 
   @tf.function(reduce_retracing=True)
   def step(ids, labels):
     with tf.GradientTape() as tape:
-      logits = layer({"items": ids})["items"][:, 0]
+      logits = layer(ids, remapped=source.remapped)["items"][:, 0]
       losses = tf.nn.sigmoid_cross_entropy_with_logits(labels, logits)
       loss = tf.reduce_sum(losses)
     tape.gradient(loss, layer.trainable_variables)
@@ -128,14 +178,14 @@ def drift_log_loss(variant: str, fraction: float, seed: int, settings: dict) -> 
 
   losses = []
   for _, keys, items, labels in drifting_ratings.rating_stream(**settings, seed=seed):
-    ids = items if variant == FULL else (keys % capacity if variant == HASHING else keys)
-    losses.append(float(step(tf.constant(ids), labels)))
+    ids = source.train({"items": Keys(keys, items, keys % capacity)})
+    losses.append(float(step(ids, labels)))
   return float(np.mean(losses))
 
 
 def run(seeds: int) -> dict:
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
-  drift = dict(days=6, batches_per_day=10, batch=512, new_items_per_day=300)
+  drift = DRIFT
   variants = list(POLICIES) + [HASHING, FULL]
   cells = {}
   for fraction in FRACTIONS:
@@ -212,11 +262,15 @@ def main(seeds: int = 5) -> None:
   result = run(seeds)
   table = summary(result)
   out_dir = os.path.join(HERE, "results", "managed-quality")
+  write(out_dir, report(result, table), dict(result, summary=table))
+  plot(table, os.path.join(out_dir, "policies.png"))
+
+
+def write(out_dir: str, text: str, result: dict) -> None:
+  """Prints `text` and writes it (RESULTS.md) and `result` (results.json) under `out_dir`."""
   os.makedirs(out_dir, exist_ok=True)
-  text = report(result, table)
   print(text)
   with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(dict(result, summary=table), f, indent=1)
-  plot(table, os.path.join(out_dir, "policies.png"))
+    json.dump(result, f, indent=1)
