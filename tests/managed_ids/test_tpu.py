@@ -413,17 +413,19 @@ def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
   assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators
 
 
-def test_v1_training_remap_after_a_restore_before_build_resets_its_rows_once_built(
+def test_v1_training_remap_between_a_restore_before_build_and_build_is_refused(
   monkeypatch, tmp_path
 ):
-  """A restore into an unbuilt layer writes the tables only as `build` creates them: the rows a
-  training remap gives in between (the restored map's choice, as the reference map makes it)
-  are reset after that, before any step reads them; every other row keeps the checkpoint's."""
+  """A restore into an unbuilt layer writes the tables only as `build` creates them, over any
+  row a training remap gave meanwhile: that remap is refused, naming the layer and the remedy,
+  and changes nothing. Once built, the remap gives the restored map's rows (as the reference
+  map does), reset before any step reads them; every other row keeps the checkpoint's."""
   strategy, _, saved, variables, _ = _rows_1_and_2_waiting(monkeypatch)
   path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt"))  # flushes rows 1, 2
   trained = {name: v.numpy().copy() for name, v in variables.items()}
   reference = ReferenceMap(CAPACITY, "lru")
   reference.train([5, 6, 5])
+  restored_map = tuple(reference.export())
   want_rows, given = reference.train([101, 102, 5])
   assert given == [3, 4] and trained["parameters"][given].min() >= 100  # trained rows
   with strategy.scope():
@@ -433,11 +435,13 @@ def test_v1_training_remap_after_a_restore_before_build_resets_its_rows_once_bui
       managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru", reset_every_steps=5)},
     )
     tf.train.Checkpoint(layer=layer).restore(path)
+    with pytest.raises(ValueError, match=rf"layer {layer.name!r} before its tables.*Build the"):
+      layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)})
+    export = tuple(t.numpy().tolist() for t in layer.managed_ids["movies"].export())
+    assert export == restored_map  # nothing changed
+    layer.build({"movie": tf.TensorShape([BATCH])})
     rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)})["movie"]
     assert rows.numpy().tolist() == [0, 0, 1]  # the given rows wait for their reset
-    layer.build({"movie": tf.TensorShape([BATCH])})
-    rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
-    assert rows["movie"].numpy().tolist() == [0, 0, 1]  # still waiting for the flush
     layer.flush()
     rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
   assert rows["movie"].numpy().tolist() == want_rows

@@ -2,8 +2,8 @@
 
 `ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables) and
 `ShardedIdMap` that map split with the table's row blocks over parameter servers, both
-`KeyRowMap`s; `ManagedTables` applies a layer's maps to its feature nest and resets the rows
-given to new keys; `row_resets` is how each path's memory receives those resets; `attach` and
+`KeyRowMap`s; `ManagedTables` applies a layer's maps to its feature nest and returns the rows
+given to new keys; `row_resets.Writer` is what each path gives to write them; `attach` and
 `checkpoint` are how a layer holds them.
 """
 
@@ -12,27 +12,19 @@ from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
-from tpu_embedding.managed_ids.row_resets import (
-  DeferredResets,
-  ImmediateResets,
-  RoutedResets,
-  reset_variables,
-)
+from tpu_embedding.managed_ids.row_resets import Writer
 from tpu_embedding.managed_ids.spec import ManagedIds
 from tpu_embedding.managed_ids.tables import ManagedTables
 
 __all__ = [
   "CHECKPOINT_KEY",
-  "DeferredResets",
   "IdMap",
-  "ImmediateResets",
   "KeyRowMap",
   "ManagedIds",
   "ManagedIdsMixin",
   "ManagedTables",
-  "RoutedResets",
+  "Writer",
   "create",
-  "reset_variables",
   "specs",
   "table_names",
   "validate_checkpoint",

@@ -9,21 +9,32 @@ import tensorflow as tf
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.engine import finite, inputs, static_path
-from tpu_embedding.managed_ids import replicated
+from tpu_embedding.managed_ids import replicated, row_resets
 from tpu_embedding.managed_ids.key_row_map import KeyRowMap
-from tpu_embedding.managed_ids.row_resets import ImmediateResets
-from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
+from tpu_embedding.managed_ids.tables import ManagedTables, flat_values
 from tpu_embedding.managed_ids.undo import StepUndo
 
 
 class ManagedIdsMixin:
-  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_row_resets` (how
-  its path resets rows given to new keys), `_config` and `_check_finite`."""
+  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`; with maps it then
+  calls `_write_rows_with`), `_config` and `_check_finite`."""
 
   _managed: Optional[ManagedTables]
-  _row_resets: Optional[ImmediateResets]
   _config: config_lib.EmbeddingConfig
   _check_finite: bool
+
+  def _write_rows_with(self, writer: row_resets.Writer) -> None:
+    """Hands the rows the maps give to new keys to `writer`, the path's."""
+    self._row_writer = writer
+    self._returned = ReturnedResets()
+
+  def _flush_rows(self, restoring: bool = False) -> None:
+    """Writes every reset still waiting: those remaps returned and nobody wrote (batches remapped
+    ahead of training, or left in a pipeline when its loop stopped), then the writer's.
+    `restoring`: a checkpoint restore follows (`Writer.flush`)."""
+    if self._managed is not None:
+      self._row_writer.write(self._returned.due())
+      self._row_writer.flush(restoring)
 
   @property
   def managed_ids(self) -> dict[str, KeyRowMap]:
@@ -53,14 +64,9 @@ class ManagedIdsMixin:
         "strategy.run. Nothing was changed."
       )
     self._managed.check_resets_returned(self.name)
-    self._row_resets.check_resets_returned(self.name)
+    self._row_writer.check(self.name, deferring=True)
     given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
-
-    def keep(table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
-      self._row_resets.returned(table, rows)  # `block` is None off parameter servers
-      given[table.name].append(rows)
-
-    rows = self._remap(self._config, features, bool(training), keep)
+    rows = self._remap(self._config, features, bool(training), returned=given)
     keys = {name: [] for name in given}  # each table's rows in the batch, flat
     for feature, ids in config_lib.match_structure(self._config, rows, subset=True):
       if feature.table.name in keys:
@@ -91,7 +97,8 @@ class ManagedIdsMixin:
     with tf.control_dependencies(checks):  # traced, too: every table checked before any write
       for name, rows in checked.items():
         rows = tf.boolean_mask(rows, tf.identity(rows) > 0)
-        self._row_resets.reset_returned(self._config.find_table(name), rows)
+        self._row_writer.write({name: rows})
+        self._returned.written(self._config.find_table(name), rows)
 
   def _remap_call(
     self,
@@ -114,7 +121,7 @@ class ManagedIdsMixin:
     admits = training is not False and serving_config is None
     step_undo = None
     if admits and self._check_finite and not tf_internals.in_save_context():
-      step_undo = StepUndo(self._managed.maps, lambda: self.variables_by_table)
+      step_undo = StepUndo(self._managed.maps, self.variables_by_table)
     rows = self._remap(config, features, admits, weights=weights, whole_call=True, undo=step_undo)
     return rows, _unchanged if step_undo is None else step_undo.guard
 
@@ -123,15 +130,15 @@ class ManagedIdsMixin:
     config: config_lib.EmbeddingConfig,
     features: Any,
     admits: bool,
-    reset: Optional[ResetRows] = None,
+    returned: Optional[dict[str, list[tf.Tensor]]] = None,
     weights: Any = None,
     whole_call: bool = False,
     undo: Optional[StepUndo] = None,
   ) -> Any:
-    """`reset`: where the rows given to new keys go (by default, this path's resets). A training
-    remap inside one of several replicas is one step for all of them (`replicated`).
-    `whole_call`: `features` must hold every feature (a call), not some (a `remap`). `undo`:
-    keeps what the map steps change."""
+    """`returned`: where the rows given to new keys go, per table, instead of the path's writer
+    (`remap(..., defer_resets=True)`). A training remap inside one of several replicas is one
+    step for all of them (`replicated`). `whole_call`: `features` must hold every feature (a
+    call), not some (a `remap`). `undo`: keeps what the map steps change."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
     managed = self._managed.keys_of(config, features)
@@ -140,26 +147,42 @@ class ManagedIdsMixin:
       checks = self._checks_before_step(config, features, weights, not whole_call)
       with tf.control_dependencies(checks):
         keys = [tf.identity(k) for k in keys]  # carries the checks into a merge_call too
-    step_reset = reset or self._row_resets.reset
-    if undo is not None:
-      step_reset = undo.recording(step_reset)
 
     def step(keys: list[tf.Tensor]) -> list[tf.Tensor]:
       if admits:
-        self._row_resets.check_training_remap()
-      rows = self._managed.step(managed.tables, keys, admits, step_reset)
+        self._row_writer.check(self.name, deferring=returned is not None)
+      rows, given = self._managed.step(managed.tables, keys, admits, self._row_writer)
       if admits:
-        self._row_resets.end_step()
+        self._hand_over(given, returned, undo)
       return rows
 
     rows = managed.with_rows(replicated.run_once(step, keys) if admits else step(keys))
     if undo is not None:
       undo.stepped()
-    if admits and reset is None:  # rows this call trains: resets left by dropped batches first
+    if admits and returned is None:  # rows this call trains: resets left by dropped batches first
       for feature, ids in config_lib.match_structure(config, rows, subset=True):
         if feature.table.name in self._managed.maps:
-          self._row_resets.before_training(feature.table, flat_values(ids))
-    return self._row_resets.visible(config, rows)
+          due = self._returned.due_before_training(feature.table, flat_values(ids))
+          if due is not None:
+            self._row_writer.write({feature.table.name: due})
+    return row_resets.hide_waiting(self._row_writer.waiting, config, rows)
+
+  def _hand_over(
+    self,
+    given: dict[str, tf.Tensor],
+    returned: Optional[dict[str, list[tf.Tensor]]],
+    undo: Optional[StepUndo],
+  ) -> None:
+    """The rows one training remap gave to new keys: to the caller (`returned`, and counted), or
+    to the path's writer (what they held kept first for `undo`)."""
+    if returned is not None:
+      for name, rows in given.items():
+        self._returned.given(self._config.find_table(name), rows)
+        returned[name].append(rows)
+      return
+    if undo is not None:
+      undo.keep(given)
+    self._row_writer.write(given)
 
   def _checks_before_step(
     self, config: config_lib.EmbeddingConfig, features: Any, weights: Any, subset: bool
@@ -197,6 +220,60 @@ class ManagedIdsMixin:
         "host before the step: rows = layer.remap(features) outside strategy.run, then "
         "layer(rows, remapped=True) inside it. Nothing was changed."
       )
+
+
+class ReturnedResets:
+  """Resets that remaps returned (`remap(..., defer_resets=True)`), per table: how many times
+  they gave each row, and how many of those resets were written. Each count has one writer (the
+  remaps' thread, the training loop), so neither races the other."""
+
+  def __init__(self):
+    self._counts: dict[str, tuple[tf.Variable, tf.Variable]] = {}
+
+  def given(self, table: config_lib.TableConfig, rows: tf.Tensor) -> None:
+    """A remap returned `rows` of `table` unwritten."""
+    given, _ = self._of(table)
+    given.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
+
+  def written(self, table: config_lib.TableConfig, rows: tf.Tensor) -> None:
+    """The caller wrote `rows` (`reset_rows`); one written late, after `due` or
+    `due_before_training` took it, was written again but counts once."""
+    given, written = self._of(table)
+    done = tf.minimum(tf.gather(written, rows) + 1, tf.gather(given, rows))
+    written.scatter_update(tf.IndexedSlices(done, rows))
+
+  def due_before_training(
+    self, table: config_lib.TableConfig, rows: tf.Tensor
+  ) -> Optional[tf.Tensor]:
+    """Of `rows`, which a call with raw keys is about to train, those a remap returned and
+    nobody wrote (its batch was dropped), counted as written: they are written now, once,
+    before their keys train the rows, never after. None where no remap returned any."""
+    if table.name not in self._counts:
+      return None
+    given, written = self._of(table)
+    rows = tf.unique(tf.cast(rows, tf.int64))[0]
+    due = tf.boolean_mask(rows, tf.gather(given, rows) > tf.gather(written, rows))
+    written.scatter_update(tf.IndexedSlices(tf.gather(given, due), due))
+    return due
+
+  def due(self) -> dict[str, tf.Tensor]:
+    """{table name: rows returned and not written}, counted as written (each is due once, so
+    later flushes leave the row, trained since, alone; `reset_rows` still writes it when it
+    comes, before its batch's step)."""
+    due = {}
+    for name, (given, written) in self._counts.items():
+      due[name] = tf.where(given > written)[:, 0]
+      written.assign(given)
+    return due
+
+  def _of(self, table: config_lib.TableConfig) -> tuple[tf.Variable, tf.Variable]:
+    if table.name not in self._counts:
+      with tf.init_scope():  # made once, eagerly, also when first asked inside a trace
+        self._counts[table.name] = tuple(
+          tf.Variable(tf.zeros([table.vocabulary_size], tf.int32), trainable=False, name=name)
+          for name in ("resets_returned", "resets_written")
+        )
+    return self._counts[table.name]
 
 
 def _unchanged(outputs: Any) -> Any:

@@ -8,12 +8,10 @@ from typing import Any, Callable, Mapping, Optional
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding.managed_ids import sharded_map
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap, as_keys
+from tpu_embedding.managed_ids import row_resets, sharded_map
+from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset, as_keys
 from tpu_embedding.managed_ids.spec import ManagedIds
 
-# Resets rows of a table given to new keys (`row_resets.ImmediateResets.reset`).
-ResetRows = Callable[[config_lib.TableConfig, tf.Tensor, Optional[int]], None]
 # {table name: {"parameters"/slot name: variable}}, the tables created if not yet.
 VariablesByTable = Callable[[], Mapping[str, Mapping[str, Any]]]
 
@@ -85,19 +83,24 @@ class ManagedTables(tf.Module):
     return ManagedKeys(features, [ids for _, ids in pairs], managed)
 
   def step(
-    self, tables: list[str], keys: list[tf.Tensor], training: bool, reset_rows: ResetRows
-  ) -> list[tf.Tensor]:
-    """The rows of `keys` (the flat keys of features of `tables`, one entry each): all keys of
-    one table, in order, form one stream, so this is one step of each table's map. With
-    `training`, `reset_rows(table, rows)` is told the rows given to new keys (the path resets
-    them in its memory)."""
+    self,
+    tables: list[str],
+    keys: list[tf.Tensor],
+    training: bool,
+    in_lock: Optional[row_resets.Writer] = None,
+  ) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+    """(the rows of `keys`, the flat keys of features of `tables`, one entry each; the rows
+    given to new keys, {table name: rows}). All keys of one table, in order, form one stream,
+    so this is one step of each table's map. A map split over parameter servers hands its
+    given rows to `in_lock` inside its shards' critical sections instead (no other worker may
+    read them before they are written), and they are not returned."""
     streams: dict[str, list[int]] = {}
     for position, name in enumerate(tables):
       streams.setdefault(name, []).append(position)
     rows: list[Optional[tf.Tensor]] = [None] * len(keys)
     with tf.control_dependencies(keys):  # every table's keys checked before any map step
-      self._step_streams(streams, keys, rows, training, reset_rows)
-    return rows
+      given = self._step_streams(streams, keys, rows, training, in_lock)
+    return rows, given
 
   def _step_streams(
     self,
@@ -105,19 +108,24 @@ class ManagedTables(tf.Module):
     keys: list[tf.Tensor],
     rows: list[Optional[tf.Tensor]],
     training: bool,
-    reset_rows: ResetRows,
-  ) -> None:
+    in_lock: Optional[row_resets.Writer],
+  ) -> dict[str, tf.Tensor]:
     """One step of each table's map over its stream of keys; `rows` given their rows."""
+    given = {}
     for name, positions in streams.items():
       parts = [keys[p] for p in positions]
       stream = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-      reset = functools.partial(reset_rows, self._tables[name])
-      got, _ = self.maps[name].remap(stream, training, reset)
+      id_map = self.maps[name]
+      if isinstance(id_map, sharded_map.ShardedIdMap):
+        got, _ = id_map.remap(stream, training, _written_in_lock(in_lock, name))
+      else:
+        got, given[name] = id_map.remap(stream, training)
       pieces = [got]  # one feature, the usual case: no concat and split around the map
       if len(parts) > 1:
         pieces = tf.split(got, tf.stack([tf.size(k) for k in parts]))
       for position, piece in zip(positions, pieces):
         rows[position] = piece
+    return given if training else {}
 
   def with_row_zero(self, config: config_lib.EmbeddingConfig, features: Any, subset: bool) -> Any:
     """`features` with each managed table's keys replaced by row 0, in their layout: what the
@@ -147,6 +155,13 @@ class ManagedKeys:
     for index, piece in zip(self._indices, rows):
       leaves[index] = _with_rows(leaves[index], piece)
     return tf.nest.pack_sequence_as(self._features, leaves)
+
+
+def _written_in_lock(writer: Optional[row_resets.Writer], name: str) -> Optional[Reset]:
+  """What a shard of table `name`'s map calls in its critical section with the rows it gave."""
+  if writer is None:
+    return None
+  return lambda rows, block=None: writer.write({name: rows}, block)
 
 
 def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:

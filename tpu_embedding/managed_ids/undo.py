@@ -14,21 +14,20 @@ map step (docs/reliability.md). A map step that a later call built on is never u
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tpu_embedding import config as config_lib
 from tpu_embedding.managed_ids.id_map import IdMap
-from tpu_embedding.managed_ids.tables import ResetRows
-
-VariablesByTable = Callable[[], Mapping[str, Mapping[str, tf.Variable]]]
 
 
 class StepUndo:
   """What one call's map steps changed, to put back if the call's gradient is not finite."""
 
-  def __init__(self, maps: Mapping[str, Any], variables_by_table: VariablesByTable):
+  def __init__(
+    self, maps: Mapping[str, Any], variables_by_table: Mapping[str, Mapping[str, tf.Variable]]
+  ):
+    """`variables_by_table`: the layer's tables ({table name: {"parameters"/slot: variable}})."""
     # Maps split over parameter servers (no `check_finite` there) are not undone.
     self._maps = {name: m for name, m in maps.items() if isinstance(m, IdMap)}
     self._variables_by_table = variables_by_table
@@ -36,16 +35,12 @@ class StepUndo:
     self._rows: list[tuple[str, tf.Tensor, dict[str, tf.Tensor]]] = []
     self._after: dict[str, tf.Tensor] = {}
 
-  def recording(self, reset: ResetRows) -> ResetRows:
-    """`reset`, keeping first the values it overwrites."""
-
-    def reset_and_keep(table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int] = None):
-      variables = self._variables_by_table().get(table.name)
-      if variables is not None and table.name in self._maps:
-        self._rows.append((table.name, rows, {k: tf.gather(v, rows) for k, v in variables.items()}))
-      reset(table, rows, block)
-
-    return reset_and_keep
+  def keep(self, given: Mapping[str, tf.Tensor]) -> None:
+    """Keeps what the rows `given` to new keys ({table name: rows}) hold, before their reset."""
+    for name, rows in given.items():
+      variables = self._variables_by_table.get(name)
+      if variables is not None and name in self._maps:
+        self._rows.append((name, rows, {k: tf.gather(v, rows) for k, v in variables.items()}))
 
   def stepped(self) -> None:
     """The call's map steps are done: an undo applies only while no later step built on them."""
@@ -75,7 +70,7 @@ class StepUndo:
       unchanged = tf.equal(id_map.step.read_value(), self._after[name])
       tf.cond(unchanged, lambda m=id_map, s=self._before[name]: _restore(m, s), _nothing)
     for name, rows, values in reversed(self._rows):  # the oldest write restored last
-      variables = self._variables_by_table()[name]
+      variables = self._variables_by_table[name]
       for key, value in values.items():
         variables[key].scatter_update(tf.IndexedSlices(value, rows))
     return tf.constant(True)
