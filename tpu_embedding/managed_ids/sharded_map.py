@@ -33,8 +33,7 @@ from tpu_embedding import tf_internals
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset, as_keys
-from tpu_embedding.managed_ids.spec import ManagedIds
+from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds, Reset, as_keys
 
 
 def new_map(
