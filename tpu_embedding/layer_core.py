@@ -102,13 +102,16 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       keras_trained.refuse_keras3_under_parameter_servers(
         self.name, optimizer, managed_ids_lib.table_names(managed_ids, self._config)
       )
+    tables = None  # split with the tables' row blocks, the maps need the tables first
+    if managed_ids and managed_ids_lib.splits_maps():
+      tables = self._backend.variables_by_table
     self._managed = self._no_dependency(
       managed_ids_lib.create(
         managed_ids,
         self._config,
         self.execution_path,
         pipelining=bool(pipeline_execution_with_tensor_core),
-        variables_by_table=lambda: self._backend.variables_by_table,
+        variables_by_table=tables,
       )
     )
     if self._managed is not None:

@@ -176,14 +176,16 @@ class PartialTPUEmbeddingCore(
       self._replicated = replicated.engine
       self._replicated_backend = self._no_dependency(replicated)  # resets its managed rows
 
-    # Maps over all tables, whatever their side: the call remaps before splitting by side.
+    # Maps over all tables, whatever their side: the call remaps before splitting by side
+    # (under parameter servers, split with the tables' row blocks: both sides are built now).
+    splits = managed_ids and managed_ids_lib.splits_maps()
     self._managed = self._no_dependency(
       managed_ids_lib.create(
         managed_ids,
         self._config,
         path,
         pipelining=bool(pipeline_execution_with_tensor_core),
-        variables_by_table=lambda: self.variables_by_table,
+        variables_by_table=self.variables_by_table if splits else None,
       )
     )
     if self._managed is not None:

@@ -119,9 +119,7 @@ def test_remap_returning_its_resets_is_refused_for_maps_split_over_parameter_ser
   """Each shard resets the rows it gives inside its own step: `defer_resets` is refused."""
   table = E.TableConfig(6, 2, name="movies")
   config = config_lib.prepare({"movie": E.FeatureConfig(table, name="movie")})
-  managed = tpu_embedding.managed_ids.ManagedTables(
-    {"movies": tpu_embedding.ManagedIds()}, config, lambda: {}
-  )
+  managed = tpu_embedding.managed_ids.ManagedTables({"movies": tpu_embedding.ManagedIds()}, config)
   managed.maps["movies"] = sharded_map.ShardedIdMap(
     tpu_embedding.ManagedIds(), "movies", blocks(3, 3)
   )

@@ -11,6 +11,7 @@ from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
 from tpu_embedding.managed_ids.row_resets import Writer
+from tpu_embedding.managed_ids.sharded_map import splits_maps
 from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds
 from tpu_embedding.managed_ids.tables import (
   CHECKPOINT_KEY,
@@ -30,6 +31,7 @@ __all__ = [
   "Writer",
   "create",
   "specs",
+  "splits_maps",
   "table_names",
   "validate_checkpoint",
 ]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -36,11 +36,15 @@ from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds, Reset, as_keys
 
 
-def new_map(
-  spec: ManagedIds, table_name: str, capacity: int, table: Callable[[], Any]
-) -> KeyRowMap:
-  """The map of a managed table created now: under PSS split with the rows of `table()` (the
-  table's variable, created by this call if it does not exist yet)."""
+def splits_maps() -> bool:
+  """Whether maps created now are split with their tables' row blocks (under PSS): the tables
+  must then exist before the maps."""
+  return Distribution.current() is Distribution.PARAMETER_SERVERS
+
+
+def new_map(spec: ManagedIds, table_name: str, capacity: int, table: Any = None) -> KeyRowMap:
+  """The map of a managed table created now: where `splits_maps()`, split with the rows of
+  `table` (the table's variable)."""
   distribution = Distribution.current()
   if distribution is Distribution.LOCAL:
     return IdMap(spec, table_name, capacity)
@@ -50,7 +54,7 @@ def new_map(
     host = f"{tf_internals.host_address_space()}/device:CPU:0"
     with tf.init_scope(), tf_internals.undistributed_variables(), tf.device(host):
       return IdMap(spec, table_name, capacity)
-  return ShardedIdMap(spec, table_name, table())
+  return ShardedIdMap(spec, table_name, table)
 
 
 def key_row_ranges(row_starts: list[int]) -> list[tuple[int, int]]:

@@ -3,8 +3,7 @@ how a layer takes them (`create`: on which paths, under which name in its checkp
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
@@ -13,22 +12,20 @@ from tpu_embedding import hardware
 from tpu_embedding.managed_ids import row_resets, sharded_map
 from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds, Reset, as_keys
 
-# {table name: {"parameters"/slot name: variable}}, the tables created if not yet.
-VariablesByTable = Callable[[], Mapping[str, Mapping[str, Any]]]
-
 
 class ManagedTables(tf.Module):
   """{table name: its map} for the tables named in a layer's `managed_ids`.
 
-  Under `ParameterServerStrategy` each map is split with its table's row blocks, so the tables
-  are created (`variables_by_table()`) with the maps.
+  Under `ParameterServerStrategy` each map is split with its table's row blocks: the layer
+  creates the tables first and gives them (`variables_by_table`: {table name: {"parameters":
+  variable, ...}}) where `sharded_map.splits_maps()`.
   """
 
   def __init__(
     self,
     managed_ids: Mapping[Any, ManagedIds],
     config: config_lib.EmbeddingConfig,
-    variables_by_table: VariablesByTable,
+    variables_by_table: Optional[Mapping[str, Mapping[str, Any]]] = None,
   ):
     super().__init__()
     if not isinstance(managed_ids, Mapping):
@@ -58,7 +55,7 @@ class ManagedTables(tf.Module):
         spec,
         table.name,
         table.vocabulary_size,
-        functools.partial(_parameters, variables_by_table, table.name),
+        None if variables_by_table is None else variables_by_table[table.name]["parameters"],
       )
     self.maps = maps
     self._tables = {t.name: t for t in config.tables}
@@ -165,10 +162,6 @@ def _written_in_lock(writer: Optional[row_resets.Writer], name: str) -> Optional
   return lambda rows, block=None: writer.write({name: rows}, block)
 
 
-def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
-  return variables_by_table()[name]["parameters"]
-
-
 def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
   """The feature's keys, flat, in the map's key dtype; refuses another kind by name."""
   where = f"Feature {feature.name!r}: its table {feature.table.name!r}"
@@ -204,11 +197,11 @@ def create(
   config: config_lib.EmbeddingConfig,
   path: hardware.ExecutionPath,
   pipelining: bool,
-  variables_by_table: VariablesByTable,
+  variables_by_table: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Optional[ManagedTables]:
   """The layer's maps, or None without `managed_ids`; refuses the paths and options that cannot
-  reset rows given to new keys exactly. `variables_by_table`: the layer's tables (under
-  parameter servers, the maps are split with the tables' row blocks)."""
+  reset rows given to new keys exactly. `variables_by_table`: the layer's tables, created
+  already, where the maps are split with their row blocks (`sharded_map.splits_maps()`)."""
   if managed_ids is None or (isinstance(managed_ids, Mapping) and not managed_ids):
     return None
   if pipelining and path is hardware.ExecutionPath.CPU:
