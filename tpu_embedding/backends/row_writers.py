@@ -14,14 +14,14 @@ TableConfig = tf.tpu.experimental.embedding.TableConfig
 # Writes fresh values into `rows` (all in row block `block`, if not None) of one table and its
 # slots, in the path's memory.
 WriteRows = Callable[[TableConfig, tf.Tensor, Optional[int]], None]
-NOTHING_WAITS = types.MappingProxyType({})
+_NOTHING_WAITS = types.MappingProxyType({})
 
 
 class ImmediateWriter:
   """Writes the rows at once: tables the host writes between steps (off TPU, SparseCore, tables
   in TensorCore memory)."""
 
-  waiting = NOTHING_WAITS
+  waiting = _NOTHING_WAITS
 
   def __init__(
     self,
@@ -35,6 +35,7 @@ class ImmediateWriter:
     self._restored_early = False  # a restore waits for the tables to be created
 
   def check(self, layer_name: str, deferring: bool) -> None:
+    del deferring  # the caller may write them: any time between steps will do here
     if self._restored_early and not self._tables_exist():
       raise ValueError(restored_early_refusal(layer_name))
     self._check()

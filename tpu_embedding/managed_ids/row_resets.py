@@ -69,10 +69,10 @@ def write_fresh(
       specs = [dataclasses.astuple(draws.by_variable[name]) for name in names]
       native.reset_rows(here[0][1], targets, specs, draws.seeds)
       return
-  write_values(variables, rows, resets.fresh_rows(table, rows), block)
+  _write_values(variables, rows, resets.fresh_rows(table, rows), block)
 
 
-def write_values(
+def _write_values(
   variables: Mapping[str, Any],
   rows: tf.Tensor,
   values: Mapping[str, tf.Tensor],
