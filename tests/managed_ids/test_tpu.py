@@ -357,6 +357,20 @@ def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
   assert recorded.loads == 1
 
 
+def test_v1_flushes_between_remaps_leave_the_reset_every_steps_count_alone(monkeypatch):
+  """`reset_every_steps` counts training remaps only: a flush in between (`layer.flush()`, a
+  save) writes what waits but does not move the next flush."""
+  strategy, recorded, layer = _v1_layer(monkeypatch, every=3)
+  with strategy.scope():
+    layer.remap({"movie": tf.constant([5], tf.int64)})  # remap 1: row 1 waits
+    layer.flush()
+    loads = recorded.loads
+    second = layer.remap({"movie": tf.constant([6], tf.int64)})["movie"]  # remap 2: waits
+    assert second.numpy().tolist() == [0] and recorded.loads == loads
+    third = layer.remap({"movie": tf.constant([6, 7], tf.int64)})["movie"]  # remap 3: flush
+  assert third.numpy().tolist() == [2, 3] and recorded.loads == loads + 1
+
+
 def test_v1_plain_saved_model_save_applies_waiting_resets(monkeypatch, tmp_path):
   """`tf.saved_model.save` (not only `export_for_serving`) resets the waiting rows first, so the
   SavedModel never holds a key on a row still holding its previous key's values."""

@@ -33,9 +33,12 @@ class ManagedIdsMixin:
     """Writes every reset still waiting: those remaps returned and nobody wrote (batches remapped
     ahead of training, or left in a pipeline when its loop stopped), then the writer's.
     `restoring`: a checkpoint restore follows (`Writer.flush`)."""
-    if self._managed is not None:
-      self._row_writer.write(self._returned.due())
-      self._row_writer.flush(restoring)
+    if self._managed is None:
+      return
+    due = self._returned.due()
+    if due:  # only where remaps returned resets: each `write` counts as a remap on TPU V1
+      self._row_writer.write(due)
+    self._row_writer.flush(restoring)
 
   @property
   def managed_ids(self) -> dict[str, KeyRowMap]:
