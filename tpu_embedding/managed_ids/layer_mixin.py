@@ -1,8 +1,10 @@
-"""What every layer taking `managed_ids` adds: `managed_ids`, `remap`, the remap of a call, the
-resets it returns (`ReturnedResets`) and, with `check_finite`, the undo of its map steps."""
+"""What every layer taking `managed_ids` adds: `managed_ids`, `remap`, the remap of a call (one
+map step for all replicas: `run_once`), the resets it returns (`ReturnedResets`) and, with
+`check_finite`, the undo of its map steps."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
@@ -10,7 +12,7 @@ import tensorflow as tf
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.engine import finite, inputs, static_path
-from tpu_embedding.managed_ids import replicated, row_resets
+from tpu_embedding.managed_ids import row_resets
 from tpu_embedding.managed_ids.id_map import IdMap
 from tpu_embedding.managed_ids.spec import KeyRowMap
 from tpu_embedding.managed_ids.tables import ManagedTables, flat_values
@@ -60,7 +62,7 @@ class ManagedIdsMixin:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
     if not defer_resets:
       return self._remap(self._config, features, bool(training))
-    if replicated.in_replica_of_several():
+    if in_replica_of_several():
       raise ValueError(
         f"Layer {self.name!r}: remap(..., defer_resets=True) was called inside one of several "
         "replicas; its resets travel with a whole batch. Call it on the global batch outside "
@@ -141,7 +143,7 @@ class ManagedIdsMixin:
   ) -> Any:
     """`returned`: where the rows given to new keys go, per table, instead of the path's writer
     (`remap(..., defer_resets=True)`). A training remap inside one of several replicas is one
-    step for all of them (`replicated`). `whole_call`: `features` must hold every feature (a
+    step for all of them (`run_once`). `whole_call`: `features` must hold every feature (a
     call), not some (a `remap`). `undo`: keeps what the map steps change."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
@@ -160,7 +162,7 @@ class ManagedIdsMixin:
         self._hand_over(given, returned, undo)
       return rows
 
-    rows = managed.with_rows(replicated.run_once(step, keys) if admits else step(keys))
+    rows = managed.with_rows(run_once(step, keys) if admits else step(keys))
     if undo is not None:
       undo.stepped()
     if admits and returned is None:  # rows this call trains: resets left by dropped batches first
@@ -411,3 +413,74 @@ def _variables(id_map: IdMap) -> list[tf.Variable]:
 
 def _nothing() -> tf.Tensor:
   return tf.constant(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step of each managed map per training step, however many replicas share the batch.
+#
+# Inside `strategy.run` with several replicas each replica holds a share of the global batch, but
+# a map must take each step's keys once, in one order, or the replicas would see different maps.
+# So the replicas' keys meet in one `merge_call` (as an optimizer's updates are applied once),
+# ordered as one device fed the global batch reads them: each managed feature in the layer's
+# order, its replicas' shares in replica order (a replica's share of a feature is its rows of the
+# global batch). The step runs once there, in the cross-replica context, and each replica gets the
+# rows of its own keys back. Under `MultiWorkerMirroredStrategy` the keys are all-gathered from
+# every worker and each worker runs the same deterministic step on its own copy of the map, so
+# the copies stay equal without sending rows or map state between workers.
+
+# The rows of the global batch's keys (one flat tensor per managed feature) by one map step.
+Step = Callable[[list[tf.Tensor]], list[tf.Tensor]]
+
+
+def in_replica_of_several() -> bool:
+  """Whether this code runs inside one of several replicas of `strategy.run`."""
+  if tf.distribute.in_cross_replica_context():
+    return False
+  return tf.distribute.get_replica_context().num_replicas_in_sync > 1
+
+
+def run_once(step: Step, keys: list[tf.Tensor]) -> list[tf.Tensor]:
+  """`step` on the global batch's keys, once: directly where this call holds the whole batch,
+  else once for all replicas (this replica's rows returned)."""
+  if not in_replica_of_several():
+    return step(keys)
+  sizes = tf.stack([tf.size(k, out_type=tf.int64) for k in keys])
+  context = tf.distribute.get_replica_context()
+  return context.merge_call(functools.partial(_step_once, step=step), args=(keys, sizes))
+
+
+def _step_once(strategy: tf.distribute.Strategy, keys: list[Any], sizes: Any, step: Step) -> Any:
+  """In the cross-replica context: the global keys through `step`, each replica's rows cut out."""
+  replicas = strategy.num_replicas_in_sync
+  shares = tf.reshape(_gathered(strategy, sizes), [replicas, len(keys)])
+  rows = step([_gathered(strategy, k) for k in keys])
+  pieces = [tf.split(r, shares[:, f], num=replicas) for f, r in enumerate(rows)]
+  return strategy.experimental_distribute_values_from_function(
+    lambda context: [p[context.replica_id_in_sync_group] for p in pieces]
+  )
+
+
+def _gathered(strategy: tf.distribute.Strategy, value: Any) -> tf.Tensor:
+  """Every replica's `value`, concatenated in replica order. The replicas of this process are
+  joined here (any dtype); other workers' come by the strategy's all-gather, which takes
+  numbers only: strings travel as their bytes and lengths."""
+  local = strategy.experimental_local_results(value)
+  if len(local) == strategy.num_replicas_in_sync:
+    return tf.concat(local, 0)
+  if local[0].dtype != tf.string:
+    return strategy.gather(value, axis=0)
+  # MultiWorkerMirroredStrategy numbers a worker's replicas consecutively.
+  codes, lengths = strategy.experimental_distribute_values_from_function(
+    lambda context: _as_bytes(local[context.replica_id_in_sync_group % len(local)])
+  )
+  codes, lengths = strategy.gather(codes, axis=0), strategy.gather(lengths, axis=0)
+  one_byte_strings = tf.constant([bytes([b]) for b in range(256)])
+  joined = tf.RaggedTensor.from_row_lengths(tf.gather(one_byte_strings, codes), lengths)
+  return tf.strings.reduce_join(joined, axis=1)
+
+
+def _as_bytes(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """(every byte of `keys`, as int32 in key order; the length of each key)."""
+  chars = tf.strings.bytes_split(keys)
+  codes = tf.reshape(tf.io.decode_raw(chars.flat_values, tf.uint8), [-1])
+  return tf.cast(codes, tf.int32), chars.row_lengths()

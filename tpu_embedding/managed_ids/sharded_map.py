@@ -50,7 +50,7 @@ def new_map(spec: ManagedIds, table_name: str, capacity: int, table: Any = None)
     return IdMap(spec, table_name, capacity)
   if distribution is Distribution.REPLICATED:
     # One map, on this process's CPU, not a copy per replica: every replica's keys reach it in
-    # one step (`replicated`), also where Keras calls the layer outside a replica step.
+    # one step (`layer_mixin.run_once`), also where Keras calls the layer outside a replica step.
     host = f"{tf_internals.host_address_space()}/device:CPU:0"
     with tf.init_scope(), tf_internals.undistributed_variables(), tf.device(host):
       return IdMap(spec, table_name, capacity)
