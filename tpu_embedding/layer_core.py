@@ -102,19 +102,21 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       keras_trained.refuse_keras3_under_parameter_servers(
         self.name, optimizer, managed_ids_lib.table_names(managed_ids, self._config)
       )
+    tables = None  # split with the tables' row blocks, the maps need the tables first
+    if managed_ids and managed_ids_lib.splits_maps():
+      tables = self._backend.variables_by_table
     self._managed = self._no_dependency(
       managed_ids_lib.create(
         managed_ids,
         self._config,
         self.execution_path,
         pipelining=bool(pipeline_execution_with_tensor_core),
-        variables_by_table=lambda: self._backend.variables_by_table,
+        variables_by_table=tables,
       )
     )
-    self._row_resets = None
     if self._managed is not None:
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
-      self._row_resets = self.row_resets_for(managed_ids_lib.specs(self._managed))
+      self._write_rows_with(self.row_writer_for(managed_ids_lib.specs(self._managed)))
     if self._backend.table_updates == "engine":  # tables trained by their mid-level optimizers
       optimizers.warn_if_bias_correction_dropped(self._config.tables)
     self._stats_recorder = None
@@ -135,8 +137,6 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
   def build(self, input_shape: Any) -> None:
     self._check_strategy()  # refuse before creating anything under the wrong strategy
     self._backend.build(input_shape)
-    if self._row_resets is not None:
-      self._row_resets.tables_created()
     if self._backend.table_updates == "engine":
       add_gradient_trap(self, TRAP_NAME)
     else:
@@ -226,16 +226,15 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
         "strategy.scope(), and call it in strategy.run."
       )
 
-  def row_resets_for(self, managed: Mapping[str, Any]) -> managed_ids_lib.ImmediateResets:
+  def row_writer_for(self, managed: Mapping[str, Any]) -> managed_ids_lib.Writer:
     """How rows given to new keys of these tables ({table name: ManagedIds}) are reset on this
     layer's path (a `PartialTPUEmbedding` asks for its sharded tables)."""
-    return self._backend.row_resets(managed)
+    return self._backend.row_writer(managed)
 
   def flush(self) -> None:
     """Applies updates held back by pipelining and resets of managed rows still waiting (also
     done before every checkpoint save)."""
-    if self._row_resets is not None:
-      self._row_resets.apply()
+    self._flush_rows()
     self._backend.flush()
 
   def update_embedding_table(
@@ -323,7 +322,7 @@ class TPUEmbeddingCore(RefusesCopies, managed_ids_lib.ManagedIdsMixin, tf_restor
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
-      self._row_resets.restoring()
+      self._flush_rows(restoring=True)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

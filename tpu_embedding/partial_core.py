@@ -41,6 +41,7 @@ from tpu_embedding import (
 from tpu_embedding import config as config_lib
 from tpu_embedding import managed_ids as managed_ids_lib
 from tpu_embedding import placement as placement_lib
+from tpu_embedding.backends import row_writers
 from tpu_embedding.engine import build_once, joint_step
 from tpu_embedding.layer_core import (
   RefusesCopies,
@@ -175,38 +176,39 @@ class PartialTPUEmbeddingCore(
       self._replicated = replicated.engine
       self._replicated_backend = self._no_dependency(replicated)  # resets its managed rows
 
-    # Maps over all tables, whatever their side: the call remaps before splitting by side.
+    # Maps over all tables, whatever their side: the call remaps before splitting by side
+    # (under parameter servers, split with the tables' row blocks: both sides are built now).
+    splits = managed_ids and managed_ids_lib.splits_maps()
     self._managed = self._no_dependency(
       managed_ids_lib.create(
         managed_ids,
         self._config,
         path,
         pipelining=bool(pipeline_execution_with_tensor_core),
-        variables_by_table=lambda: self.variables_by_table,
+        variables_by_table=self.variables_by_table if splits else None,
       )
     )
-    self._row_resets = None
     if self._managed is not None:
       self._track_trackable(self._managed, name=managed_ids_lib.CHECKPOINT_KEY)
-      self._row_resets = self._managed_row_resets(managed_ids_lib.specs(self._managed))
+      self._write_rows_with(self._managed_row_writer(managed_ids_lib.specs(self._managed)))
 
     self._checkpoint_views = self._no_dependency(checkpoint_views.PartialLayerViews())
     self._track_tables()
 
-  def _managed_row_resets(self, specs: dict[str, Any]) -> managed_ids_lib.RoutedResets:
+  def _managed_row_writer(self, specs: dict[str, Any]) -> row_writers.RoutedWriter:
     """Each managed table's resets go where its side keeps it: the sharded layer's path, or
     the replicated side's backend (its engine's variables, or the Keras optimizer's slots with
     table_updates="keras")."""
     by_table = {}
     for side, resets_for in (
-      (SHARDED, lambda chosen: self._sharded.row_resets_for(chosen)),
-      (REPLICATED, lambda chosen: self._replicated_backend.row_resets(chosen)),
+      (SHARDED, lambda chosen: self._sharded.row_writer_for(chosen)),
+      (REPLICATED, lambda chosen: self._replicated_backend.row_writer(chosen)),
     ):
       chosen = {name: spec for name, spec in specs.items() if self._sides[name] == side}
       if chosen:
-        resets = resets_for(chosen)
-        by_table.update({name: resets for name in chosen})
-    return managed_ids_lib.RoutedResets(by_table)
+        writer = resets_for(chosen)
+        by_table.update({name: writer for name in chosen})
+    return row_writers.RoutedWriter(by_table)
 
   def _choose_sides(self, size_threshold: Optional[int]) -> dict[str, str]:
     """{table name: side}: by `size_threshold` here; a subclass may decide otherwise."""
@@ -286,8 +288,7 @@ class PartialTPUEmbeddingCore(
   def flush(self) -> None:
     """Applies sharded-side updates held back by pipelining (replicated ones never are) and
     resets of managed rows still waiting."""
-    if self._row_resets is not None:
-      self._row_resets.apply()
+    self._flush_rows()
     if self._sharded is not None:
       self._sharded.flush()
 
@@ -298,8 +299,6 @@ class PartialTPUEmbeddingCore(
   def build(self, input_shape: Any) -> None:
     if self._sharded is not None and not self._sharded.built:
       self._sharded.build(self._sharded_shapes(input_shape))
-    if self._row_resets is not None:
-      self._row_resets.tables_created()
     if self._replicated is not None and self._table_updates == "keras":
       # Keras-trained tables must be trainable variables of the model (one per table).
       self._keras_trained_tables = list(self._replicated.embedding_tables.values())
@@ -415,7 +414,7 @@ class PartialTPUEmbeddingCore(
       )
     if self._managed is not None:
       managed_ids_lib.validate_checkpoint(self, self._managed, path)
-      self._row_resets.restoring()
+      self._flush_rows(restoring=True)
     return super()._checkpoint_adapter(path)
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -1,4 +1,4 @@
-"""Tests of `tpu_embedding.managed_ids.row_resets.reset_variables`: the reset kernel where it
+"""Tests of `tpu_embedding.managed_ids.row_resets.write_fresh`: the reset kernel where it
 runs, TF's ops elsewhere, the same values where they are not random (the layer's resets on each
 path: test_managed_ids_layer, _tpu, _sharded)."""
 
@@ -25,8 +25,11 @@ def _variables(table, fill=9.0):
 
 def _reset_ops(table, variables):
   """The op types a traced reset of ROWS runs."""
-  reset = row_resets.reset_variables(lambda: {table.name: variables})
-  graph = tf.function(lambda: reset(table, ROWS, None)).get_concrete_function().graph
+  graph = (
+    tf.function(lambda: row_resets.write_fresh(variables, table, ROWS, None))
+    .get_concrete_function()
+    .graph
+  )
   return {op.type for op in graph.get_operations()}
 
 
@@ -44,7 +47,7 @@ def test_constant_resets_write_the_same_rows_on_the_kernel_and_on_tf_ops(kernels
   ops = _reset_ops(table, variables)
   assert ("TpuEmbeddingResetRows" in ops) == (kernels == "1")
   assert ("ResourceScatterUpdate" in ops) == (kernels == "0")
-  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  row_resets.write_fresh(variables, table, ROWS, None)
   expected_table, expected_slot = np.full((8, 3), 9.0, np.float32), np.full((8, 3), 9.0, np.float32)
   expected_table[[5, 2, 7]], expected_slot[[5, 2, 7]] = 0.5, 0.2
   np.testing.assert_array_equal(variables["parameters"].numpy(), expected_table)
@@ -60,7 +63,7 @@ def test_initializers_the_kernel_cannot_draw_are_reset_by_tf_ops():
   variables = {"parameters": tf.Variable(tf.fill([8, 3], 9.0))}
   ops = _reset_ops(table, variables)
   assert "TpuEmbeddingResetRows" not in ops and "ResourceScatterUpdate" in ops
-  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  row_resets.write_fresh(variables, table, ROWS, None)
   values = variables["parameters"].numpy()
   assert np.all(np.abs(values[[5, 2, 7]]) <= np.sqrt(6 / 11))
   np.testing.assert_array_equal(np.delete(values, [5, 2, 7], 0), 9.0)
@@ -77,7 +80,7 @@ def test_mirrored_copies_are_reset_by_tf_ops_with_one_draw():
   with strategy.scope():
     variables = _variables(table)
   assert "TpuEmbeddingResetRows" not in _reset_ops(table, variables)
-  row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+  row_resets.write_fresh(variables, table, ROWS, None)
   first, second = (v.numpy() for v in variables["parameters"].values)
   np.testing.assert_array_equal(first, second)
   assert np.all(np.abs(first[[5, 2, 7]]) < 0.2) and np.all(first[[5, 2, 7]] != 0)
@@ -115,9 +118,7 @@ def test_tpu_host_copies_sharded_over_hosts_are_reset_by_tf_ops():
   shards = [tf.Variable(tf.fill([3, 2], 9.0)), tf.Variable(tf.fill([2, 2], 9.0))]
   host_copy = tpu_embedding_v2.TPUEmbeddingVariable(shards, name="t")
   table = E.TableConfig(5, 2, initializer=tf.constant_initializer(0.5), name="t")
-  row_resets.reset_variables(lambda: {"t": {"parameters": host_copy}})(
-    table, tf.constant([4], tf.int64), None
-  )
+  row_resets.write_fresh({"parameters": host_copy}, table, tf.constant([4], tf.int64), None)
   np.testing.assert_array_equal(shards[0].numpy(), np.full((3, 2), 9.0))
   np.testing.assert_array_equal(shards[1].numpy(), [[9.0, 9.0], [0.5, 0.5]])
 
@@ -134,7 +135,7 @@ def test_resets_of_constant_tables_need_no_seed_under_op_determinism(kernels, mo
   variables = _variables(table)
   tf.config.experimental.enable_op_determinism()
   try:
-    row_resets.reset_variables(lambda: {"t": variables})(table, ROWS, None)
+    row_resets.write_fresh(variables, table, ROWS, None)
   finally:
     config.disable_op_determinism()
   np.testing.assert_array_equal(variables["parameters"].numpy()[[5, 2, 7]], 0.0)
@@ -149,9 +150,7 @@ def test_each_reset_of_a_seeded_keras_initializer_draws_new_values(kernels, monk
   initializer = tf_keras.initializers.RandomNormal(0.0, 1.0, seed=4)
   table = E.TableConfig(8, 3, initializer=initializer, optimizer=E.SGD(0.1), name="t")
   variables = {"parameters": tf.Variable(tf.zeros([8, 3]))}
-  reset = tf.function(
-    lambda rows: row_resets.reset_variables(lambda: {"t": variables})(table, rows, None)
-  )
+  reset = tf.function(lambda rows: row_resets.write_fresh(variables, table, rows, None))
   reset(tf.constant([0, 1], tf.int64))
   reset(tf.constant([2, 3], tf.int64))
   values = variables["parameters"].numpy()

@@ -38,16 +38,13 @@ def test_a_shard_resets_the_rows_it_gives_in_its_own_block_only():
   config = E.TableConfig(13, 2, initializer=tf.constant_initializer(1.0), name="t")
   written = []
 
-  def reset(table_config, rows, block):
+  def reset(rows, block=None):
     written.append(block)
-    row_resets.reset_variables(lambda: {"t": {"parameters": table}})(table_config, rows, block)
+    row_resets.write_fresh({"parameters": table}, config, rows, block)
 
-  resets = row_resets.ImmediateResets(reset)
   id_map = sharded_map.ShardedIdMap(tpu_embedding.ManagedIds(), "t", table)
   keys = [5, -6, 2**40 + 7, 8, 9, 5, 11]
-  rows, fresh = id_map.remap(
-    tf.constant(keys, tf.int64), True, lambda r, block=None: resets.reset(config, r, block)
-  )
+  rows, fresh = id_map.remap(tf.constant(keys, tf.int64), True, reset)
   # The documented rule, worked out here: FarmHash64 of the decimal string, modulo 2 blocks;
   # each shard gives its next free row, in first-occurrence order, from its block's range.
   owner = tf.strings.to_hash_bucket_fast([str(k) for k in keys], 2).numpy().tolist()
@@ -93,7 +90,6 @@ def test_a_shard_resets_a_keras_trained_table_and_its_keras_slots_in_its_own_blo
     "f": E.FeatureConfig(E.TableConfig(13, 2, initializer=tf.constant_initializer(init), name="t"))
   }
   config = config_lib.prepare(features, optimizer)
-  (table_config,) = config.tables
   backend = types.SimpleNamespace(  # what the reset reads of a built CPU backend
     path=hardware.ExecutionPath.CPU,
     config=config,
@@ -101,11 +97,11 @@ def test_a_shard_resets_a_keras_trained_table_and_its_keras_slots_in_its_own_blo
     is_built=lambda: True,
   )
   spec = tpu_embedding.ManagedIds()
-  resets = keras_trained.row_resets_of(backend, optimizer, {"t": spec})
+  writer = keras_trained.row_writer_of(backend, optimizer, {"t": spec})
   id_map = sharded_map.ShardedIdMap(spec, "t", table)
   keys = [5, -6, 2**40 + 7, 8, 9, 5, 11]
   rows, fresh = id_map.remap(
-    tf.constant(keys, tf.int64), True, lambda r, block=None: resets.reset(table_config, r, block)
+    tf.constant(keys, tf.int64), True, lambda r, block=None: writer.write({"t": r}, block)
   )
   fresh = sorted(fresh.numpy().tolist())
   assert {row < 7 for row in fresh} == {True, False}  # both blocks gave rows
@@ -123,9 +119,7 @@ def test_remap_returning_its_resets_is_refused_for_maps_split_over_parameter_ser
   """Each shard resets the rows it gives inside its own step: `defer_resets` is refused."""
   table = E.TableConfig(6, 2, name="movies")
   config = config_lib.prepare({"movie": E.FeatureConfig(table, name="movie")})
-  managed = tpu_embedding.managed_ids.ManagedTables(
-    {"movies": tpu_embedding.ManagedIds()}, config, lambda: {}
-  )
+  managed = tpu_embedding.managed_ids.ManagedTables({"movies": tpu_embedding.ManagedIds()}, config)
   managed.maps["movies"] = sharded_map.ShardedIdMap(
     tpu_embedding.ManagedIds(), "movies", blocks(3, 3)
   )

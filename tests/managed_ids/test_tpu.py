@@ -357,6 +357,20 @@ def test_v1_rows_given_before_the_tables_exist_need_no_reset(monkeypatch):
   assert recorded.loads == 1
 
 
+def test_v1_flushes_between_remaps_leave_the_reset_every_steps_count_alone(monkeypatch):
+  """`reset_every_steps` counts training remaps only: a flush in between (`layer.flush()`, a
+  save) writes what waits but does not move the next flush."""
+  strategy, recorded, layer = _v1_layer(monkeypatch, every=3)
+  with strategy.scope():
+    layer.remap({"movie": tf.constant([5], tf.int64)})  # remap 1: row 1 waits
+    layer.flush()
+    loads = recorded.loads
+    second = layer.remap({"movie": tf.constant([6], tf.int64)})["movie"]  # remap 2: waits
+    assert second.numpy().tolist() == [0] and recorded.loads == loads
+    third = layer.remap({"movie": tf.constant([6, 7], tf.int64)})["movie"]  # remap 3: flush
+  assert third.numpy().tolist() == [2, 3] and recorded.loads == loads + 1
+
+
 def test_v1_plain_saved_model_save_applies_waiting_resets(monkeypatch, tmp_path):
   """`tf.saved_model.save` (not only `export_for_serving`) resets the waiting rows first, so the
   SavedModel never holds a key on a row still holding its previous key's values."""
@@ -413,17 +427,19 @@ def test_v1_flush_cost_is_one_retrieve_and_one_load_of_every_table(monkeypatch):
   assert [len(op.outputs) for op in ops["retrieves"]] == [2, 2]  # table and accumulators
 
 
-def test_v1_training_remap_after_a_restore_before_build_resets_its_rows_once_built(
+def test_v1_training_remap_between_a_restore_before_build_and_build_is_refused(
   monkeypatch, tmp_path
 ):
-  """A restore into an unbuilt layer writes the tables only as `build` creates them: the rows a
-  training remap gives in between (the restored map's choice, as the reference map makes it)
-  are reset after that, before any step reads them; every other row keeps the checkpoint's."""
+  """A restore into an unbuilt layer writes the tables only as `build` creates them, over any
+  row a training remap gave meanwhile: that remap is refused, naming the layer and the remedy,
+  and changes nothing. Once built, the remap gives the restored map's rows (as the reference
+  map does), reset before any step reads them; every other row keeps the checkpoint's."""
   strategy, _, saved, variables, _ = _rows_1_and_2_waiting(monkeypatch)
   path = tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt"))  # flushes rows 1, 2
   trained = {name: v.numpy().copy() for name, v in variables.items()}
   reference = ReferenceMap(CAPACITY, "lru")
   reference.train([5, 6, 5])
+  restored_map = tuple(reference.export())
   want_rows, given = reference.train([101, 102, 5])
   assert given == [3, 4] and trained["parameters"][given].min() >= 100  # trained rows
   with strategy.scope():
@@ -433,11 +449,13 @@ def test_v1_training_remap_after_a_restore_before_build_resets_its_rows_once_bui
       managed_ids={"movies": tpu_embedding.ManagedIds(eviction="lru", reset_every_steps=5)},
     )
     tf.train.Checkpoint(layer=layer).restore(path)
+    with pytest.raises(ValueError, match=rf"layer {layer.name!r} before its tables.*Build the"):
+      layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)})
+    export = tuple(t.numpy().tolist() for t in layer.managed_ids["movies"].export())
+    assert export == restored_map  # nothing changed
+    layer.build({"movie": tf.TensorShape([BATCH])})
     rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)})["movie"]
     assert rows.numpy().tolist() == [0, 0, 1]  # the given rows wait for their reset
-    layer.build({"movie": tf.TensorShape([BATCH])})
-    rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
-    assert rows["movie"].numpy().tolist() == [0, 0, 1]  # still waiting for the flush
     layer.flush()
     rows = layer.remap({"movie": tf.constant([101, 102, 5], tf.int64)}, training=False)
   assert rows["movie"].numpy().tolist() == want_rows

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
-from tpu_embedding.backends import keras_trained
+from tpu_embedding.backends import keras_trained, row_writers
 from tpu_embedding.engine import trap as trap_lib
 from tpu_embedding.managed_ids import row_resets
 
@@ -100,13 +100,22 @@ class Backend(abc.ABC):
     """Tables the user's optimizer must see as trainable (replicated, Keras-trained tables)."""
     return []
 
-  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
+  def row_writer(self, managed: Mapping[str, Any]) -> row_resets.Writer:
     """How rows given to new keys of the `managed` tables ({table name: ManagedIds}) reach this
-    path's memory: by default written at once into `variables_by_table`, between steps, and into
-    the Keras optimizer's slots where it trains the tables (`keras_trained`)."""
+    path's memory: by default written at once into `variables_by_table` (created on first use),
+    and into the Keras optimizer's slots where it trains the tables (`keras_trained`)."""
     if self.table_updates == "keras":
-      return keras_trained.row_resets_of(self, self._keras_optimizer, managed)
-    return row_resets.ImmediateResets(row_resets.reset_variables(lambda: self.variables_by_table))
+      return keras_trained.row_writer_of(self, self._keras_optimizer, managed)
+    return row_writers.ImmediateWriter(self._tables_named(managed), self._write_fresh)
+
+  def _tables_named(self, names: Any) -> dict[str, config_lib.TableConfig]:
+    """{name: TableConfig} of the tables of `config` named in `names`."""
+    return {table.name: table for table in self.config.tables if table.name in names}
+
+  def _write_fresh(
+    self, table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int]
+  ) -> None:
+    row_resets.write_fresh(self.variables_by_table[table.name], table, rows, block)
 
   def flush(self) -> None:
     """Applies any update the hardware still holds back (pipelining); most paths hold none."""

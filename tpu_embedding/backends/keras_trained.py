@@ -16,13 +16,14 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import keras_slots, optimizer_specs
+from tpu_embedding.backends.row_writers import ImmediateWriter
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
-from tpu_embedding.managed_ids import row_resets
+from tpu_embedding.managed_ids import resets
 
 
-def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
-  """The `ImmediateResets` of `backend`'s managed tables ({table name: ManagedIds}), trained by
+def row_writer_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]) -> ImmediateWriter:
+  """The `row_resets.Writer` of `backend`'s managed tables ({table name: ManagedIds}), trained by
   the Keras `optimizer`."""
   if not hasattr(optimizer, "apply_gradients"):  # None, a name, a mid-level optimizer
     raise ValueError(
@@ -49,8 +50,9 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
     slots = keras_slots.slots_of(optimizer, variable, [k for k in names.values() if k])
     return {"parameters": variable, **{n: slots[k] for n, k in names.items() if k in slots}}
 
-  def write(table, rows, values, block):
+  def write(table, rows, block):
     # All of `rows` lie in `block`: written there, on its ps only.
+    values = resets.fresh_rows(table, rows)
     _, rows = sharded.in_block(backend.variables_by_table[table.name]["parameters"], rows, block)
     for name, target in targets(table, block).items():
       _write_rows(target, rows, values[name])
@@ -65,9 +67,8 @@ def row_resets_of(backend: Any, optimizer: Any, managed: Mapping[str, Any]):
         for block in blocks:
           targets(tables[name], block)
 
-  return row_resets.ImmediateResets(
-    row_resets.fresh_values(write), built=backend.is_built, check=check
-  )
+  chosen = {name: table for name, table in tables.items() if name in managed}
+  return ImmediateWriter(chosen, write, tables_exist=backend.is_built, check=check)
 
 
 def refuse_keras3_under_parameter_servers(

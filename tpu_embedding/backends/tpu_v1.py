@@ -9,9 +9,8 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_mid_level
-from tpu_embedding.backends import conversion
+from tpu_embedding.backends import conversion, row_writers
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.managed_ids import row_resets
 
 
 class TpuV1Backend(Backend):
@@ -52,18 +51,17 @@ class TpuV1Backend(Backend):
     export reads is current (TF's own checkpoint saver does the same before a save)."""
     tf_mid_level.retrieve_from_tpu(self._engine)
 
-  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.DeferredResets:
+  def row_writer(self, managed: Mapping[str, Any]) -> row_writers.DeferredWriter:
     """TPU memory takes whole tables only: resets wait for a flush (copy out, reset in the host
     copies, load back) every `reset_every_steps`; their keys read row 0 until then."""
-    tables = {t.name: t for t in self.config.tables}
-    return row_resets.DeferredResets(
-      row_resets.reset_variables(lambda: self.variables_by_table),
-      copy_out=lambda: tf_mid_level.retrieve_from_tpu(self._engine),
-      copy_in=lambda: tf_mid_level.load_into_tpu(self._engine),
-      tables={name: (tables[name], spec.reset_every_steps) for name, spec in managed.items()},
+    tables = self._tables_named(managed)
+    return row_writers.DeferredWriter(
+      {name: (tables[name], spec.reset_every_steps) for name, spec in managed.items()},
+      self._write_fresh,
+      copies=(self.flush, lambda: tf_mid_level.load_into_tpu(self._engine)),
+      tables_exist=self.is_built,
       pipelining=self._pipelining,
       path_name=self.path.name,
-      built=self.is_built,
     )
 
   def create_tables(self, per_replica_input_shapes):

@@ -8,9 +8,9 @@ import tensorflow as tf
 
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, sparse_core, tf_internals
-from tpu_embedding.backends import conversion
+from tpu_embedding.backends import conversion, row_writers
 from tpu_embedding.backends.base import Backend
-from tpu_embedding.managed_ids import row_resets
+from tpu_embedding.managed_ids import resets, row_resets
 
 
 class TpuV2Backend(Backend):
@@ -58,17 +58,18 @@ class TpuV2Backend(Backend):
     """{stacked table name: {"parameters"/slot: variable}}: SparseCore keeps them by stack."""
     return self._engine.variables
 
-  def row_resets(self, managed: Mapping[str, Any]) -> row_resets.ImmediateResets:
+  def row_writer(self, managed: Mapping[str, Any]) -> row_resets.Writer:
     """SparseCore tables are variables in TPU memory the host writes between steps: each reset
     is written at once, into the table's rows of its stacked, dealt and rotated variables."""
+    return row_writers.ImmediateWriter(
+      self._tables_named(managed), self._write_logical_rows, tables_exist=self.is_built
+    )
 
-    def write(table, rows, values, block):  # no row blocks: tables are in TPU memory
-      del block
-      layout = self._engine.embedding_layouts[table.name]
-      variables = self._engine.variables[layout.stacked_table_name]
-      sparse_core.write_logical_rows(variables, layout, rows, values)
-
-    return row_resets.ImmediateResets(row_resets.fresh_values(write), built=self.is_built)
+  def _write_logical_rows(self, table, rows, block) -> None:
+    del block  # no row blocks: tables are in TPU memory
+    layout = self._engine.embedding_layouts[table.name]
+    variables = self._engine.variables[layout.stacked_table_name]
+    sparse_core.write_logical_rows(variables, layout, rows, resets.fresh_rows(table, rows))
 
   def needs_relayout(self, path: str) -> bool:
     return sparse_core.needs_relayout(path, self._engine)

@@ -2,38 +2,36 @@
 
 `ManagedIds` describes one table's map; `IdMap` is that map (TF hash tables and variables) and
 `ShardedIdMap` that map split with the table's row blocks over parameter servers, both
-`KeyRowMap`s; `ManagedTables` applies a layer's maps to its feature nest and resets the rows
-given to new keys; `row_resets` is how each path's memory receives those resets; `attach` and
-`checkpoint` are how a layer holds them.
+`KeyRowMap`s (`spec`); `ManagedTables` applies a layer's maps to its feature nest and returns
+the rows given to new keys; `row_resets.Writer` is what each path gives to write them; `tables`
+and `checkpoint` are how a layer holds them, `layer_mixin` what it adds to a layer.
 """
 
-from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY, create, specs, table_names
 from tpu_embedding.managed_ids.checkpoint import validate_checkpoint
 from tpu_embedding.managed_ids.id_map import IdMap
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap
 from tpu_embedding.managed_ids.layer_mixin import ManagedIdsMixin
-from tpu_embedding.managed_ids.row_resets import (
-  DeferredResets,
-  ImmediateResets,
-  RoutedResets,
-  reset_variables,
+from tpu_embedding.managed_ids.row_resets import Writer
+from tpu_embedding.managed_ids.sharded_map import splits_maps
+from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds
+from tpu_embedding.managed_ids.tables import (
+  CHECKPOINT_KEY,
+  ManagedTables,
+  create,
+  specs,
+  table_names,
 )
-from tpu_embedding.managed_ids.spec import ManagedIds
-from tpu_embedding.managed_ids.tables import ManagedTables
 
 __all__ = [
   "CHECKPOINT_KEY",
-  "DeferredResets",
   "IdMap",
-  "ImmediateResets",
   "KeyRowMap",
   "ManagedIds",
   "ManagedIdsMixin",
   "ManagedTables",
-  "RoutedResets",
+  "Writer",
   "create",
-  "reset_variables",
   "specs",
+  "splits_maps",
   "table_names",
   "validate_checkpoint",
 ]

@@ -12,9 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import tf_restore
-from tpu_embedding.managed_ids.attach import CHECKPOINT_KEY
 from tpu_embedding.managed_ids.sharded_map import ShardedIdMap
-from tpu_embedding.managed_ids.tables import ManagedTables
+from tpu_embedding.managed_ids.tables import CHECKPOINT_KEY, ManagedTables
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 

@@ -7,22 +7,21 @@ by an explicit order, candidates are pruned after a full sort (docs/managed-ids.
 step runs in one compiled kernel where it can (`native.managed_remap`: the variables updated in
 place, keys found in a key -> row table of the kernel's and rows picked from an eviction index,
 both kept between steps and rebuilt from the variables whenever something else wrote them), else
-in TF ops (a `MutableHashTable`) with the same result.
+in TF ops (a `MutableHashTable`) with the same result. Either way checkpoints and SavedModels take
+the map's key -> row pairs from its variables (`MapTable`).
 """
 
 from __future__ import annotations
 
 import uuid
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import tf_internals
 from tpu_embedding.engine import lookup, native
-from tpu_embedding.managed_ids.key_row_map import Reset, as_keys
-from tpu_embedding.managed_ids.map_table import MapTable
-from tpu_embedding.managed_ids.spec import SCORED_POLICIES, ManagedIds
+from tpu_embedding.managed_ids.spec import SCORED_POLICIES, ManagedIds, Reset, as_keys
 
 _MAX_SHIFT = 62  # counts are halved at most this often: any longer absence gives 0
 _INT32_MAX = 2**31 - 1  # counts saturate there; steps may not pass it (last_seen is int32)
@@ -353,3 +352,46 @@ def _tie_breaker(keys: tf.Tensor) -> tf.Tensor:
   if keys.dtype == tf.string:
     return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
   return keys
+
+
+# ---------------------------------------------------------------------------------------------
+# `MapTable`: TF's hash table of one map, saved from the map's variables.
+#
+# A map on the compiled kernels keeps its key -> row table in the kernel's index (a cache of the
+# variables, ~4x smaller than TF's node-based table) and leaves this one empty; a map on TF's ops
+# (no kernels, or its variables on another task) keeps this one filled. Either way checkpoints and
+# SavedModels hold the same pairs, taken from the variables, so a SavedModel's table (read by
+# processes that import only TensorFlow) is whole, and a checkpoint restores into either kind.
+
+# The map's (keys, rows) of every key holding a row, read from its variables.
+Pairs = Callable[[], tuple[tf.Tensor, tf.Tensor]]
+
+
+class MapTable(tf.lookup.experimental.MutableHashTable):
+  """A `MutableHashTable(key -> int64 row, default 0)` whose checkpoint entries come from
+  `pairs()` and are restored into it only where `filled()` (the map reads this table)."""
+
+  def __init__(self, key_dtype: tf.DType, pairs: Pairs, filled: Callable[[], bool]):
+    super().__init__(key_dtype, tf.int64, 0)
+    self._pairs = pairs
+    self._filled = filled
+
+  def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+    # Traced for a SavedModel's own save function, the table is that of the loaded SavedModel,
+    # always filled; the map's variables may not be part of what is saved.
+    if in_save_trace():
+      return super()._serialize_to_tensors()
+    keys, rows = self._pairs()
+    return {"-keys": keys, "-values": rows}
+
+  def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]):
+    # Traced for a SavedModel's restore function, it fills the loaded table.
+    if not (self._filled() or in_save_trace()):
+      return tf.no_op()
+    return super()._restore_from_tensors(restored_tensors)
+
+
+def in_save_trace() -> bool:
+  """Whether a SavedModel's functions are being traced (not a checkpoint written or read in a
+  `tf.function`, which runs here and reads the map's variables)."""
+  return tf_internals.in_save_context() and not tf.executing_eagerly()

@@ -1,7 +1,10 @@
-"""What every layer taking `managed_ids` adds: `managed_ids`, `remap`, and the remap of a call."""
+"""What every layer taking `managed_ids` adds: `managed_ids`, `remap`, the remap of a call (one
+map step for all replicas: `run_once`), the resets it returns (`ReturnedResets`) and, with
+`check_finite`, the undo of its map steps."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Optional
 
 import tensorflow as tf
@@ -9,21 +12,35 @@ import tensorflow as tf
 from tpu_embedding import config as config_lib
 from tpu_embedding import hardware, tf_internals
 from tpu_embedding.engine import finite, inputs, static_path
-from tpu_embedding.managed_ids import replicated
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap
-from tpu_embedding.managed_ids.row_resets import ImmediateResets
-from tpu_embedding.managed_ids.tables import ManagedTables, ResetRows, flat_values
-from tpu_embedding.managed_ids.undo import StepUndo
+from tpu_embedding.managed_ids import row_resets
+from tpu_embedding.managed_ids.id_map import IdMap
+from tpu_embedding.managed_ids.spec import KeyRowMap
+from tpu_embedding.managed_ids.tables import ManagedTables, flat_values
 
 
 class ManagedIdsMixin:
-  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`), `_row_resets` (how
-  its path resets rows given to new keys), `_config` and `_check_finite`."""
+  """Mixed into a layer core that sets `_managed` (None or `ManagedTables`; with maps it then
+  calls `_write_rows_with`), `_config` and `_check_finite`."""
 
   _managed: Optional[ManagedTables]
-  _row_resets: Optional[ImmediateResets]
   _config: config_lib.EmbeddingConfig
   _check_finite: bool
+
+  def _write_rows_with(self, writer: row_resets.Writer) -> None:
+    """Hands the rows the maps give to new keys to `writer`, the path's."""
+    self._row_writer = writer
+    self._returned = ReturnedResets()
+
+  def _flush_rows(self, restoring: bool = False) -> None:
+    """Writes every reset still waiting: those remaps returned and nobody wrote (batches remapped
+    ahead of training, or left in a pipeline when its loop stopped), then the writer's.
+    `restoring`: a checkpoint restore follows (`Writer.flush`)."""
+    if self._managed is None:
+      return
+    due = self._returned.due()
+    if due:  # only where remaps returned resets: each `write` counts as a remap on TPU V1
+      self._row_writer.write(due)
+    self._row_writer.flush(restoring)
 
   @property
   def managed_ids(self) -> dict[str, KeyRowMap]:
@@ -45,7 +62,7 @@ class ManagedIdsMixin:
       raise ValueError(f"Layer {self.name!r} has no managed_ids: its features are rows already.")
     if not defer_resets:
       return self._remap(self._config, features, bool(training))
-    if replicated.in_replica_of_several():
+    if in_replica_of_several():
       raise ValueError(
         f"Layer {self.name!r}: remap(..., defer_resets=True) was called inside one of several "
         "replicas; its resets travel with a whole batch. Call it on the global batch outside "
@@ -53,14 +70,9 @@ class ManagedIdsMixin:
         "strategy.run. Nothing was changed."
       )
     self._managed.check_resets_returned(self.name)
-    self._row_resets.check_resets_returned(self.name)
+    self._row_writer.check(self.name, deferring=True)
     given = {name: [] for name in self._managed.maps}  # AutoGraph: no annotated nonlocal
-
-    def keep(table: config_lib.TableConfig, rows: tf.Tensor, block: Optional[int] = None) -> None:
-      self._row_resets.returned(table, rows)  # `block` is None off parameter servers
-      given[table.name].append(rows)
-
-    rows = self._remap(self._config, features, bool(training), keep)
+    rows = self._remap(self._config, features, bool(training), returned=given)
     keys = {name: [] for name in given}  # each table's rows in the batch, flat
     for feature, ids in config_lib.match_structure(self._config, rows, subset=True):
       if feature.table.name in keys:
@@ -91,7 +103,8 @@ class ManagedIdsMixin:
     with tf.control_dependencies(checks):  # traced, too: every table checked before any write
       for name, rows in checked.items():
         rows = tf.boolean_mask(rows, tf.identity(rows) > 0)
-        self._row_resets.reset_returned(self._config.find_table(name), rows)
+        self._row_writer.write({name: rows})
+        self._returned.written(self._config.find_table(name), rows)
 
   def _remap_call(
     self,
@@ -114,7 +127,7 @@ class ManagedIdsMixin:
     admits = training is not False and serving_config is None
     step_undo = None
     if admits and self._check_finite and not tf_internals.in_save_context():
-      step_undo = StepUndo(self._managed.maps, lambda: self.variables_by_table)
+      step_undo = StepUndo(self._managed.maps, self.variables_by_table)
     rows = self._remap(config, features, admits, weights=weights, whole_call=True, undo=step_undo)
     return rows, _unchanged if step_undo is None else step_undo.guard
 
@@ -123,15 +136,15 @@ class ManagedIdsMixin:
     config: config_lib.EmbeddingConfig,
     features: Any,
     admits: bool,
-    reset: Optional[ResetRows] = None,
+    returned: Optional[dict[str, list[tf.Tensor]]] = None,
     weights: Any = None,
     whole_call: bool = False,
     undo: Optional[StepUndo] = None,
   ) -> Any:
-    """`reset`: where the rows given to new keys go (by default, this path's resets). A training
-    remap inside one of several replicas is one step for all of them (`replicated`).
-    `whole_call`: `features` must hold every feature (a call), not some (a `remap`). `undo`:
-    keeps what the map steps change."""
+    """`returned`: where the rows given to new keys go, per table, instead of the path's writer
+    (`remap(..., defer_resets=True)`). A training remap inside one of several replicas is one
+    step for all of them (`run_once`). `whole_call`: `features` must hold every feature (a
+    call), not some (a `remap`). `undo`: keeps what the map steps change."""
     self._refuse_keys_in_tpu_step()
     admits = admits and not tf_internals.in_save_context()  # serving traces never admit keys
     managed = self._managed.keys_of(config, features)
@@ -140,26 +153,42 @@ class ManagedIdsMixin:
       checks = self._checks_before_step(config, features, weights, not whole_call)
       with tf.control_dependencies(checks):
         keys = [tf.identity(k) for k in keys]  # carries the checks into a merge_call too
-    step_reset = reset or self._row_resets.reset
-    if undo is not None:
-      step_reset = undo.recording(step_reset)
 
     def step(keys: list[tf.Tensor]) -> list[tf.Tensor]:
       if admits:
-        self._row_resets.check_training_remap()
-      rows = self._managed.step(managed.tables, keys, admits, step_reset)
+        self._row_writer.check(self.name, deferring=returned is not None)
+      rows, given = self._managed.step(managed.tables, keys, admits, self._row_writer)
       if admits:
-        self._row_resets.end_step()
+        self._hand_over(given, returned, undo)
       return rows
 
-    rows = managed.with_rows(replicated.run_once(step, keys) if admits else step(keys))
+    rows = managed.with_rows(run_once(step, keys) if admits else step(keys))
     if undo is not None:
       undo.stepped()
-    if admits and reset is None:  # rows this call trains: resets left by dropped batches first
+    if admits and returned is None:  # rows this call trains: resets left by dropped batches first
       for feature, ids in config_lib.match_structure(config, rows, subset=True):
         if feature.table.name in self._managed.maps:
-          self._row_resets.before_training(feature.table, flat_values(ids))
-    return self._row_resets.visible(config, rows)
+          due = self._returned.due_before_training(feature.table, flat_values(ids))
+          if due is not None:
+            self._row_writer.write({feature.table.name: due})
+    return row_resets.hide_waiting(self._row_writer.waiting, config, rows)
+
+  def _hand_over(
+    self,
+    given: dict[str, tf.Tensor],
+    returned: Optional[dict[str, list[tf.Tensor]]],
+    undo: Optional[StepUndo],
+  ) -> None:
+    """The rows one training remap gave to new keys: to the caller (`returned`, and counted), or
+    to the path's writer (what they held kept first for `undo`)."""
+    if returned is not None:
+      for name, rows in given.items():
+        self._returned.given(self._config.find_table(name), rows)
+        returned[name].append(rows)
+      return
+    if undo is not None:
+      undo.keep(given)
+    self._row_writer.write(given)
 
   def _checks_before_step(
     self, config: config_lib.EmbeddingConfig, features: Any, weights: Any, subset: bool
@@ -199,6 +228,60 @@ class ManagedIdsMixin:
       )
 
 
+class ReturnedResets:
+  """Resets that remaps returned (`remap(..., defer_resets=True)`), per table: how many times
+  they gave each row, and how many of those resets were written. Each count has one writer (the
+  remaps' thread, the training loop), so neither races the other."""
+
+  def __init__(self):
+    self._counts: dict[str, tuple[tf.Variable, tf.Variable]] = {}
+
+  def given(self, table: config_lib.TableConfig, rows: tf.Tensor) -> None:
+    """A remap returned `rows` of `table` unwritten."""
+    given, _ = self._of(table)
+    given.scatter_add(tf.IndexedSlices(tf.ones_like(rows, tf.int32), rows))
+
+  def written(self, table: config_lib.TableConfig, rows: tf.Tensor) -> None:
+    """The caller wrote `rows` (`reset_rows`); one written late, after `due` or
+    `due_before_training` took it, was written again but counts once."""
+    given, written = self._of(table)
+    done = tf.minimum(tf.gather(written, rows) + 1, tf.gather(given, rows))
+    written.scatter_update(tf.IndexedSlices(done, rows))
+
+  def due_before_training(
+    self, table: config_lib.TableConfig, rows: tf.Tensor
+  ) -> Optional[tf.Tensor]:
+    """Of `rows`, which a call with raw keys is about to train, those a remap returned and
+    nobody wrote (its batch was dropped), counted as written: they are written now, once,
+    before their keys train the rows, never after. None where no remap returned any."""
+    if table.name not in self._counts:
+      return None
+    given, written = self._of(table)
+    rows = tf.unique(tf.cast(rows, tf.int64))[0]
+    due = tf.boolean_mask(rows, tf.gather(given, rows) > tf.gather(written, rows))
+    written.scatter_update(tf.IndexedSlices(tf.gather(given, due), due))
+    return due
+
+  def due(self) -> dict[str, tf.Tensor]:
+    """{table name: rows returned and not written}, counted as written (each is due once, so
+    later flushes leave the row, trained since, alone; `reset_rows` still writes it when it
+    comes, before its batch's step)."""
+    due = {}
+    for name, (given, written) in self._counts.items():
+      due[name] = tf.where(given > written)[:, 0]
+      written.assign(given)
+    return due
+
+  def _of(self, table: config_lib.TableConfig) -> tuple[tf.Variable, tf.Variable]:
+    if table.name not in self._counts:
+      with tf.init_scope():  # made once, eagerly, also when first asked inside a trace
+        self._counts[table.name] = tuple(
+          tf.Variable(tf.zeros([table.vocabulary_size], tf.int32), trainable=False, name=name)
+          for name in ("resets_returned", "resets_written")
+        )
+    return self._counts[table.name]
+
+
 def _unchanged(outputs: Any) -> Any:
   return outputs
 
@@ -235,3 +318,169 @@ def _given_rows(name: str, rows: Any, capacity: int) -> tuple[tf.Tensor, Any]:
     "a row outside them was given",
   )
   return rows, check
+
+
+# ---------------------------------------------------------------------------------------------
+# With `check_finite`, a step refused for a non-finite gradient leaves every map as it was.
+#
+# The map's step runs in the forward pass (its rows are what the lookup reads), but the verdict on
+# the step's gradients comes in the backward pass. So a layer with `check_finite` keeps, for the
+# call's map steps, what they changed: each map's variables and candidates before the step, and
+# the values the resets overwrote in the rows given to new keys. The gradient of the call's
+# outputs, before it reaches any table, puts them back if it holds a NaN or Inf: the check that
+# follows refuses the step, and the map, the given rows and their slots are as before the call.
+#
+# What is undone: the steps refused for their activations' gradients (the check every step
+# makes first). A step refused later, for a learning rate or an update that overflows, keeps its
+# map step (docs/reliability.md). A map step that a later call built on is never undone.
+
+
+class StepUndo:
+  """What one call's map steps changed, to put back if the call's gradient is not finite."""
+
+  def __init__(
+    self, maps: Mapping[str, Any], variables_by_table: Mapping[str, Mapping[str, tf.Variable]]
+  ):
+    """`variables_by_table`: the layer's tables ({table name: {"parameters"/slot: variable}})."""
+    # Maps split over parameter servers (no `check_finite` there) are not undone.
+    self._maps = {name: m for name, m in maps.items() if isinstance(m, IdMap)}
+    self._variables_by_table = variables_by_table
+    self._before = {name: _state(m) for name, m in self._maps.items()}
+    self._rows: list[tuple[str, tf.Tensor, dict[str, tf.Tensor]]] = []
+    self._after: dict[str, tf.Tensor] = {}
+
+  def keep(self, given: Mapping[str, tf.Tensor]) -> None:
+    """Keeps what the rows `given` to new keys ({table name: rows}) hold, before their reset."""
+    for name, rows in given.items():
+      variables = self._variables_by_table.get(name)
+      if variables is not None and name in self._maps:
+        self._rows.append((name, rows, {k: tf.gather(v, rows) for k, v in variables.items()}))
+
+  def stepped(self) -> None:
+    """The call's map steps are done: an undo applies only while no later step built on them."""
+    self._after = {name: m.step.read_value() for name, m in self._maps.items()}
+
+  def guard(self, outputs: Any) -> Any:
+    """`outputs`, whose gradient, if it holds a non-finite value, first undoes the steps."""
+    flat = tf.nest.flatten(outputs)
+
+    @tf.custom_gradient
+    def guarded(*activations):
+      def grad(*upstream):
+        given = [g for g in upstream if g is not None]
+        if not given:
+          return list(upstream)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in given])
+        undone = tf.cond(finite, lambda: tf.constant(False), self._undo)
+        with tf.control_dependencies([undone]):
+          return [g if g is None else tf.identity(g) for g in upstream]
+
+      return [tf.identity(a) for a in activations], grad
+
+    return tf.nest.pack_sequence_as(outputs, guarded(*flat))
+
+  def _undo(self) -> tf.Tensor:
+    for name, id_map in self._maps.items():
+      unchanged = tf.equal(id_map.step.read_value(), self._after[name])
+      tf.cond(unchanged, lambda m=id_map, s=self._before[name]: _restore(m, s), _nothing)
+    for name, rows, values in reversed(self._rows):  # the oldest write restored last
+      variables = self._variables_by_table[name]
+      for key, value in values.items():
+        variables[key].scatter_update(tf.IndexedSlices(value, rows))
+    return tf.constant(True)
+
+
+def _state(id_map: IdMap) -> dict[str, tf.Tensor]:
+  """Copies of the map's variables (and candidates), as they are before its step."""
+  state = {v.name: tf.identity(v.read_value()) for v in _variables(id_map)}
+  if id_map.candidates is not None:
+    state["candidates"] = id_map.candidates.export()
+  return state
+
+
+def _restore(id_map: IdMap, state: Mapping[str, Any]) -> tf.Tensor:
+  for variable in _variables(id_map):
+    variable.assign(state[variable.name])
+  id_map.reindex()  # the hash tables follow the variables (candidates emptied: refilled next)
+  if id_map.candidates is not None:
+    id_map.candidates.insert(*state["candidates"])
+  return tf.constant(True)
+
+
+def _variables(id_map: IdMap) -> list[tf.Variable]:
+  return [id_map.keys, id_map.counts, id_map.last_seen, id_map.step]
+
+
+def _nothing() -> tf.Tensor:
+  return tf.constant(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step of each managed map per training step, however many replicas share the batch.
+#
+# Inside `strategy.run` with several replicas each replica holds a share of the global batch, but
+# a map must take each step's keys once, in one order, or the replicas would see different maps.
+# So the replicas' keys meet in one `merge_call` (as an optimizer's updates are applied once),
+# ordered as one device fed the global batch reads them: each managed feature in the layer's
+# order, its replicas' shares in replica order (a replica's share of a feature is its rows of the
+# global batch). The step runs once there, in the cross-replica context, and each replica gets the
+# rows of its own keys back. Under `MultiWorkerMirroredStrategy` the keys are all-gathered from
+# every worker and each worker runs the same deterministic step on its own copy of the map, so
+# the copies stay equal without sending rows or map state between workers.
+
+# The rows of the global batch's keys (one flat tensor per managed feature) by one map step.
+Step = Callable[[list[tf.Tensor]], list[tf.Tensor]]
+
+
+def in_replica_of_several() -> bool:
+  """Whether this code runs inside one of several replicas of `strategy.run`."""
+  if tf.distribute.in_cross_replica_context():
+    return False
+  return tf.distribute.get_replica_context().num_replicas_in_sync > 1
+
+
+def run_once(step: Step, keys: list[tf.Tensor]) -> list[tf.Tensor]:
+  """`step` on the global batch's keys, once: directly where this call holds the whole batch,
+  else once for all replicas (this replica's rows returned)."""
+  if not in_replica_of_several():
+    return step(keys)
+  sizes = tf.stack([tf.size(k, out_type=tf.int64) for k in keys])
+  context = tf.distribute.get_replica_context()
+  return context.merge_call(functools.partial(_step_once, step=step), args=(keys, sizes))
+
+
+def _step_once(strategy: tf.distribute.Strategy, keys: list[Any], sizes: Any, step: Step) -> Any:
+  """In the cross-replica context: the global keys through `step`, each replica's rows cut out."""
+  replicas = strategy.num_replicas_in_sync
+  shares = tf.reshape(_gathered(strategy, sizes), [replicas, len(keys)])
+  rows = step([_gathered(strategy, k) for k in keys])
+  pieces = [tf.split(r, shares[:, f], num=replicas) for f, r in enumerate(rows)]
+  return strategy.experimental_distribute_values_from_function(
+    lambda context: [p[context.replica_id_in_sync_group] for p in pieces]
+  )
+
+
+def _gathered(strategy: tf.distribute.Strategy, value: Any) -> tf.Tensor:
+  """Every replica's `value`, concatenated in replica order. The replicas of this process are
+  joined here (any dtype); other workers' come by the strategy's all-gather, which takes
+  numbers only: strings travel as their bytes and lengths."""
+  local = strategy.experimental_local_results(value)
+  if len(local) == strategy.num_replicas_in_sync:
+    return tf.concat(local, 0)
+  if local[0].dtype != tf.string:
+    return strategy.gather(value, axis=0)
+  # MultiWorkerMirroredStrategy numbers a worker's replicas consecutively.
+  codes, lengths = strategy.experimental_distribute_values_from_function(
+    lambda context: _as_bytes(local[context.replica_id_in_sync_group % len(local)])
+  )
+  codes, lengths = strategy.gather(codes, axis=0), strategy.gather(lengths, axis=0)
+  one_byte_strings = tf.constant([bytes([b]) for b in range(256)])
+  joined = tf.RaggedTensor.from_row_lengths(tf.gather(one_byte_strings, codes), lengths)
+  return tf.strings.reduce_join(joined, axis=1)
+
+
+def _as_bytes(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+  """(every byte of `keys`, as int32 in key order; the length of each key)."""
+  chars = tf.strings.bytes_split(keys)
+  codes = tf.reshape(tf.io.decode_raw(chars.flat_values, tf.uint8), [-1])
+  return tf.cast(codes, tf.int32), chars.row_lengths()

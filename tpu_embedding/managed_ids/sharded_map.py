@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 
@@ -33,25 +33,28 @@ from tpu_embedding import tf_internals
 from tpu_embedding.engine import sharded
 from tpu_embedding.engine.distribution import Distribution
 from tpu_embedding.managed_ids.id_map import IdMap
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap, Reset, as_keys
-from tpu_embedding.managed_ids.spec import ManagedIds
+from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds, Reset, as_keys
 
 
-def new_map(
-  spec: ManagedIds, table_name: str, capacity: int, table: Callable[[], Any]
-) -> KeyRowMap:
-  """The map of a managed table created now: under PSS split with the rows of `table()` (the
-  table's variable, created by this call if it does not exist yet)."""
+def splits_maps() -> bool:
+  """Whether maps created now are split with their tables' row blocks (under PSS): the tables
+  must then exist before the maps."""
+  return Distribution.current() is Distribution.PARAMETER_SERVERS
+
+
+def new_map(spec: ManagedIds, table_name: str, capacity: int, table: Any = None) -> KeyRowMap:
+  """The map of a managed table created now: where `splits_maps()`, split with the rows of
+  `table` (the table's variable)."""
   distribution = Distribution.current()
   if distribution is Distribution.LOCAL:
     return IdMap(spec, table_name, capacity)
   if distribution is Distribution.REPLICATED:
     # One map, on this process's CPU, not a copy per replica: every replica's keys reach it in
-    # one step (`replicated`), also where Keras calls the layer outside a replica step.
+    # one step (`layer_mixin.run_once`), also where Keras calls the layer outside a replica step.
     host = f"{tf_internals.host_address_space()}/device:CPU:0"
     with tf.init_scope(), tf_internals.undistributed_variables(), tf.device(host):
       return IdMap(spec, table_name, capacity)
-  return ShardedIdMap(spec, table_name, table())
+  return ShardedIdMap(spec, table_name, table)
 
 
 def key_row_ranges(row_starts: list[int]) -> list[tuple[int, int]]:

@@ -1,35 +1,31 @@
-"""`ManagedTables`: a layer's managed-id maps, applied to its feature nest before the lookup."""
+"""`ManagedTables`: a layer's managed-id maps, applied to its feature nest before the lookup; and
+how a layer takes them (`create`: on which paths, under which name in its checkpoints)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import tensorflow as tf
 
 from tpu_embedding import config as config_lib
-from tpu_embedding.managed_ids import sharded_map
-from tpu_embedding.managed_ids.key_row_map import KeyRowMap, as_keys
-from tpu_embedding.managed_ids.spec import ManagedIds
-
-# Resets rows of a table given to new keys (`row_resets.ImmediateResets.reset`).
-ResetRows = Callable[[config_lib.TableConfig, tf.Tensor, Optional[int]], None]
-# {table name: {"parameters"/slot name: variable}}, the tables created if not yet.
-VariablesByTable = Callable[[], Mapping[str, Mapping[str, Any]]]
+from tpu_embedding import hardware
+from tpu_embedding.managed_ids import row_resets, sharded_map
+from tpu_embedding.managed_ids.spec import KeyRowMap, ManagedIds, Reset, as_keys
 
 
 class ManagedTables(tf.Module):
   """{table name: its map} for the tables named in a layer's `managed_ids`.
 
-  Under `ParameterServerStrategy` each map is split with its table's row blocks, so the tables
-  are created (`variables_by_table()`) with the maps.
+  Under `ParameterServerStrategy` each map is split with its table's row blocks: the layer
+  creates the tables first and gives them (`variables_by_table`: {table name: {"parameters":
+  variable, ...}}) where `sharded_map.splits_maps()`.
   """
 
   def __init__(
     self,
     managed_ids: Mapping[Any, ManagedIds],
     config: config_lib.EmbeddingConfig,
-    variables_by_table: VariablesByTable,
+    variables_by_table: Optional[Mapping[str, Mapping[str, Any]]] = None,
   ):
     super().__init__()
     if not isinstance(managed_ids, Mapping):
@@ -59,7 +55,7 @@ class ManagedTables(tf.Module):
         spec,
         table.name,
         table.vocabulary_size,
-        functools.partial(_parameters, variables_by_table, table.name),
+        None if variables_by_table is None else variables_by_table[table.name]["parameters"],
       )
     self.maps = maps
     self._tables = {t.name: t for t in config.tables}
@@ -85,19 +81,24 @@ class ManagedTables(tf.Module):
     return ManagedKeys(features, [ids for _, ids in pairs], managed)
 
   def step(
-    self, tables: list[str], keys: list[tf.Tensor], training: bool, reset_rows: ResetRows
-  ) -> list[tf.Tensor]:
-    """The rows of `keys` (the flat keys of features of `tables`, one entry each): all keys of
-    one table, in order, form one stream, so this is one step of each table's map. With
-    `training`, `reset_rows(table, rows)` is told the rows given to new keys (the path resets
-    them in its memory)."""
+    self,
+    tables: list[str],
+    keys: list[tf.Tensor],
+    training: bool,
+    in_lock: Optional[row_resets.Writer] = None,
+  ) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+    """(the rows of `keys`, the flat keys of features of `tables`, one entry each; the rows
+    given to new keys, {table name: rows}). All keys of one table, in order, form one stream,
+    so this is one step of each table's map. A map split over parameter servers hands its
+    given rows to `in_lock` inside its shards' critical sections instead (no other worker may
+    read them before they are written), and they are not returned."""
     streams: dict[str, list[int]] = {}
     for position, name in enumerate(tables):
       streams.setdefault(name, []).append(position)
     rows: list[Optional[tf.Tensor]] = [None] * len(keys)
     with tf.control_dependencies(keys):  # every table's keys checked before any map step
-      self._step_streams(streams, keys, rows, training, reset_rows)
-    return rows
+      given = self._step_streams(streams, keys, rows, training, in_lock)
+    return rows, given
 
   def _step_streams(
     self,
@@ -105,19 +106,24 @@ class ManagedTables(tf.Module):
     keys: list[tf.Tensor],
     rows: list[Optional[tf.Tensor]],
     training: bool,
-    reset_rows: ResetRows,
-  ) -> None:
+    in_lock: Optional[row_resets.Writer],
+  ) -> dict[str, tf.Tensor]:
     """One step of each table's map over its stream of keys; `rows` given their rows."""
+    given = {}
     for name, positions in streams.items():
       parts = [keys[p] for p in positions]
       stream = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-      reset = functools.partial(reset_rows, self._tables[name])
-      got, _ = self.maps[name].remap(stream, training, reset)
+      id_map = self.maps[name]
+      if isinstance(id_map, sharded_map.ShardedIdMap):
+        got, _ = id_map.remap(stream, training, _written_in_lock(in_lock, name))
+      else:
+        got, given[name] = id_map.remap(stream, training)
       pieces = [got]  # one feature, the usual case: no concat and split around the map
       if len(parts) > 1:
         pieces = tf.split(got, tf.stack([tf.size(k) for k in parts]))
       for position, piece in zip(positions, pieces):
         rows[position] = piece
+    return given if training else {}
 
   def with_row_zero(self, config: config_lib.EmbeddingConfig, features: Any, subset: bool) -> Any:
     """`features` with each managed table's keys replaced by row 0, in their layout: what the
@@ -149,8 +155,11 @@ class ManagedKeys:
     return tf.nest.pack_sequence_as(self._features, leaves)
 
 
-def _parameters(variables_by_table: VariablesByTable, name: str) -> Any:
-  return variables_by_table()[name]["parameters"]
+def _written_in_lock(writer: Optional[row_resets.Writer], name: str) -> Optional[Reset]:
+  """What a shard of table `name`'s map calls in its critical section with the rows it gave."""
+  if writer is None:
+    return None
+  return lambda rows, block=None: writer.write({name: rows}, block)
 
 
 def _keys_of(feature: config_lib.Feature, ids: Any, id_map: KeyRowMap) -> tf.Tensor:
@@ -174,3 +183,53 @@ def _with_rows(ids: Any, rows: tf.Tensor) -> Any:
   if isinstance(ids, tf.RaggedTensor):
     return ids.with_flat_values(rows)
   return tf.reshape(rows, tf.shape(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# How a layer takes managed ids: on which paths, under which name in its checkpoints.
+
+# The layer tracks its maps under this name: `<layer>/managed_ids/maps/<table>/...`.
+CHECKPOINT_KEY = "managed_ids"
+
+
+def create(
+  managed_ids: Optional[Mapping[Any, Any]],
+  config: config_lib.EmbeddingConfig,
+  path: hardware.ExecutionPath,
+  pipelining: bool,
+  variables_by_table: Optional[Mapping[str, Mapping[str, Any]]] = None,
+) -> Optional[ManagedTables]:
+  """The layer's maps, or None without `managed_ids`; refuses the paths and options that cannot
+  reset rows given to new keys exactly. `variables_by_table`: the layer's tables, created
+  already, where the maps are split with their row blocks (`sharded_map.splits_maps()`)."""
+  if managed_ids is None or (isinstance(managed_ids, Mapping) and not managed_ids):
+    return None
+  if pipelining and path is hardware.ExecutionPath.CPU:
+    raise ValueError(
+      "managed_ids cannot be combined with pipeline_execution_with_tensor_core=True off TPU: "
+      "an update held back one step could land on a row given to another key meanwhile."
+    )
+  if pipelining and path is hardware.ExecutionPath.TPU_V2:
+    raise ValueError(
+      "managed_ids cannot be combined with pipeline_execution_with_tensor_core=True on path "
+      "TPU_V2: SparseCore rows are reset as soon as they are given to a new key, and a gradient "
+      "of the previous key held back one step could land on the fresh row. Pipelining with "
+      "managed ids is supported on TPU_V1, whose resets wait a step (docs/managed-ids.md)."
+    )
+  return ManagedTables(managed_ids, config, variables_by_table)
+
+
+def table_names(
+  managed_ids: Optional[Mapping[Any, Any]], config: config_lib.EmbeddingConfig
+) -> list[str]:
+  """The names of this layer's tables that `managed_ids` names, read before any map (or, under
+  parameter servers, table) is created; what it names wrongly is refused by `create`."""
+  if not isinstance(managed_ids, Mapping):
+    return []
+  tables = [config.find_table(key) for key in managed_ids]
+  return [table.name for table in tables if table is not None]
+
+
+def specs(managed: ManagedTables) -> dict[str, ManagedIds]:
+  """{table name: its ManagedIds}, what a backend needs to choose how it resets rows."""
+  return {name: id_map.spec for name, id_map in managed.maps.items()}

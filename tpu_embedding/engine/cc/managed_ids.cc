@@ -868,107 +868,192 @@ class ManagedRemapOp : public OpKernel {
                                 "new keys compete"));
   }
 
+  // One step, in the phases the header describes: count the batch's keys, admit newcomers,
+  // age and count the rows seen, choose the rows to give, write them; then the outputs.
   void Compute(OpKernelContext* ctx) override {
     MapState<K> map;
     OP_REQUIRES_OK(ctx, Named(table_, map.Open(ctx, /*with_counts=*/true, /*first=*/1)));
     ::tensorflow::core::RefCountPtr<LookupInterface> candidates;
-    if (num_candidates_ > 0) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 6), &candidates));
-      OP_REQUIRES(ctx,
-                  candidates->key_dtype() == DataTypeToEnum<K>::value &&
-                      candidates->value_dtype() == DT_INT64,
-                  InvalidArgument("the map's candidates table must map ",
-                                  ::tensorflow::DataTypeString(DataTypeToEnum<K>::value),
-                                  " keys to int64"));
-    }
-    ManagedIndex& index = *map.index;
-    auto& vars = map.vars;
-    const int64_t capacity = map.capacity;
-    Tensor* step_var = vars[3]->tensor();
+    OP_REQUIRES_OK(ctx, OpenCandidates(ctx, &candidates));
+    Tensor* step_var = map.vars[3]->tensor();
     const int64_t step = step_var->flat<int64_t>()(0) + 1;
     OP_REQUIRES(ctx, step <= kInt32Max,
                 InvalidArgument("Table '", table_, "': its managed-id map has counted 2**31 - 1 "
                                 "training steps, the most its int32 last-seen steps record; "
                                 "nothing was changed"));
-
-    // The batch's distinct keys in first-occurrence order, and the rows they hold.
-    const auto ids = ctx->input(5).flat<K>();
-    const int64_t n = ids.size();
-    std::vector<int64_t> position(n), first, occurrences;
-    std::vector<uint32_t> hashes;  // of the distinct keys
-    Distinct(ids.data(), n, &position, &first, &occurrences, &hashes);
-    const int64_t distinct = first.size();
-    Tensor unique_keys;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
-                                           &unique_keys));
-    const K* unique = unique_keys.flat<K>().data();
-    for (int64_t u = 0; u < distinct; ++u) unique_keys.flat<K>()(u) = ids(first[u]);
-    std::vector<int64_t> row_of(distinct);  // becomes each distinct key's row
-    map.Find(unique, distinct, hashes.data(), row_of.data());
-    std::vector<int64_t> seen, newcomers;
-    seen.reserve(distinct);
-    newcomers.reserve(distinct);
-    for (int64_t u = 0; u < distinct; ++u) (row_of[u] > 0 ? seen : newcomers).push_back(u);
-    // Admission: a newcomer's total is its occurrences plus its candidate count.
-    std::vector<int64_t> totals(newcomers.size());
-    for (size_t j = 0; j < newcomers.size(); ++j) totals[j] = occurrences[newcomers[j]];
-    if (candidates) {
-      Tensor keys, counted, zero;
-      OP_REQUIRES_OK(ctx, Gather(ctx, unique_keys, newcomers, &keys));
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({keys.NumElements()}),
-                                             &counted));
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &zero));
-      zero.scalar<int64_t>()() = 0;
-      OP_REQUIRES_OK(ctx, candidates->Find(ctx, keys, &counted, zero));
-      for (size_t j = 0; j < newcomers.size(); ++j) totals[j] += counted.flat<int64_t>()(j);
-    }
-    std::vector<int64_t> eligible, waiting;  // positions in `newcomers`
-    for (size_t j = 0; j < newcomers.size(); ++j) {
-      (totals[j] >= min_count_ ? eligible : waiting).push_back(j);
-    }
+    Batch batch;
+    OP_REQUIRES_OK(ctx, CountKeys(ctx, map, &batch));
+    OP_REQUIRES_OK(ctx, Admit(ctx, candidates.get(), &batch));
 
     // Everything is checked: from here on the step writes the variables.
     map.Release();
     Tensor* vars_now[3];
-    OP_REQUIRES_OK(ctx, Writable<K>(ctx, vars[0].get(), &vars_now[0]));
-    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, vars[1].get(), &vars_now[1]));
-    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, vars[2].get(), &vars_now[2]));
-    K* keys = vars_now[0]->flat<K>().data();
-    int32_t* counts = vars_now[1]->flat<int32_t>().data();
-    int32_t* last = vars_now[2]->flat<int32_t>().data();
+    OP_REQUIRES_OK(ctx, Writable<K>(ctx, map.vars[0].get(), &vars_now[0]));
+    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, map.vars[1].get(), &vars_now[1]));
+    OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, map.vars[2].get(), &vars_now[2]));
+    Columns columns{vars_now[0]->flat<K>().data(), vars_now[1]->flat<int32_t>().data(),
+                    vars_now[2]->flat<int32_t>().data()};
     Tensor next;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
     next.scalar<int64_t>()() = step;
     *step_var = next;  // a new buffer, never written again: readers of the old one keep theirs
 
+    const std::vector<int64_t> seen_rows = AgeSeen(batch, columns, step);
+    Step index_step(*map.index, columns.last, columns.counts, map.capacity, step, half_life_,
+                    by_count_, batch.seen.size(), decay_halves_);
+    index_step.Update(seen_rows, batch.eligible.size());
+    Choice choice = Choose(&index_step, &batch, columns.last, step);
+    std::vector<int64_t> admitted;  // distinct-key positions
+    const bool held = WriteRows(*map.index, choice, &index_step, &batch, columns, step, &admitted);
+
+    absl::Status status = held ? absl::OkStatus()
+                               : ::tensorflow::errors::Internal(
+                                     "the managed-id map's index disagreed with its variables");
+    if (status.ok()) status = Output(ctx, 1, choice.given);
+    if (status.ok() && candidates) {
+      Tensor new_keys;
+      status = Gather(ctx, batch.unique_keys, admitted, &new_keys);
+      if (status.ok()) {
+        status = Count(ctx, *candidates, batch.unique_keys, batch.newcomers, batch.waiting,
+                       batch.totals, new_keys);
+      }
+    }
+    map.Hold();
+    if (!status.ok()) {
+      map.index->table_rows = 0;  // rebuild it all from the variables at the next step
+      ctx->SetStatus(Named(table_, status));
+      return;
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(5).shape(), &out));
+    int64_t* result = out->flat<int64_t>().data();
+    for (size_t i = 0; i < batch.position.size(); ++i) result[i] = batch.row_of[batch.position[i]];
+  }
+
+ private:
+  // What a step learns of its batch, phase by phase.
+  struct Batch {
+    std::vector<int64_t> position, first, occurrences;  // see `Distinct`
+    std::vector<uint32_t> hashes;                       // of the distinct keys
+    Tensor unique_keys;                                 // the distinct keys
+    std::vector<int64_t> row_of;                        // becomes each distinct key's row
+    std::vector<int64_t> seen, newcomers;               // distinct keys with a row, without
+    std::vector<int64_t> totals;     // per newcomer: occurrences plus its candidate count
+    std::vector<int64_t> eligible, waiting;  // positions in `newcomers`
+  };
+
+  // The map's variables, written in place.
+  struct Columns {
+    K* keys;
+    int32_t* counts;
+    int32_t* last;
+  };
+
+  // The rows a step gives, in order, to the newcomers at positions `order` of `eligible`, and
+  // the rows whose keys leave the map (expired or evicted).
+  struct Choice {
+    std::vector<int64_t> given, order, leaving;
+  };
+
+  // The candidates table (input 6), where the map keeps one (min_count > 1, or competing).
+  absl::Status OpenCandidates(OpKernelContext* ctx,
+                              ::tensorflow::core::RefCountPtr<LookupInterface>* candidates) {
+    if (num_candidates_ == 0) return absl::OkStatus();
+    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 6), candidates));
+    if ((*candidates)->key_dtype() != DataTypeToEnum<K>::value ||
+        (*candidates)->value_dtype() != DT_INT64) {
+      return InvalidArgument("the map's candidates table must map ",
+                             ::tensorflow::DataTypeString(DataTypeToEnum<K>::value),
+                             " keys to int64");
+    }
+    return absl::OkStatus();
+  }
+
+  // Count: the batch's distinct keys in first-occurrence order, and the rows they hold.
+  static absl::Status CountKeys(OpKernelContext* ctx, const MapState<K>& map, Batch* batch) {
+    const auto ids = ctx->input(5).flat<K>();
+    const int64_t n = ids.size();
+    batch->position.resize(n);
+    Distinct(ids.data(), n, &batch->position, &batch->first, &batch->occurrences,
+             &batch->hashes);
+    const int64_t distinct = batch->first.size();
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
+                                          &batch->unique_keys));
+    auto unique = batch->unique_keys.template flat<K>();
+    for (int64_t u = 0; u < distinct; ++u) unique(u) = ids(batch->first[u]);
+    batch->row_of.resize(distinct);
+    map.Find(unique.data(), distinct, batch->hashes.data(), batch->row_of.data());
+    batch->seen.reserve(distinct);
+    batch->newcomers.reserve(distinct);
+    for (int64_t u = 0; u < distinct; ++u) {
+      (batch->row_of[u] > 0 ? batch->seen : batch->newcomers).push_back(u);
+    }
+    return absl::OkStatus();
+  }
+
+  // Admit: a newcomer's total is its occurrences plus its candidate count; those reaching
+  // min_count are eligible, the others wait.
+  absl::Status Admit(OpKernelContext* ctx, LookupInterface* candidates, Batch* batch) const {
+    const std::vector<int64_t>& newcomers = batch->newcomers;
+    batch->totals.resize(newcomers.size());
+    for (size_t j = 0; j < newcomers.size(); ++j) {
+      batch->totals[j] = batch->occurrences[newcomers[j]];
+    }
+    if (candidates) {
+      Tensor keys, counted, zero;
+      TF_RETURN_IF_ERROR(Gather(ctx, batch->unique_keys, newcomers, &keys));
+      TF_RETURN_IF_ERROR(
+          ctx->allocate_temp(DT_INT64, TensorShape({keys.NumElements()}), &counted));
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({}), &zero));
+      zero.scalar<int64_t>()() = 0;
+      TF_RETURN_IF_ERROR(candidates->Find(ctx, keys, &counted, zero));
+      for (size_t j = 0; j < newcomers.size(); ++j) {
+        batch->totals[j] += counted.flat<int64_t>()(j);
+      }
+    }
+    for (size_t j = 0; j < newcomers.size(); ++j) {
+      (batch->totals[j] >= min_count_ ? batch->eligible : batch->waiting).push_back(j);
+    }
+    return absl::OkStatus();
+  }
+
+  // Age and count: each row seen has its count aged to this step's epoch, plus its key's
+  // occurrences, and is last seen now. Returns the rows seen.
+  std::vector<int64_t> AgeSeen(const Batch& batch, const Columns& columns, int64_t step) const {
     const int64_t epoch = step / half_life_;
     const uint32_t divisor = Divisor(half_life_);
+    const std::vector<int64_t>& seen = batch.seen;
     std::vector<int64_t> seen_rows(seen.size());
     for (size_t j = 0; j < seen.size(); ++j) {
       if (j + kLookAhead < seen.size()) {
-        __builtin_prefetch(&counts[row_of[seen[j + kLookAhead]]], 1);
-        __builtin_prefetch(&last[row_of[seen[j + kLookAhead]]], 1);
+        __builtin_prefetch(&columns.counts[batch.row_of[seen[j + kLookAhead]]], 1);
+        __builtin_prefetch(&columns.last[batch.row_of[seen[j + kLookAhead]]], 1);
       }
-      const int64_t row = row_of[seen[j]];
-      const int64_t aged =
-          int64_t{counts[row]} >> std::min(epoch - EpochOf(last[row], divisor), kMaxShift);
-      counts[row] = static_cast<int32_t>(std::min(aged + occurrences[seen[j]], kInt32Max));
-      last[row] = static_cast<int32_t>(step);
+      const int64_t row = batch.row_of[seen[j]];
+      const int64_t aged = int64_t{columns.counts[row]} >>
+                           std::min(epoch - EpochOf(columns.last[row], divisor), kMaxShift);
+      columns.counts[row] =
+          static_cast<int32_t>(std::min(aged + batch.occurrences[seen[j]], kInt32Max));
+      columns.last[row] = static_cast<int32_t>(step);
       seen_rows[j] = row;
     }
-    const int64_t wanted = eligible.size();
-    Step index_step(index, last, counts, capacity, step, half_life_, by_count_, seen.size(),
-                    decay_halves_);
-    index_step.Update(seen_rows, wanted);
-    std::vector<int64_t> leaving;  // rows whose keys leave the map
+    return seen_rows;
+  }
+
+  // Free and evict: TTL's expired rows leave; the first eligible keys take the free rows, the
+  // rest take victims' rows, in first-occurrence order or, competing, strongest first while
+  // they beat the victim. Eligible keys left without a row join the waiting ones.
+  Choice Choose(Step* index_step, Batch* batch, int32_t* last, int64_t step) const {
+    Choice choice;
     if (ttl_) {
-      leaving = index_step.Expired(step - ttl_steps_, [last](int64_t row) { last[row] = -1; });
+      choice.leaving =
+          index_step->Expired(step - ttl_steps_, [last](int64_t row) { last[row] = -1; });
     }
-    std::vector<int64_t> given = index_step.FreeRows(wanted);
-    // The first eligible keys take the free rows; the rest take victims' rows, in
-    // first-occurrence order or, competing, strongest first while they beat the victim.
-    std::vector<int64_t> order(eligible.begin(), eligible.begin() + given.size());
-    std::vector<int64_t> rest(eligible.begin() + given.size(), eligible.end());
+    const std::vector<int64_t>& eligible = batch->eligible;
+    choice.given = index_step->FreeRows(eligible.size());
+    choice.order.assign(eligible.begin(), eligible.begin() + choice.given.size());
+    std::vector<int64_t> rest(eligible.begin() + choice.given.size(), eligible.end());
+    const std::vector<int64_t>& totals = batch->totals;
     if (compete_) {
       std::stable_sort(rest.begin(), rest.end(),
                        [&totals](int64_t a, int64_t b) { return totals[a] > totals[b]; });
@@ -976,73 +1061,64 @@ class ManagedRemapOp : public OpKernel {
     const Accept accept = [this, &rest, &totals](int64_t k, double score) {
       return !compete_ || static_cast<double>(totals[rest[k]]) > score;
     };
-    const std::vector<int64_t> victims =
-        by_distance_ ? index_step.DistanceVictims(rest.size(), accept)
-                     : index_step.Victims(rest.size(), accept);
-    order.insert(order.end(), rest.begin(), rest.begin() + victims.size());
-    waiting.insert(waiting.end(), rest.begin() + victims.size(), rest.end());
-    given.insert(given.end(), victims.begin(), victims.end());
-    leaving.insert(leaving.end(), victims.begin(), victims.end());
+    const std::vector<int64_t> victims = by_distance_
+                                             ? index_step->DistanceVictims(rest.size(), accept)
+                                             : index_step->Victims(rest.size(), accept);
+    choice.order.insert(choice.order.end(), rest.begin(), rest.begin() + victims.size());
+    batch->waiting.insert(batch->waiting.end(), rest.begin() + victims.size(), rest.end());
+    choice.given.insert(choice.given.end(), victims.begin(), victims.end());
+    choice.leaving.insert(choice.leaving.end(), victims.begin(), victims.end());
+    return choice;
+  }
+
+  // Write: the leaving rows' keys leave the table, the admitted keys take their rows (key,
+  // count, last seen, table entry, eviction index). `admitted`: their distinct-key positions.
+  // False if the table disagreed with the variables.
+  static bool WriteRows(ManagedIndex& index, const Choice& choice, Step* index_step,
+                        Batch* batch, const Columns& columns, int64_t step,
+                        std::vector<int64_t>* admitted) {
     // Rows and slots are scattered over memory much larger than the caches: each loop below
     // prefetches what it will touch kLookAhead iterations later.
-    RowTable<K> table(index.slots, keys);
+    RowTable<K> table(index.slots, columns.keys);
+    const std::vector<int64_t>& leaving = choice.leaving;
     const int64_t left = leaving.size();
     std::vector<uint32_t> leaving_hashes(left);
     for (int64_t j = 0; j < left; ++j) {
-      if (j + kLookAhead < left) __builtin_prefetch(&keys[leaving[j + kLookAhead]]);
-      leaving_hashes[j] = HashOf(keys[leaving[j]]);
+      if (j + kLookAhead < left) __builtin_prefetch(&columns.keys[leaving[j + kLookAhead]]);
+      leaving_hashes[j] = HashOf(columns.keys[leaving[j]]);
     }
     bool held = true;
     for (int64_t j = 0; j < left; ++j) {
       if (j + kLookAhead < left) table.Prefetch(leaving_hashes[j + kLookAhead]);
       held = table.Erase(leaving_hashes[j], static_cast<uint32_t>(leaving[j])) && held;
     }
-
+    const std::vector<int64_t>& given = choice.given;
+    const std::vector<int64_t>& newcomers = batch->newcomers;
+    const K* unique = batch->unique_keys.template flat<K>().data();
     const int64_t placed = given.size();
-    std::vector<int64_t> admitted(placed);  // distinct-key positions
+    admitted->resize(placed);
     for (int64_t j = 0; j < placed; ++j) {
       if (j + kLookAhead < placed) {
         const int64_t later = given[j + kLookAhead];
-        __builtin_prefetch(&keys[later], 1);
-        __builtin_prefetch(&counts[later], 1);
-        __builtin_prefetch(&last[later], 1);
-        table.Prefetch(hashes[newcomers[order[j + kLookAhead]]]);
+        __builtin_prefetch(&columns.keys[later], 1);
+        __builtin_prefetch(&columns.counts[later], 1);
+        __builtin_prefetch(&columns.last[later], 1);
+        table.Prefetch(batch->hashes[newcomers[choice.order[j + kLookAhead]]]);
       }
-      const int64_t u = newcomers[order[j]], row = given[j];
-      admitted[j] = u;
-      keys[row] = unique[u];
-      counts[row] = static_cast<int32_t>(std::min(totals[order[j]], kInt32Max));
-      last[row] = static_cast<int32_t>(step);
-      row_of[u] = row;
-      held = table.Insert(hashes[u], static_cast<uint32_t>(row)) && held;
-      index_step.Push(row);
+      const int64_t u = newcomers[choice.order[j]], row = given[j];
+      (*admitted)[j] = u;
+      columns.keys[row] = unique[u];
+      columns.counts[row] =
+          static_cast<int32_t>(std::min(batch->totals[choice.order[j]], kInt32Max));
+      columns.last[row] = static_cast<int32_t>(step);
+      batch->row_of[u] = row;
+      held = table.Insert(batch->hashes[u], static_cast<uint32_t>(row)) && held;
+      index_step->Push(row);
     }
-    index_step.Trim();
-
-    Tensor new_keys;
-    absl::Status status = held ? absl::OkStatus()
-                               : ::tensorflow::errors::Internal(
-                                     "the managed-id map's index disagreed with its variables");
-    if (status.ok()) status = Output(ctx, 1, given);
-    if (status.ok() && candidates) {
-      status = Gather(ctx, unique_keys, admitted, &new_keys);
-      if (status.ok()) {
-        status = Count(ctx, *candidates, unique_keys, newcomers, waiting, totals, new_keys);
-      }
-    }
-    map.Hold();
-    if (!status.ok()) {
-      index.table_rows = 0;  // rebuild it all from the variables at the next step
-      ctx->SetStatus(Named(table_, status));
-      return;
-    }
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(5).shape(), &out));
-    int64_t* rows = out->flat<int64_t>().data();
-    for (int64_t i = 0; i < n; ++i) rows[i] = row_of[position[i]];
+    index_step->Trim();
+    return held;
   }
 
- private:
   // The distinct keys of `ids` in first-occurrence order: `first` their first positions,
   // `occurrences` their counts, `hashes` their hashes, `position[i]` the one ids[i] is. An
   // open-addressing table of distinct-key numbers over the keys' own hashes (each key is
