@@ -78,6 +78,17 @@ def test_fused_rows_keep_code_bytes_that_read_as_nan_or_subnormal_words(tmp_path
   np.testing.assert_array_equal(table.gather(tf.constant([0, 0])).numpy(), np.repeat(x, 2, 0))
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_lookup_reads_each_row_in_one_gather(dtype):
+  # Codes, scale and bias come in one gathered row; the decode asks no shape of the batch.
+  table = quantization.LowPrecisionTable("t", random_table(dim=32), quantization.FORMATS[dtype])
+  lookup = tf.function(table.gather, autograph=False)
+  graph = lookup.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
+  ops = [op.type for op in graph.get_operations()]
+  assert ops.count("ResourceGather") == 1 and "Shape" not in ops, ops
+  assert "StridedSlice" not in ops, ops  # dim 32: no padding to cut off
+
+
 def test_int4_packs_two_codes_a_byte_low_half_first():
   # Scale 15 / 15 = 1, bias 0: codes are the values; the odd fifth column pairs with a zero.
   table = quantization.LowPrecisionTable(
