@@ -12,7 +12,8 @@ exports are then loaded in one fresh process that imports only TensorFlow, and t
 latency). The float32 exports must give the same predictions; the others' largest difference is
 printed. Each export is also served alone in a fresh TF-only process, whose peak RSS is printed
 beside that of a process that loads nothing; and the bytes of its tables (every variable with a
-table's rows: codes, scales and biases; tfrs's export also holds its optimizer's slots).
+table's rows: codes, or int8/int4's fused rows of codes, scale and bias; tfrs's export also
+holds its optimizer's slots).
 
 One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}.
 
