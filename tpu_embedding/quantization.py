@@ -17,7 +17,9 @@ An int8/int4 table is one variable "rows" in FBGEMM's fused rowwise layout: each
 bytes (zero-padded to a multiple of 4), then its scale and bias, the whole row viewed as float32
 words ([rows, ceil(code bytes / 4) + 2]), so that a lookup reads a row's codes, scale and bias
 in one gather (separate gathers for them cost more than the decode's arithmetic on CPU).
-`LowPrecisionTable.stored()` unpacks it ({"codes", "scale", "bias"}), in an export too.
+`LowPrecisionTable.stored()` unpacks it ({"codes", "scale", "bias"}), in an export too. (The
+words hold the bytes in the writer's byte order: TensorFlow's byte swapping of a checkpoint read
+on a big-endian machine would reorder the codes within each word.)
 A row whose values are all equal gets scale 0 and codes 0: it reads back exactly.
 """
 
