@@ -7,7 +7,8 @@ compares its policies (benchmarks/managed_policies.py); `python -m benchmarks pr
 
 `python -m benchmarks serving --large [--quick]` runs the serving benchmark's large-table case
 (benchmarks/serving_latency.py --large: tables of 4M and 2M rows, about 4 minutes) on its own and
-writes benchmarks/results/serving_latency_large.{md,json,png}.
+writes benchmarks/results/serving_latency_large.{md,json,png}; `--case wide` the same bytes in
+rows of dim 128 (serving_latency_wide.*).
 
 `python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
 trainer with tfrs's layers and with ours (benchmarks/model_garden.py; needs the client set up
@@ -34,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _stand_alone(argv: list) -> bool:
   """Runs a benchmark that writes its own results (serving --large, model_garden); False when
   `argv` asks for none."""
-  if argv[:1] == ["serving"] and "--large" in argv:
+  if argv[:1] == ["serving"] and ("--large" in argv or "--case" in argv):
     import subprocess
 
     script = os.path.join(HERE, "serving_latency.py")

@@ -20,12 +20,14 @@ recommender serves them: `user` 4,000,000 x 32 and `movie` 2,000,000 x 32 (float
 export holds twice that with its Adagrad slots), with ids drawn both uniformly and Zipf-like
 (exponent 1.2 over a fixed scattering of the rows: a few hot rows, a long tail). Every call gets
 fresh ids (the same for each export in a turn), so that the rows a call reads are not left in the
-caches by a request replayed before it. It takes about 10 minutes and 4 GB of memory.
+caches by a request replayed before it. It takes about 4 minutes and 5 GB of memory (the process
+timing all six exports). `--case wide` is the same bytes in rows four times as wide: 1,000,000 and
+500,000 rows x 128.
 
 One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}
-(serving_latency_large.* with --large).
+(serving_latency_large.* with --large, serving_latency_<case>.* with --case).
 
-Usage: python benchmarks/serving_latency.py [--quick] [--large] [--out benchmarks/results]
+Usage: python benchmarks/serving_latency.py [--quick] [--large | --case wide] [--out DIR]
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ BATCH_SIZES = (1, 64, 1024)
 CASES = {
   "small": {"rows": (100_000, 20_000), "dim": 32, "ids": ("uniform",)},
   "large": {"rows": (4_000_000, 2_000_000), "dim": 32, "ids": ("uniform", "zipf")},
+  # The same bytes as "large" in rows four times as wide (FBGEMM-style rows of 136 bytes for int8
+  # against float32's 512).
+  "wide": {"rows": (1_000_000, 500_000), "dim": 128, "ids": ("uniform", "zipf")},
 }
 ZIPF_EXPONENT = 1.2
 
@@ -354,9 +359,13 @@ def main() -> None:
   parser.add_argument(
     "--large", action="store_true", help="tables of 4M and 2M rows, uniform and Zipf-like ids"
   )
+  parser.add_argument(
+    "--case", choices=tuple(CASES), default=None, help="'wide': 1M and 500k rows x 128"
+  )
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   args = parser.parse_args()
-  flags = ["--large"] if args.large else []
+  case_name = args.case or ("large" if args.large else "small")
+  flags = ["--case", case_name]
   os.makedirs(args.out, exist_ok=True)
   load_at_start = os.getloadavg()[0]
   with tempfile.TemporaryDirectory() as work:
@@ -394,13 +403,15 @@ def main() -> None:
     "(shared with other jobs: latencies are comparable within this run, where the exports are "
     "timed call by call in turn, not across runs)."
   )
-  case = CASES["large" if args.large else "small"]
+  case = CASES[case_name]
   header = (
     f"Tables `user` {case['rows'][0]:,} and `movie` {case['rows'][1]:,} rows x {case['dim']}; "
     f"ids: {', '.join(case['ids'])}.\n\n"
   )
   print(header + table + note)
-  stem = os.path.join(args.out, "serving_latency" + ("_large" if args.large else ""))
+  stem = os.path.join(
+    args.out, "serving_latency" + ("" if case_name == "small" else f"_{case_name}")
+  )
   with open(stem + ".md", "w") as f:
     f.write(header + table + "\n" + note + "\n")
   with open(stem + ".json", "w") as f:
@@ -415,7 +426,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  case = "large" if "--large" in sys.argv[2:] else "small"
+  case = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv[2:] else "small"
   if len(sys.argv) > 1 and sys.argv[1] == "_export":
     _export(sys.argv[2], sys.argv[3], sys.argv[4], case)
   elif len(sys.argv) > 1 and sys.argv[1] == "_peak_rss":

@@ -40,4 +40,4 @@ def test_report_of_the_large_case_shape(tmp_path):
   assert "int8 p50 at batch 1024, zipf ids, 4.00x float32's" in verdicts
   sl._plot(results, str(tmp_path / "plot.png"), "title")
   assert (tmp_path / "plot.png").stat().st_size > 0
-  assert sl.CASES["large"]["ids"] == ("uniform", "zipf")
+  assert sl.CASES["large"]["ids"] == sl.CASES["wide"]["ids"] == ("uniform", "zipf")
