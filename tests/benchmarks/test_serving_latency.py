@@ -41,3 +41,17 @@ def test_report_of_the_large_case_shape(tmp_path):
   sl._plot(results, str(tmp_path / "plot.png"), "title")
   assert (tmp_path / "plot.png").stat().st_size > 0
   assert sl.CASES["large"]["ids"] == sl.CASES["wide"]["ids"] == ("uniform", "zipf")
+
+
+def test_python_m_benchmarks_serving_large_runs_the_script_on_its_own(monkeypatch):
+  import subprocess
+
+  from benchmarks import __main__ as entry
+
+  calls = []
+  monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+  assert not entry._stand_alone(["serving", "--quick"])  # the default case runs in cases.py
+  assert entry._stand_alone(["serving", "--large", "--quick"])
+  assert entry._stand_alone(["serving", "--case", "wide"])
+  assert [c[1].endswith("serving_latency.py") for c in calls] == [True, True]
+  assert [c[2:] for c in calls] == [["--large", "--quick"], ["--case", "wide"]]
