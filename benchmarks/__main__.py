@@ -7,6 +7,11 @@ compares its policies (benchmarks/managed_policies.py); `python -m benchmarks ma
 (benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks preflight
 [--quick] [--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
 
+`python -m benchmarks serving --large [--quick]` runs the serving benchmark's large-table case
+(benchmarks/serving_latency.py --large: tables of 4M and 2M rows, about 4 minutes) on its own and
+writes benchmarks/results/serving_latency_large.{md,json,png}; `--case wide` the same bytes in
+rows of dim 128 (serving_latency_wide.*).
+
 `python -m benchmarks model_garden [--rounds 3] [--out DIR]` runs TF Model Garden's ranking
 trainer with tfrs's layers and with ours (benchmarks/model_garden.py; needs the client set up
 outside this repository, and says how when it is missing).
@@ -27,6 +32,23 @@ from benchmarks import cases as cases_lib
 from benchmarks import report as report_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _stand_alone(argv: list) -> bool:
+  """Runs a benchmark that writes its own results (serving --large, model_garden); False when
+  `argv` asks for none."""
+  if argv[:1] == ["serving"] and ("--large" in argv or "--case" in argv):
+    import subprocess
+
+    script = os.path.join(HERE, "serving_latency.py")
+    subprocess.run([sys.executable, script, *argv[1:]], check=True)
+    return True
+  if argv[:1] == ["model_garden"]:
+    from benchmarks import model_garden
+
+    model_garden.main(argv[1:])
+    return True
+  return False
 
 
 def _managed(argv: list) -> None:
@@ -63,10 +85,7 @@ def main(argv=None) -> None:
     name = "preflight" + ("-quick" if quick else "")
     preflight.main(quick, os.path.join(HERE, "results", name), data_dir)
     return
-  if argv[:1] == ["model_garden"]:
-    from benchmarks import model_garden
-
-    model_garden.main(argv[1:])
+  if _stand_alone(argv):
     return
   parser = argparse.ArgumentParser(
     prog="python -m benchmarks",

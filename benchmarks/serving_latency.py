@@ -12,11 +12,22 @@ exports are then loaded in one fresh process that imports only TensorFlow, and t
 latency). The float32 exports must give the same predictions; the others' largest difference is
 printed. Each export is also served alone in a fresh TF-only process, whose peak RSS is printed
 beside that of a process that loads nothing; and the bytes of its tables (every variable with a
-table's rows: codes, scales and biases; tfrs's export also holds its optimizer's slots).
+table's rows: codes, or int8/int4's fused rows of codes, scale and bias; tfrs's export also
+holds its optimizer's slots).
 
-One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}.
+`--large` runs the same model with tables that do not fit in the CPU's caches, as a large
+recommender serves them: `user` 4,000,000 x 32 and `movie` 2,000,000 x 32 (float32 768 MB; tfrs's
+export holds twice that with its Adagrad slots), with ids drawn both uniformly and Zipf-like
+(exponent 1.2 over a fixed scattering of the rows: a few hot rows, a long tail). Every call gets
+fresh ids (the same for each export in a turn), so that the rows a call reads are not left in the
+caches by a request replayed before it. It takes about 4 minutes and 5 GB of memory (the process
+timing all six exports). `--case wide` is the same bytes in rows four times as wide: 1,000,000 and
+500,000 rows x 128.
 
-Usage: python benchmarks/serving_latency.py [--quick] [--out benchmarks/results]
+One run; prints a markdown table and writes benchmarks/results/serving_latency.{md,json,png}
+(serving_latency_large.* with --large, serving_latency_<case>.* with --case).
+
+Usage: python benchmarks/serving_latency.py [--quick] [--large | --case wide] [--out DIR]
 """
 
 from __future__ import annotations
@@ -44,14 +55,33 @@ NAMES = tuple(f"{implementation} {dtype}" for implementation, dtype in EXPORTS)
 # The issue's targets: table bytes against float32's at dim 32.
 SIZE_TARGETS = {"float16": 0.52, "int8": 0.33, "int4": 0.20}
 BATCH_SIZES = (1, 64, 1024)
-USERS, MOVIES, DIM = 100_000, 20_000, 32
+# The models measured: rows of the `user` and `movie` tables, their dim, and the id
+# distributions a request's ids are drawn from.
+CASES = {
+  "small": {"rows": (100_000, 20_000), "dim": 32, "ids": ("uniform",)},
+  "large": {"rows": (4_000_000, 2_000_000), "dim": 32, "ids": ("uniform", "zipf")},
+  # The same bytes as "large" in rows four times as wide (FBGEMM-style rows of 136 bytes for int8
+  # against float32's 512).
+  "wide": {"rows": (1_000_000, 500_000), "dim": 128, "ids": ("uniform", "zipf")},
+}
+ZIPF_EXPONENT = 1.2
+
+
+def draw_ids(rng, rows: int, batch: int, distribution: str):
+  """`batch` ids in [0, rows): uniform, or Zipf-like (rank r drawn with probability ~ r**-1.2,
+  ranks past `rows` folded back, then scattered over the table by a fixed bijection so that the
+  hot rows are not neighbours)."""
+  if distribution == "uniform":
+    return rng.integers(0, rows, batch)
+  ranks = (rng.zipf(ZIPF_EXPONENT, batch) - 1) % rows
+  return ((ranks + 1) * 2_654_435_761) % rows  # a prime: a bijection of [0, rows) for rows < it
 
 
 # ---------------------------------------------------------------------------------------------
 # Export (one fresh process per implementation)
 
 
-def _export(implementation: str, dtype: str, directory: str) -> None:
+def _export(implementation: str, dtype: str, directory: str, case: str) -> None:
   import tensorflow as tf
   import tf_keras
 
@@ -65,9 +95,10 @@ def _export(implementation: str, dtype: str, directory: str) -> None:
 
     return init
 
+  (users, movies), dim = CASES[case]["rows"], CASES[case]["dim"]
   config = {
-    "user": E.FeatureConfig(E.TableConfig(USERS, DIM, name="user", initializer=initializer(1))),
-    "movie": E.FeatureConfig(E.TableConfig(MOVIES, DIM, name="movie", initializer=initializer(2))),
+    "user": E.FeatureConfig(E.TableConfig(users, dim, name="user", initializer=initializer(1))),
+    "movie": E.FeatureConfig(E.TableConfig(movies, dim, name="movie", initializer=initializer(2))),
   }
   if implementation == "tfrs":
     import tensorflow_recommenders as tfrs
@@ -118,7 +149,7 @@ def _export(implementation: str, dtype: str, directory: str) -> None:
 # Measurement (one fresh process per export, TensorFlow only)
 
 
-def _measure(directories: list[str], out: str, quick: bool) -> None:
+def _measure(directories: list[str], out: str, quick: bool, case: str = "small") -> None:
   """Times every export in this one process, call by call in turn (so that a change of load on
   the machine reaches each alike), each on the same requests."""
   import numpy as np
@@ -127,55 +158,68 @@ def _measure(directories: list[str], out: str, quick: bool) -> None:
   serves = [tf.saved_model.load(d).signatures["serving_default"] for d in directories]
   rng = np.random.default_rng(0)
   results = [{"rows": []} for _ in directories]
-  for batch in BATCH_SIZES:
-    requests = [
-      (
-        tf.constant(rng.integers(0, USERS, batch), tf.int64),
-        tf.constant(rng.integers(0, MOVIES, batch), tf.int64),
-      )
-      for _ in range(16)
-    ]
-    for serve in serves:
-      for user_id, movie_id in requests[:4] * 5:  # warm up
-        serve(user_id=user_id, movie_id=movie_id)["score"].numpy()
-    budget = len(serves) * (0.5 if quick else 3.0)
-    times = [[] for _ in serves]
-    start = time.perf_counter()
-    while (time.perf_counter() - start < budget or len(times[0]) < 50) and len(times[0]) < 20_000:
-      call = len(times[0])
-      user_id, movie_id = requests[call % len(requests)]
-      for turn in range(len(serves)):
-        which = (call + turn) % len(serves)  # who goes first changes every call
-        t0 = time.perf_counter()
-        serves[which](user_id=user_id, movie_id=movie_id)["score"].numpy()
-        times[which].append(time.perf_counter() - t0)
-    for result, taken in zip(results, times):
-      taken = np.array(taken)
-      result["rows"].append(
-        {
-          "batch": batch,
-          "calls": len(taken),
-          "p50_ms": float(np.percentile(taken, 50) * 1e3),
-          "p99_ms": float(np.percentile(taken, 99) * 1e3),
-          "examples_per_s": float(batch / taken.mean()),
-        }
-      )
+  for distribution in CASES[case]["ids"]:
+    for batch in BATCH_SIZES:
+      times = _time_calls(serves, rng, case, distribution, batch, quick)
+      for result, taken in zip(results, times):
+        taken = np.array(taken)
+        result["rows"].append(
+          {
+            "ids": distribution,
+            "batch": batch,
+            "calls": len(taken),
+            "p50_ms": float(np.percentile(taken, 50) * 1e3),
+            "p99_ms": float(np.percentile(taken, 99) * 1e3),
+            "examples_per_s": float(batch / taken.mean()),
+          }
+        )
   tensorflow_only = not [
     m for m in sys.modules if m.startswith(("tpu_embedding", "tensorflow_recommenders"))
   ]
+  users, movies = CASES[case]["rows"]
   for result, serve, directory in zip(results, serves, directories):
     probe = serve(
-      user_id=tf.constant([0, 5, 99_999], tf.int64),
-      movie_id=tf.constant([0, 7, 19_999], tf.int64),
+      user_id=tf.constant([0, 5, users - 1], tf.int64),
+      movie_id=tf.constant([0, 7, movies - 1], tf.int64),
     )["score"].numpy()
     result["probe"] = probe.ravel().tolist()
     result["tensorflow_only"] = tensorflow_only
     result["export_mb"] = (
       sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs) / 1e6
     )
-    result["table_mb"] = table_bytes(directory, (USERS, MOVIES)) / 1e6
+    result["table_mb"] = table_bytes(directory, (users, movies)) / 1e6
   with open(out, "w") as f:
     json.dump(results, f)
+
+
+def _request(rng, case: str, distribution: str, batch: int) -> dict:
+  import tensorflow as tf
+
+  users, movies = CASES[case]["rows"]
+  return {
+    "user_id": tf.constant(draw_ids(rng, users, batch, distribution), tf.int64),
+    "movie_id": tf.constant(draw_ids(rng, movies, batch, distribution), tf.int64),
+  }
+
+
+def _time_calls(serves, rng, case: str, distribution: str, batch: int, quick: bool) -> list:
+  """Seconds per call of each serve, called in turn, each turn on fresh ids (drawn before the
+  clock starts) that every serve gets."""
+  for serve in serves:
+    for _ in range(20):  # warm up
+      serve(**_request(rng, case, distribution, batch))["score"].numpy()
+  budget = len(serves) * (0.5 if quick else 3.0)
+  times = [[] for _ in serves]
+  start = time.perf_counter()
+  while (time.perf_counter() - start < budget or len(times[0]) < 50) and len(times[0]) < 20_000:
+    call = len(times[0])
+    request = _request(rng, case, distribution, batch)
+    for turn in range(len(serves)):
+      which = (call + turn) % len(serves)  # who goes first changes every call
+      t0 = time.perf_counter()
+      serves[which](**request)["score"].numpy()
+      times[which].append(time.perf_counter() - t0)
+  return times
 
 
 def table_bytes(directory: str, rows: tuple[int, ...]) -> int:
@@ -192,7 +236,7 @@ def table_bytes(directory: str, rows: tuple[int, ...]) -> int:
   )
 
 
-def _peak_rss(directory: str, out: str) -> None:
+def _peak_rss(directory: str, out: str, case: str = "small") -> None:
   """Peak RSS (MB) of this process after loading `directory` (if any) and serving each batch
   size a few times."""
   import resource
@@ -205,10 +249,7 @@ def _peak_rss(directory: str, out: str) -> None:
     rng = np.random.default_rng(0)
     for batch in BATCH_SIZES:
       for _ in range(20):
-        serve(
-          user_id=tf.constant(rng.integers(0, USERS, batch), tf.int64),
-          movie_id=tf.constant(rng.integers(0, MOVIES, batch), tf.int64),
-        )["score"].numpy()
+        serve(**_request(rng, case, "uniform", batch))["score"].numpy()
   with open(out, "w") as f:
     json.dump(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, f)
 
@@ -231,17 +272,22 @@ def _run(args: list[str], tfrs: bool = False) -> None:
 
 def _table(results: dict, baseline_rss: float) -> str:
   float32 = results["tpu_embedding float32"]
+  reference = {(r["ids"], r["batch"]): r for r in float32["rows"]}
   lines = [
-    "| export | batch | p50 ms | p99 ms | examples/s | tables MB | x float32 | peak RSS MB |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
+    "| export | ids | batch | p50 ms | p99 ms | p50 x float32 | p99 x float32 | examples/s | "
+    "tables MB | x float32 | export MB | peak RSS MB |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name in NAMES:
     result = results[name]
     for row in result["rows"]:
+      base = reference[(row["ids"], row["batch"])]
       lines.append(
-        f"| {name} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
+        f"| {name} | {row['ids']} | {row['batch']} | {row['p50_ms']:.3f} | {row['p99_ms']:.3f} | "
+        f"{row['p50_ms'] / base['p50_ms']:.2f} | {row['p99_ms'] / base['p99_ms']:.2f} | "
         f"{row['examples_per_s']:,.0f} | {result['table_mb']:.2f} | "
-        f"{result['table_mb'] / float32['table_mb']:.3f} | {result['peak_rss_mb']:.0f} |"
+        f"{result['table_mb'] / float32['table_mb']:.3f} | {result['export_mb']:.1f} | "
+        f"{result['peak_rss_mb']:.0f} |"
       )
   lines.append(f"\nPeak RSS of a TF-only process that loads nothing: {baseline_rss:.0f} MB.")
   return "\n".join(lines)
@@ -255,43 +301,54 @@ def _verdicts(results: dict) -> str:
     ratio = results[f"tpu_embedding {dtype}"]["table_mb"] / float32["table_mb"]
     verdict = "met" if ratio <= target else "NOT met"
     lines.append(f"- {dtype} tables {ratio:.3f}x float32's (target <= {target}x): {verdict}")
-  p50 = {n: next(r["p50_ms"] for r in results[n]["rows"] if r["batch"] == 1024) for n in NAMES}
-  ratio = p50["tpu_embedding int8"] / p50["tpu_embedding float32"]
-  verdict = "met" if ratio <= 1.0 else "NOT met"
-  lines.append(
-    f"- int8 p50 at batch 1024 {ratio:.2f}x float32's ({p50['tpu_embedding int8']:.3f} vs "
-    f"{p50['tpu_embedding float32']:.3f} ms; target: no slower): {verdict}"
-  )
+  for distribution in dict.fromkeys(r["ids"] for r in float32["rows"]):
+    p50 = {
+      n: next(
+        r["p50_ms"] for r in results[n]["rows"] if (r["ids"], r["batch"]) == (distribution, 1024)
+      )
+      for n in ("tpu_embedding int8", "tpu_embedding float32")
+    }
+    ratio = p50["tpu_embedding int8"] / p50["tpu_embedding float32"]
+    verdict = "met" if ratio <= 1.0 else "NOT met"
+    lines.append(
+      f"- int8 p50 at batch 1024, {distribution} ids, {ratio:.2f}x float32's "
+      f"({p50['tpu_embedding int8']:.3f} vs {p50['tpu_embedding float32']:.3f} ms; "
+      f"target: no slower): {verdict}"
+    )
   return "\n".join(lines)
 
 
-def _plot(results: dict, path: str) -> None:
+def _plot(results: dict, path: str, title: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (latency, throughput) = plt.subplots(1, 2, figsize=(11, 4))
-  for name, marker in zip(NAMES, "os^vDx"):
-    rows = results[name]["rows"]
-    batches = [r["batch"] for r in rows]
-    latency.plot(batches, [r["p50_ms"] for r in rows], marker=marker, label=f"{name} p50")
-    latency.plot(
-      batches, [r["p99_ms"] for r in rows], marker=marker, linestyle="--", label=f"{name} p99"
-    )
-    throughput.plot(batches, [r["examples_per_s"] for r in rows], marker=marker, label=name)
-  for axis, title, unit in (
-    (latency, "Latency per call", "ms"),
-    (throughput, "Throughput", "examples / s"),
-  ):
-    axis.set_xscale("log")
-    axis.set_yscale("log")
-    axis.set_xlabel("batch size")
-    axis.set_ylabel(unit)
-    axis.set_title(title)
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend()
-  fig.suptitle("Exported serving model on CPU (loaded with TensorFlow only)")
+  distributions = list(dict.fromkeys(r["ids"] for r in results[NAMES[0]]["rows"]))
+  fig, axes = plt.subplots(
+    len(distributions), 2, figsize=(11, 4 * len(distributions)), squeeze=False
+  )
+  for (latency, throughput), distribution in zip(axes, distributions):
+    for name, marker in zip(NAMES, "os^vDx"):
+      rows = [r for r in results[name]["rows"] if r["ids"] == distribution]
+      batches = [r["batch"] for r in rows]
+      latency.plot(batches, [r["p50_ms"] for r in rows], marker=marker, label=f"{name} p50")
+      latency.plot(
+        batches, [r["p99_ms"] for r in rows], marker=marker, linestyle="--", label=f"{name} p99"
+      )
+      throughput.plot(batches, [r["examples_per_s"] for r in rows], marker=marker, label=name)
+    for axis, what, unit in (
+      (latency, "Latency per call", "ms"),
+      (throughput, "Throughput", "examples / s"),
+    ):
+      axis.set_xscale("log")
+      axis.set_yscale("log")
+      axis.set_xlabel("batch size")
+      axis.set_ylabel(unit)
+      axis.set_title(f"{what} ({distribution} ids)")
+      axis.grid(True, which="both", alpha=0.3)
+      axis.legend(fontsize="small")
+  fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -299,19 +356,28 @@ def _plot(results: dict, path: str) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="0.5 s per batch size instead of 3 s")
+  parser.add_argument(
+    "--large", action="store_true", help="tables of 4M and 2M rows, uniform and Zipf-like ids"
+  )
+  parser.add_argument(
+    "--case", choices=tuple(CASES), default=None, help="'wide': 1M and 500k rows x 128"
+  )
   parser.add_argument("--out", default=os.path.join(HERE, "results"))
   args = parser.parse_args()
+  case_name = args.case or ("large" if args.large else "small")
+  flags = ["--case", case_name]
   os.makedirs(args.out, exist_ok=True)
+  load_at_start = os.getloadavg()[0]
   with tempfile.TemporaryDirectory() as work:
     exports = [os.path.join(work, name.replace(" ", "_")) for name in NAMES]
     for (implementation, dtype), export_dir in zip(EXPORTS, exports):
-      _run(["_export", implementation, dtype, export_dir], tfrs=implementation == "tfrs")
+      _run(["_export", implementation, dtype, export_dir, *flags], tfrs=implementation == "tfrs")
     out = os.path.join(work, "measured.json")
-    _run(["_measure", ",".join(exports), out] + (["--quick"] if args.quick else []))
+    _run(["_measure", ",".join(exports), out, *flags] + (["--quick"] if args.quick else []))
     with open(out) as f:
       results = dict(zip(NAMES, json.load(f)))
     for name, export_dir in [("", ""), *zip(NAMES, exports)]:
-      _run(["_peak_rss", export_dir, out])
+      _run(["_peak_rss", export_dir, out, *flags])
       with open(out) as f:
         rss = json.load(f)
       if name:
@@ -332,25 +398,40 @@ def main() -> None:
     + f"; loaded with TensorFlow only: {all(results[n]['tensorflow_only'] for n in NAMES)}."
     + "\nTargets:\n"
     + _verdicts(results)
-    + f"\nMachine: {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f} at the end "
+    + f"\nMachine: {os.cpu_count()} CPU(s), load average {load_at_start:.1f} at the start, "
+    f"{os.getloadavg()[0]:.1f} at the end "
     "(shared with other jobs: latencies are comparable within this run, where the exports are "
     "timed call by call in turn, not across runs)."
   )
-  print(table + note)
-  with open(os.path.join(args.out, "serving_latency.md"), "w") as f:
-    f.write(table + "\n" + note + "\n")
-  with open(os.path.join(args.out, "serving_latency.json"), "w") as f:
+  case = CASES[case_name]
+  header = (
+    f"Tables `user` {case['rows'][0]:,} and `movie` {case['rows'][1]:,} rows x {case['dim']}; "
+    f"ids: {', '.join(case['ids'])}.\n\n"
+  )
+  print(header + table + note)
+  stem = os.path.join(
+    args.out, "serving_latency" + ("" if case_name == "small" else f"_{case_name}")
+  )
+  with open(stem + ".md", "w") as f:
+    f.write(header + table + "\n" + note + "\n")
+  with open(stem + ".json", "w") as f:
     json.dump(results, f, indent=1)
-  _plot(results, os.path.join(args.out, "serving_latency.png"))
-  print(f"Wrote {os.path.join(args.out, 'serving_latency.png')}")
+  _plot(
+    results,
+    stem + ".png",
+    "Exported serving model on CPU (loaded with TensorFlow only); "
+    + header.split(";")[0].replace("`", ""),
+  )
+  print(f"Wrote {stem}.png")
 
 
 if __name__ == "__main__":
+  case = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv[2:] else "small"
   if len(sys.argv) > 1 and sys.argv[1] == "_export":
-    _export(sys.argv[2], sys.argv[3], sys.argv[4])
+    _export(sys.argv[2], sys.argv[3], sys.argv[4], case)
   elif len(sys.argv) > 1 and sys.argv[1] == "_peak_rss":
-    _peak_rss(sys.argv[2], sys.argv[3])
+    _peak_rss(sys.argv[2], sys.argv[3], case)
   elif len(sys.argv) > 1 and sys.argv[1] == "_measure":
-    _measure(sys.argv[2].split(","), sys.argv[3], quick="--quick" in sys.argv[4:])
+    _measure(sys.argv[2].split(","), sys.argv[3], quick="--quick" in sys.argv[4:], case=case)
   else:
     main()

@@ -39,7 +39,7 @@ def random_table(rows=64, dim=7, seed=0):
 
 
 def stored(table):
-  return {k: v.numpy() for k, v in table.parts.items()}
+  return {k: v.numpy() for k, v in table.stored().items()}
 
 
 def test_int8_codes_and_rows_of_a_hand_worked_table():
@@ -54,6 +54,39 @@ def test_int8_codes_and_rows_of_a_hand_worked_table():
   np.testing.assert_array_equal(parts["bias"], [[-1], [3]])
   assert parts["scale"].dtype == parts["bias"].dtype == np.float32
   np.testing.assert_array_equal(table().numpy(), [[-1, 254, 0, 100], [3, 3, 3, 3]])
+  # One fused variable: the code bytes as one float32 word, then scale and bias.
+  assert list(table.parts) == ["rows"]
+  rows = table.parts["rows"].numpy()
+  assert rows.dtype == np.float32 and rows.shape == (2, 3)
+  np.testing.assert_array_equal(rows[:, :1].view(np.uint8), parts["codes"])
+  np.testing.assert_array_equal(rows[:, 1:], [[1, -1], [0, 3]])
+
+
+def test_fused_rows_keep_code_bytes_that_read_as_nan_or_subnormal_words(tmp_path):
+  # Codes 1, 0, 128, 127 are the float32 word 0x7F800001 (a signalling NaN), codes 255, 0,
+  # 0, 0 a subnormal word: the fused rows are only copied, never computed on, also through a
+  # SavedModel written and read back. A 6th column pads the second word with two zero bytes.
+  x = np.array([[0, -1, 127, 126, 254, -1]], np.float32)
+  table = quantization.LowPrecisionTable("t", x, quantization.FORMATS["int8"])
+  words = table.parts["rows"].numpy()[0, :2].view(np.uint32)
+  assert words.tolist() == [0x7F800001, 0xFF]
+  tf.saved_model.save(table, str(tmp_path / "t"))
+  loaded = tf.saved_model.load(str(tmp_path / "t"))
+  for served in (table, loaded):
+    np.testing.assert_array_equal(served().numpy(), x)
+    np.testing.assert_array_equal(served.stored()["codes"].numpy(), [[1, 0, 128, 127, 255, 0]])
+  np.testing.assert_array_equal(table.gather(tf.constant([0, 0])).numpy(), np.repeat(x, 2, 0))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_lookup_reads_each_row_in_one_gather(dtype):
+  # Codes, scale and bias come in one gathered row; the decode asks no shape of the batch.
+  table = quantization.LowPrecisionTable("t", random_table(dim=32), quantization.FORMATS[dtype])
+  lookup = tf.function(table.gather, autograph=False)
+  graph = lookup.get_concrete_function(tf.TensorSpec([None], tf.int64)).graph
+  ops = [op.type for op in graph.get_operations()]
+  assert ops.count("ResourceGather") == 1 and "Shape" not in ops, ops
+  assert "StridedSlice" not in ops, ops  # dim 32: no padding to cut off
 
 
 def test_int4_packs_two_codes_a_byte_low_half_first():
@@ -382,8 +415,8 @@ def test_a_reloaded_export_stores_each_dtype_as_said(served):
     "float32": ["float32"],
     "float16": ["float16"],
     "bfloat16": ["bfloat16"],
-    "int8": ["float32", "float32", "uint8"],
-    "int4": ["float32", "float32", "uint8"],
+    "int8": ["float32"],  # one fused variable: code bytes, scale and bias as float32 words
+    "int4": ["float32"],
   }
   for dtype, parts in stored.items():
     assert list(results[f"{dtype}/dtypes/user"]) == parts, dtype

@@ -13,6 +13,13 @@ them back as float32 (TensorFlow ops only, so the export still loads without thi
   float32 too: the error is then the 4-bit rounding alone (within (max - min) / 30), and a table
   of any finite range keeps it (float16 scales would save 4 bytes a row but add float16's own
   rounding and overflow beyond 65504).
+An int8/int4 table is one variable "rows" in FBGEMM's fused rowwise layout: each row its code
+bytes (zero-padded to a multiple of 4), then its scale and bias, the whole row viewed as float32
+words ([rows, ceil(code bytes / 4) + 2]), so that a lookup reads a row's codes, scale and bias
+in one gather (separate gathers for them cost more than the decode's arithmetic on CPU).
+`LowPrecisionTable.stored()` unpacks it ({"codes", "scale", "bias"}), in an export too. (The
+words hold the bytes in the writer's byte order: TensorFlow's byte swapping of a checkpoint read
+on a big-endian machine would reorder the codes within each word.)
 A row whose values are all equal gets scale 0 and codes 0: it reads back exactly.
 """
 
@@ -34,11 +41,15 @@ class Format(abc.ABC):
 
   @abc.abstractmethod
   def encode(self, values: tf.Tensor) -> dict[str, tf.Tensor]:
-    """The stored tensors ({"codes": [rows, ...], and "scale", "bias": [rows, 1] if any})."""
+    """The stored variables' values ({"codes": [rows, dim]} or {"rows": fused rows})."""
 
   @abc.abstractmethod
   def decode(self, parts: Mapping[str, tf.Tensor], dim: int) -> tf.Tensor:
     """float32 rows [n, dim] from `parts` gathered for n rows."""
+
+  @abc.abstractmethod
+  def stored(self, parts: Mapping[str, tf.Tensor], dim: int) -> dict[str, tf.Tensor]:
+    """What `parts` store: {"codes": [n, ...], and "scale", "bias": float32 [n, 1] if any}."""
 
 
 class Cast(Format):
@@ -54,9 +65,12 @@ class Cast(Format):
   def decode(self, parts: Mapping[str, tf.Tensor], dim: int) -> tf.Tensor:
     return tf.cast(parts["codes"], tf.float32)
 
+  def stored(self, parts: Mapping[str, tf.Tensor], dim: int) -> dict[str, tf.Tensor]:
+    return {"codes": parts["codes"]}
+
 
 class Rowwise(Format):
-  """Row-wise asymmetric integer codes of `bits` bits (8 or 4), FBGEMM's rowwise layout."""
+  """Row-wise asymmetric integer codes of `bits` bits (8 or 4) in FBGEMM's fused rowwise layout."""
 
   def __init__(self, bits: int):
     self.name = f"int{bits}"
@@ -69,11 +83,31 @@ class Rowwise(Format):
     codes = tf.round(tf.math.divide_no_nan(values - bias, scale))
     # A subnormal scale is rounded coarsely, which can push a code past the top level.
     codes = tf.cast(tf.clip_by_value(codes, 0, self.levels), tf.uint8)
-    return {"codes": self._pack(codes), "scale": scale, "bias": bias}
+    packed = self._pack(codes)
+    packed = tf.pad(packed, [[0, 0], [0, -packed.shape[1] % 4]])
+    quads = tf.reshape(packed, [tf.shape(packed)[0], packed.shape[1] // 4, 4])
+    words = tf.bitcast(quads, tf.float32)
+    return {"rows": tf.concat([words, scale, bias], 1)}
 
   def decode(self, parts: Mapping[str, tf.Tensor], dim: int) -> tf.Tensor:
-    codes = tf.cast(self._unpack(parts["codes"], dim), tf.float32)
-    return codes * parts["scale"] + parts["bias"]
+    # One gathered row holds everything: split, view the words as bytes, unpack (int4), then
+    # q * scale + bias (FBGEMM's dequantization; bit-identical to the NumPy reference).
+    packed, scale, bias = self._unfuse(parts["rows"])
+    codes = self._unpack(packed)
+    if codes.shape[1] != dim:
+      codes = codes[:, :dim]
+    return tf.cast(codes, tf.float32) * scale + bias
+
+  def stored(self, parts: Mapping[str, tf.Tensor], dim: int) -> dict[str, tf.Tensor]:
+    packed, scale, bias = self._unfuse(parts["rows"])
+    return {"codes": packed[:, : -(-dim // self._per_byte)], "scale": scale, "bias": bias}
+
+  def _unfuse(self, rows: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(code bytes uint8 [n, 4 * words], scale [n, 1], bias [n, 1]) of fused `rows`."""
+    words = rows.shape[1] - 2
+    words_part, scale, bias = tf.split(rows, [words, 1, 1], axis=1)
+    packed = tf.reshape(tf.bitcast(words_part, tf.uint8), [-1, 4 * words])  # no Shape op
+    return packed, scale, bias
 
   def _pack(self, codes: tf.Tensor) -> tf.Tensor:
     if self._per_byte == 1:
@@ -83,12 +117,11 @@ class Rowwise(Format):
     pairs = tf.reshape(codes, [tf.shape(codes)[0], -1, 2])
     return pairs[:, :, 0] + tf.bitwise.left_shift(pairs[:, :, 1], 4)
 
-  def _unpack(self, packed: tf.Tensor, dim: int) -> tf.Tensor:
+  def _unpack(self, packed: tf.Tensor) -> tf.Tensor:
     if self._per_byte == 1:
       return packed
     pairs = tf.stack([tf.bitwise.bitwise_and(packed, 15), tf.bitwise.right_shift(packed, 4)], -1)
-    codes = tf.reshape(pairs, [tf.shape(packed)[0], 2 * packed.shape[1]])
-    return codes if dim % 2 == 0 else codes[:, :dim]
+    return tf.reshape(pairs, [-1, 2 * packed.shape[1]])
 
 
 FORMATS: dict[str, Format] = {
@@ -141,8 +174,10 @@ def format_of(dtype: Any, argument: str) -> Optional[Format]:
 class LowPrecisionTable(tf.Module):
   """A table stored in a low-precision `Format`.
 
-  In an export (loaded or not), calling it gives the whole table as float32; `parts` holds its
-  variables ("codes", and for int8/int4 "scale" and "bias"); `gather` builds a signature's lookup.
+  In an export (loaded or not), calling it gives the whole table as float32 and `stored()` its
+  stored form ({"codes"}, and for int8/int4 "scale" and "bias" [rows, 1]); `parts` holds its
+  variables ("codes" for float16/bfloat16, "rows" for int8/int4: the fused rows of the module
+  docstring); `gather` builds a signature's lookup.
   """
 
   def __init__(self, table: str, values: tf.Tensor, format: Format):
@@ -150,7 +185,7 @@ class LowPrecisionTable(tf.Module):
     values = tf.convert_to_tensor(values, tf.float32)
     _check_values(table, values, format)
     parts = format.encode(values)
-    _check_encoded(table, values, parts, format)
+    _check_encoded(table, values, format.stored(parts, int(values.shape[1])), format)
     self.format = format
     self.dim = int(values.shape[1])
     self.parts = {k: tf.Variable(v, trainable=False, name=k) for k, v in parts.items()}
@@ -161,7 +196,14 @@ class LowPrecisionTable(tf.Module):
 
   @tf.function(input_signature=[], autograph=False)
   def __call__(self) -> tf.Tensor:
-    return self.format.decode({k: tf.convert_to_tensor(v) for k, v in self.parts.items()}, self.dim)
+    return self.format.decode(self._values(), self.dim)
+
+  @tf.function(input_signature=[], autograph=False)
+  def stored(self) -> dict[str, tf.Tensor]:
+    return self.format.stored(self._values(), self.dim)
+
+  def _values(self) -> dict[str, tf.Tensor]:
+    return {k: tf.convert_to_tensor(v) for k, v in self.parts.items()}
 
 
 def _check_values(table: str, values: tf.Tensor, format: Format) -> None:
@@ -178,7 +220,8 @@ def _check_values(table: str, values: tf.Tensor, format: Format) -> None:
 def _check_encoded(
   table: str, values: tf.Tensor, parts: Mapping[str, tf.Tensor], format: Format
 ) -> None:
-  """Refuses values beyond the format's range (float16's 65504, a row range over float32's)."""
+  """Refuses values beyond the format's range (float16's 65504, a row range over float32's);
+  `parts` as `Format.stored` gives them."""
   stored = [p for p in parts.values() if p.dtype.is_floating]
   if all(tf.reduce_all(tf.math.is_finite(p)).numpy() for p in stored):
     return

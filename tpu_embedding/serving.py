@@ -63,9 +63,11 @@ def export_for_serving(
       "bfloat16", "int8" or "int4" (row-wise codes with a float32 scale and bias per row, as
       FBGEMM's; see `tpu_embedding.quantization`) for every table, or {table name or
       TableConfig: dtype} (tables not named stay float32). The signatures gather the stored rows
-      and decode them to float32 with TensorFlow ops; `loaded.embedding_tables[name]()` gives a
-      low-precision table's decoded float32 values. `tpu_embedding.serving_error_by_dtype`
-      measures what each choice changes in a model's outputs.
+      (int8/int4: codes, scale and bias in one fused row, one gather) and decode them to float32
+      with TensorFlow ops; `loaded.embedding_tables[name]()` gives a low-precision table's
+      decoded float32 values, and `.stored()` its codes (and scales and biases).
+      `tpu_embedding.serving_error_by_dtype` measures what each choice changes in a model's
+      outputs.
 
   Returns:
     The absolute path of the export.

@@ -353,7 +353,7 @@ def test_export_for_serving_lowers_the_keras_layers_tables(tmp_path):
   loaded = tf.saved_model.load(path)
   table = layer.embedding_tables[t].numpy()
   decoded = loaded.embedding_tables[t.name]().numpy()
-  codes = loaded.embedding_tables[t.name].parts["codes"].numpy()
+  codes = loaded.embedding_tables[t.name].stored()["codes"].numpy()
   # int8 rows of two distinct values: the smaller is code 0 (the bias), the larger 255.
   np.testing.assert_array_equal(np.sort(codes, axis=1), [[0, 255]] * len(table))
   step = (table.max(axis=1) - table.min(axis=1)) / 255
