@@ -6,6 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_output
+# The tests run in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them, so
+# that a file's module fixtures (clusters, trained models) are built once; TEST_WORKERS=0 runs
+# them in this process.
+TEST_WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 JAX_VENV := .venv-jax
 JAX_STAMP := $(JAX_VENV)/.installed
@@ -69,11 +74,11 @@ torchrec-env: $(TORCHREC_STAMP)
 test: $(STAMP) $(JAX_STAMP) $(FBGEMM_STAMP) $(TORCHREC_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests $(PARALLEL) --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -m "not integration" --durations=25
+	$(PY) -m pytest tests -m "not integration" $(PARALLEL) --durations=25
 
 # The core tests under other TensorFlow versions, one cached environment each (.ci/matrix;
 # docs/compatibility.md). Need no .venv: each environment is built from .ci/constraints/.
