@@ -9,7 +9,7 @@ imports only TensorFlow and called in turn, call by call, on the same fresh unif
 export gives the same bits as the current one (its whole decoded tables, through its own decode,
 and its scores of one request of 1024).
 
-Variants (per table, after the gather of the fused rows [n, words + 2]):
+Variants (int8 only; per table, after the gather of the fused rows [n, words + 2]):
   current      split, bitcast, reshape, cast, multiply, add (the shipped decode)
   slices       three strided slices instead of the split
   pair         split into words and a [n, 2] pair, scale and bias sliced from the pair
@@ -44,10 +44,16 @@ def _words(rows):
   return rows.shape[1] - 2
 
 
+def _trim(values, dim):
+  """The first `dim` columns (the code bytes are padded to a multiple of 4), as the shipped decode
+  does: no op where there is no padding."""
+  return values if values.shape[1] == dim else values[:, :dim]
+
+
 def _slices(self, parts, dim):
   rows = parts["rows"]
   w = _words(rows)
-  codes = tf.reshape(tf.bitcast(rows[:, :w], tf.uint8), [-1, 4 * w])
+  codes = _trim(tf.reshape(tf.bitcast(rows[:, :w], tf.uint8), [-1, 4 * w]), dim)
   return tf.cast(codes, tf.float32) * rows[:, w : w + 1] + rows[:, w + 1 :]
 
 
@@ -55,7 +61,7 @@ def _pair(self, parts, dim):
   rows = parts["rows"]
   w = _words(rows)
   words, scale_bias = tf.split(rows, [w, 2], axis=1)
-  codes = tf.reshape(tf.bitcast(words, tf.uint8), [-1, 4 * w])
+  codes = _trim(tf.reshape(tf.bitcast(words, tf.uint8), [-1, 4 * w]), dim)
   return tf.cast(codes, tf.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
 
 
@@ -64,7 +70,7 @@ def _late_reshape(self, parts, dim):
   w = rows.shape[1] - 2
   words, scale, bias = tf.split(rows, [w, 1, 1], axis=1)
   codes = tf.bitcast(words[:, :, 0], tf.uint8)
-  return tf.reshape(tf.cast(codes, tf.float32) * scale + bias, [-1, 4 * w])
+  return _trim(tf.reshape(tf.cast(codes, tf.float32) * scale + bias, [-1, 4 * w]), dim)
 
 
 def _all_bytes(self, parts, dim):
@@ -84,7 +90,7 @@ def _xla(self, parts, dim):
 def _separate_encode(self, values):
   fused = SHIPPED["encode"](self, values)["rows"]
   w = _words(fused)
-  codes = tf.reshape(tf.bitcast(fused[:, :w], tf.uint8), [-1, 4 * w])[:, : values.shape[1]]
+  codes = _trim(tf.reshape(tf.bitcast(fused[:, :w], tf.uint8), [-1, 4 * w]), values.shape[1])
   return {"codes": codes, "scale_bias": fused[:, w:]}
 
 
