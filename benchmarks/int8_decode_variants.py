@@ -112,11 +112,11 @@ DECODES = {
   "xla": _xla,
   "separate": _separate_decode,
 }
-# The shipped encode and decode, which some variants call (set by _patch).
+# The shipped encode and decode, which some variants call (set by use_variant).
 SHIPPED: dict = {}
 
 
-def _patch(variant: str) -> None:
+def use_variant(variant: str) -> None:
   """Replaces Rowwise's decode (and for `separate` its stored variables) by `variant`'s."""
   from tpu_embedding import quantization
 
@@ -133,7 +133,7 @@ def _export(variant: str, dtype: str, directory: str) -> None:
   import serving_latency
 
   if dtype == "int8":
-    _patch(variant)
+    use_variant(variant)
   serving_latency._export("tpu_embedding", dtype, directory, "small")
 
 

@@ -31,7 +31,7 @@ def test_variant_gathers_the_reference_rows_bit_for_bit(restored, variant, dim):
   with np.errstate(invalid="ignore", divide="ignore"):
     q = np.where(step > 0, np.rint((values - low) / step), 0).astype(np.float32)
   expected = q * step + low
-  variants._patch(variant)
+  variants.use_variant(variant)
   table = quantization.LowPrecisionTable("t", values, quantization.FORMATS["int8"])
   ids = tf.constant([3, 0, 49, 7, 7, 21], tf.int64)
   got = table.gather(ids).numpy()
