@@ -4,8 +4,10 @@
 (benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]`
 compares its policies (benchmarks/managed_policies.py); `python -m benchmarks managed --torchrec
 [--seeds N] [--full] [--intervals 1,10]` puts them beside TorchRec's managed-collision module
-(benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks preflight
-[--quick] [--data_dir ml-100k]` the SparseCore pre-flight's (benchmarks/preflight.py).
+(benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks managed
+--sweep` screens settings beside TorchRec's best (benchmarks/managed_sweep.py); `python -m
+benchmarks preflight [--quick] [--data_dir ml-100k]` the SparseCore pre-flight's
+(benchmarks/preflight.py).
 
 `python -m benchmarks serving --large [--quick]` runs the serving benchmark's large-table case
 (benchmarks/serving_latency.py --large: tables of 4M and 2M rows, about 4 minutes) on its own and
@@ -53,6 +55,11 @@ def _stand_alone(argv: list) -> bool:
 
 def _managed(argv: list) -> None:
   """`python -m benchmarks managed ...`: the managed-ids benchmarks."""
+  if "--sweep" in argv:
+    from benchmarks import managed_sweep
+
+    managed_sweep.main([a for a in argv[1:] if a != "--sweep"])
+    return
   if "--torchrec" in argv:
     from benchmarks import torchrec_managed
 

@@ -1,0 +1,123 @@
+"""`python -m benchmarks managed --sweep --prototypes [--seeds 3] [--part NAME]`: scores that
+`ManagedIds` does not have, tried in a plain-Python map before anyone builds them into the
+kernel (issue 45). Not the package's map: a dict-based one written for this screen, fed to the
+same TF model as benchmarks/managed_sweep.py's settings (rows given to new keys reset first).
+
+`distance_lfu`, as the package scores it: a row's count over its distance (steps since its key was
+last seen) to the power `decay`; a new key competes with its count so far (candidate count plus
+this step's occurrences). "Newcomers scored like incumbents": a new key seen before (as a
+candidate) competes with its count over the steps since it was last seen, as a row does; one
+never seen (or pruned) with its count. Candidates, pruning and ties as in docs/managed-ids.md.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+import tpu_embedding
+from benchmarks import managed_policies as mp
+
+PROTOTYPES = {  # name: (newcomers scored like incumbents, decay)
+  "prototype: distance_lfu compete, decay 1": (False, 1.0),
+  "prototype: distance_lfu compete, newcomers scored like rows, decay 1": (True, 1.0),
+  "prototype: distance_lfu compete, newcomers scored like rows, decay 0.5": (True, 0.5),
+}
+
+
+class PrototypeMap:
+  """Rows 1.. of a table of `capacity` rows for keys; row 0 for keys without one."""
+
+  def __init__(self, capacity: int, symmetric: bool, decay: float):
+    self.capacity, self.symmetric, self.decay = capacity, symmetric, decay
+    self.row_of, self.key_of, self.count, self.last = {}, {}, {}, {}
+    self.candidates, self.candidate_last = {}, {}
+    self.step = 0
+
+  def _score(self, row: int) -> float:
+    return self.count[row] / (self.step - self.last[row]) ** self.decay
+
+  def train(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each key, rows given to new keys) after one training step."""
+    self.step += 1
+    occurrences = collections.Counter(keys.tolist())
+    in_order = list(dict.fromkeys(keys.tolist()))
+    for key in in_order:
+      if key in self.row_of:
+        row = self.row_of[key]
+        self.count[row] += occurrences[key]
+        self.last[row] = self.step
+    new = [k for k in in_order if k not in self.row_of]
+    totals = {k: self.candidates.get(k, 0) + occurrences[k] for k in new}
+    given = self._admit(new, totals)
+    for key, row in given:
+      if row in self.key_of:
+        del self.row_of[self.key_of[row]]
+      self.row_of[key], self.key_of[row] = row, key
+      self.count[row], self.last[row] = totals[key], self.step
+    self._remember(new, totals, {k for k, _ in given})
+    return self.lookup(keys), np.array([r for _, r in given], np.int64)
+
+  def _admit(self, new: list, totals: dict) -> list:
+    """(key, row) for the new keys given rows: free rows in row order, then victims."""
+    scores = dict(totals)
+    if self.symmetric:
+      for k in new:
+        if k in self.candidate_last:
+          scores[k] = totals[k] / (self.step - self.candidate_last[k]) ** self.decay
+    free = [r for r in range(1, self.capacity) if r not in self.key_of]
+    given = list(zip(new, free))
+    victims = sorted(
+      (r for r in self.key_of if self.last[r] < self.step),
+      key=lambda r: (self._score(r), self.last[r], r),
+    )
+    for key, row in zip(sorted(new[len(free) :], key=lambda k: -scores[k]), victims):
+      if scores[key] <= self._score(row):
+        break
+      given.append((key, row))
+    return given
+
+  def _remember(self, new: list, totals: dict, admitted: set) -> None:
+    for key in new:
+      if key in admitted:
+        self.candidates.pop(key, None)
+        self.candidate_last.pop(key, None)
+      else:
+        self.candidates[key], self.candidate_last[key] = totals[key], self.step
+    if len(self.candidates) > 2 * self.capacity:
+      kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], kv[0]))[: self.capacity]
+      self.candidates = dict(kept)
+      self.candidate_last = {k: self.candidate_last[k] for k in self.candidates}
+
+  def lookup(self, keys: np.ndarray) -> np.ndarray:
+    return np.array([self.row_of.get(k, 0) for k in keys.tolist()], np.int64)
+
+
+class PrototypeFeed(mp.Feed):
+  """The rows a `PrototypeMap` per table gives, in a managed table of as many rows whose own map
+  never steps; rows given to new keys are reset before the step that reads them."""
+
+  remapped = True
+
+  def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
+    self.variant = variant
+    self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(), seed)
+    self.maps = {name: PrototypeMap(c, *PROTOTYPES[variant]) for name, c in capacities.items()}
+    self._reset = tf.function(self.layer.reset_rows, reduce_retracing=True)
+    self.started = False
+
+  def train(self, batch: dict) -> dict:
+    if not self.started:  # the tables exist from the first call on
+      self.layer({name: tf.zeros([1], tf.int64) for name in batch}, remapped=True)
+      self.started = True
+    rows, resets = {}, {}
+    for name, keys in batch.items():
+      rows[name], given = self.maps[name].train(keys.keys)
+      resets[name] = tf.constant(given)
+    self._reset(resets)
+    return {name: tf.constant(r) for name, r in rows.items()}
+
+  def test(self, batch: dict) -> dict:
+    return {name: tf.constant(self.maps[name].lookup(k.keys)) for name, k in batch.items()}
