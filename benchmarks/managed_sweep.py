@@ -62,13 +62,13 @@ def cell_name(kind: str, part: int) -> str:
   return f"{'drifting stream' if kind == 'drift' else f'MovieLens {kind}'}, 1/{part}"
 
 
-def run(settings: list, seeds: int, path: str, feed=SweepFeed) -> None:
+def run(settings: list, seeds: range, path: str, feed=SweepFeed) -> None:
   from examples.data import movielens
 
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
   for kind, part in CELLS:
     for variant in settings:
-      for seed in range(seeds):
+      for seed in seeds:
         start = time.perf_counter()
         if kind == "drift":
           metric = mp.drift_log_loss(variant, 1 / part, seed, mp.DRIFT, feed)
@@ -171,7 +171,12 @@ def report(command: str) -> str:
     "MovieLens: the package's synthetic stand-in (test RMSE after two epochs); drifting "
     "stream: progressive log loss; lower is better. Each entry: median over seeds, then the "
     "paired median difference from TorchRec's best (negative: ours lower) and on how many "
-    "seeds ours was lower.",
+    "seeds ours was lower (of 3 or 5: a setting of 3 seeds pairs with TorchRec's runs of those "
+    "seeds, so its TorchRec's best may differ slightly from the row below, the first setting's). "
+    "Ours: runs-*.jsonl (`python -m benchmarks managed --sweep --seeds 3 --settings ... --part "
+    "...`, seeds 3-4 added with `--seeds 5 --first-seed 3`, the prototypes with `--prototypes`); "
+    "TorchRec's: managed-torchrec-full/results.json (time split, drifting stream) and "
+    "torchrec-random.json (`python -m benchmarks managed --sweep --torchrec-random --seeds 5`).",
     "",
     "| setting | " + " | ".join(names) + " |",
     "|" + "---|" * (len(names) + 1),
@@ -224,6 +229,7 @@ def report(command: str) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m benchmarks managed --sweep")
   parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed..seeds-1")
   parser.add_argument("--settings", default=None, help="names of SETTINGS, separated by ;")
   parser.add_argument("--part", default="0", help="runs-<part>.jsonl")
   parser.add_argument("--torchrec-random", action="store_true")
@@ -242,10 +248,11 @@ def main(argv=None) -> None:
     from benchmarks import managed_prototypes as mpr
 
     path = os.path.join(OUT, f"runs-prototypes-{args.part}.jsonl")
-    run(list(mpr.PROTOTYPES), args.seeds, path, mpr.PrototypeFeed)
+    run(list(mpr.PROTOTYPES), range(args.first_seed, args.seeds), path, mpr.PrototypeFeed)
   else:
     settings = args.settings.split(";") if args.settings else list(SETTINGS)
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
       raise SystemExit(f"Unknown settings {unknown}; expected some of {list(SETTINGS)}.")
-    run(settings, args.seeds, os.path.join(OUT, f"runs-{args.part}.jsonl"))
+    seeds = range(args.first_seed, args.seeds)
+    run(settings, seeds, os.path.join(OUT, f"runs-{args.part}.jsonl"))
