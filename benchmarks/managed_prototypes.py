@@ -3,6 +3,11 @@
 kernel (issue 45). Not the package's map: a dict-based one written for this screen, fed to the
 same TF model as benchmarks/managed_sweep.py's settings (rows given to new keys reset first).
 
+"Absence in own gaps": a row's distance is
+counted in its mean gaps between occurrences since its key took the row (count over steps held;
+at least 1): a key absent for longer than usual loses its score, one seen as often as before
+keeps its count.
+
 `distance_lfu`, as the package scores it: a row's count over its distance (steps since its key was
 last seen) to the power `decay`; a new key competes with its count so far (candidate count plus
 this step's occurrences). "Newcomers scored like incumbents": a new key seen before (as a
@@ -20,24 +25,29 @@ import tensorflow as tf
 import tpu_embedding
 from benchmarks import managed_policies as mp
 
-PROTOTYPES = {  # name: (newcomers scored like incumbents, decay)
-  "prototype: distance_lfu compete, decay 1": (False, 1.0),
-  "prototype: distance_lfu compete, newcomers scored like rows, decay 1": (True, 1.0),
-  "prototype: distance_lfu compete, newcomers scored like rows, decay 0.5": (True, 0.5),
+PROTOTYPES = {  # name: (newcomers scored like incumbents, decay, distance in own gaps)
+  "prototype: distance_lfu compete, decay 1": (False, 1.0, False),
+  "prototype: distance_lfu compete, newcomers scored like rows, decay 1": (True, 1.0, False),
+  "prototype: distance_lfu compete, newcomers scored like rows, decay 0.5": (True, 0.5, False),
+  "prototype: absence in own gaps, decay 1": (False, 1.0, True),
+  "prototype: absence in own gaps, decay 2": (False, 2.0, True),
 }
 
 
 class PrototypeMap:
   """Rows 1.. of a table of `capacity` rows for keys; row 0 for keys without one."""
 
-  def __init__(self, capacity: int, symmetric: bool, decay: float):
-    self.capacity, self.symmetric, self.decay = capacity, symmetric, decay
-    self.row_of, self.key_of, self.count, self.last = {}, {}, {}, {}
+  def __init__(self, capacity: int, symmetric: bool, decay: float, in_gaps: bool):
+    self.capacity, self.symmetric, self.decay, self.in_gaps = capacity, symmetric, decay, in_gaps
+    self.row_of, self.key_of, self.count, self.last, self.taken = {}, {}, {}, {}, {}
     self.candidates, self.candidate_last = {}, {}
     self.step = 0
 
   def _score(self, row: int) -> float:
-    return self.count[row] / (self.step - self.last[row]) ** self.decay
+    distance = self.step - self.last[row]
+    if self.in_gaps:  # the absence over the row's mean gap since its key took it, at least 1
+      distance = max(1.0, distance * self.count[row] / (self.step - self.taken[row] + 1))
+    return self.count[row] / distance**self.decay
 
   def train(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row of each key, rows given to new keys) after one training step."""
@@ -56,7 +66,7 @@ class PrototypeMap:
       if row in self.key_of:
         del self.row_of[self.key_of[row]]
       self.row_of[key], self.key_of[row] = row, key
-      self.count[row], self.last[row] = totals[key], self.step
+      self.count[row], self.last[row], self.taken[row] = totals[key], self.step, self.step
     self._remember(new, totals, {k for k, _ in given})
     return self.lookup(keys), np.array([r for _, r in given], np.int64)
 

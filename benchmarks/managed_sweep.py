@@ -244,15 +244,14 @@ def main(argv=None) -> None:
     print(text)
   elif args.torchrec_random:
     run_torchrec_random(args.seeds, os.path.join(OUT, "torchrec-random.json"))
-  elif args.prototypes:
-    from benchmarks import managed_prototypes as mpr
-
-    path = os.path.join(OUT, f"runs-prototypes-{args.part}.jsonl")
-    run(list(mpr.PROTOTYPES), range(args.first_seed, args.seeds), path, mpr.PrototypeFeed)
   else:
-    settings = args.settings.split(";") if args.settings else list(SETTINGS)
-    unknown = [s for s in settings if s not in SETTINGS]
+    feed, known, runs = SweepFeed, SETTINGS, f"runs-{args.part}.jsonl"
+    if args.prototypes:
+      from benchmarks import managed_prototypes as mpr
+
+      feed, known, runs = mpr.PrototypeFeed, mpr.PROTOTYPES, f"runs-prototypes-{args.part}.jsonl"
+    settings = args.settings.split(";") if args.settings else list(known)
+    unknown = [s for s in settings if s not in known]
     if unknown:
-      raise SystemExit(f"Unknown settings {unknown}; expected some of {list(SETTINGS)}.")
-    seeds = range(args.first_seed, args.seeds)
-    run(settings, seeds, os.path.join(OUT, f"runs-{args.part}.jsonl"))
+      raise SystemExit(f"Unknown settings {unknown}; expected some of {list(known)}.")
+    run(settings, range(args.first_seed, args.seeds), os.path.join(OUT, runs), feed)

@@ -9,7 +9,7 @@ A, B, C, D = 11, 22, 33, 44
 
 
 def _steps(symmetric):
-  m = PrototypeMap(3, symmetric, 1.0)  # rows 1 and 2 for keys
+  m = PrototypeMap(3, symmetric, 1.0, False)  # rows 1 and 2 for keys
   out = [m.train(np.array(keys)) for keys in ([A, B, B, B], [C], [D])]
   for _ in range(6):  # steps 4-9
     m.train(np.array([D]))
@@ -34,3 +34,14 @@ def test_newcomer_seen_before_competes_with_count_over_its_gap():
   assert rows.tolist() == [2] and given.tolist() == [2]  # 2 > 0.33
   _, _, (rows, given) = _steps(symmetric=True)
   assert rows.tolist() == [0] and given.tolist() == []  # 2 / (10 - 2) = 0.25 <= 0.33
+
+
+@pytest.mark.parametrize("in_gaps, rows", [(False, [2]), (True, [0])])
+def test_absence_counted_in_the_rows_own_gaps(in_gaps, rows):
+  m = PrototypeMap(3, False, 1.0, in_gaps)
+  for keys in ([A, A, B], [A], [A]):
+    m.train(np.array(keys))
+  # Step 4: B (count 1, row held 4 steps) absent 3 steps: 1 / 3 plainly, but 3 steps are 0.75 of
+  # its mean gap (4 / 1), counted as 1: score 1, which C's count 1 does not beat.
+  got, _ = m.train(np.array([C]))
+  assert got.tolist() == rows
