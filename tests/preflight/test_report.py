@@ -1,12 +1,10 @@
-"""The pre-flight report: its markdown (figures worked by hand), its plot, its sources and its
-command line (in process; one child process in the integration tier)."""
+"""The pre-flight report: its markdown (figures worked by hand), its plot and its command line
+(in process; one child process in the integration tier)."""
 
 import io
-import json
 import os
 import subprocess
 import sys
-import zipfile
 
 import numpy as np
 import pytest
@@ -14,18 +12,13 @@ import tensorflow as tf
 
 from tpu_embedding import preflight, tf_internals
 from tpu_embedding.preflight import __main__ as cli
-from tpu_embedding.preflight import progress, report, sources
+from tpu_embedding.preflight import report, sources
+
+from preflight_features import feature_config
 
 emb = tf.tpu.experimental.embedding
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH = 16
-
-
-def _feature_config():
-  return {
-    "user": emb.FeatureConfig(emb.TableConfig(100, 8, name="user")),
-    "movie": emb.FeatureConfig(emb.TableConfig(50, 4, name="movie")),
-  }
 
 
 def _batches(count=3, seed=0):
@@ -40,7 +33,7 @@ def _batches(count=3, seed=0):
 
 
 def _model():
-  return sources.ModelConfig(_feature_config(), "adagrad", "two tables")
+  return sources.ModelConfig(feature_config(), "adagrad", "two tables")
 
 
 @pytest.mark.skipif(tf_internals.SPARSE_CORE_CONFIG is None, reason="no SparseCore limits")
@@ -68,7 +61,7 @@ def test_the_markdown_on_sparse_core_holds_the_plan_and_the_data_statistics():
   assert "**PartialTPUEmbedding size_threshold:** None: every table fits replicated" in text
   # Part 1's figures, as its functions give them for the same batches:
   stats = preflight.sparse_core_stats(
-    _feature_config(), _batches(), num_chips=4, sparse_cores_per_chip=4, optimizer="adagrad"
+    feature_config(), _batches(), num_chips=4, sparse_cores_per_chip=4, optimizer="adagrad"
   )
   limits = preflight.sparse_core_config(stats)
   (name,) = [key for key in stats if key != report.PER_CHIP]
@@ -121,70 +114,6 @@ def test_the_plot_is_a_png_and_a_missing_matplotlib_is_named(tmp_path, monkeypat
   with pytest.raises(ValueError, match="The plot needs matplotlib, which is not installed"):
     report.write_plot(built, str(tmp_path / "other.png"))
   assert not (tmp_path / "other.png").exists()
-
-
-def test_the_progress_line():
-  assert progress.line(12, 30, "batches") == f"[{'#' * 12}{'.' * 18}] 12/30 batches"
-  assert progress.line(7, None, "batches") == "7 batches"
-  stream = io.StringIO()
-  assert list(progress.progress(range(2), stream=stream)) == [0, 1]
-  assert stream.getvalue() == "\r1 batches\r2 batches\r2 batches\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources
-
-
-def test_csv_and_tfrecord_files_give_the_ids_they_hold(tmp_path):
-  csv = tmp_path / "ids.csv"
-  csv.write_text("movie,user,label\n3,7,1\n4,8,0\n5,9,1\n")
-  (first,) = list(sources.load_batches(str(csv), _feature_config(), 3)[0])
-  assert first["user"].numpy().tolist() == [7, 8, 9]
-  assert first["movie"].numpy().tolist() == [3, 4, 5]
-  assert set(first) == {"user", "movie"}
-
-  records = tmp_path / "ids.tfrecord"
-  with tf.io.TFRecordWriter(str(records)) as writer:
-    for user, movies in [([1], [2, 3]), ([4], [])]:
-      feature = {
-        "user": tf.train.Feature(int64_list=tf.train.Int64List(value=user)),
-        "movie": tf.train.Feature(int64_list=tf.train.Int64List(value=movies)),
-      }
-      writer.write(
-        tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
-      )
-  (batch,) = list(sources.load_batches(str(records), _feature_config(), 2)[0])
-  assert tf.sparse.to_dense(batch["movie"]).numpy().tolist() == [[2, 3], [0, 0]]
-  assert batch["movie"].indices.numpy().tolist() == [[0, 0], [0, 1]]
-  assert batch["user"].values.numpy().tolist() == [1, 4]
-
-
-def test_a_saved_keras_layer_config_is_read_with_its_optimizers(tmp_path):
-  from tpu_embedding import config as config_lib
-  from tpu_embedding.keras import saving
-
-  prepared = config_lib.prepare(_feature_config(), emb.Adam(0.1))
-  document = {
-    "config": {
-      "layers": [{"config": {"feature_config": saving.serialize_feature_config(prepared)}}]
-    }
-  }
-  path = tmp_path / "model.json"
-  path.write_text(json.dumps(document))
-  keras_file = tmp_path / "model.keras"  # a zip holding config.json, as Keras 3 saves
-  with zipfile.ZipFile(keras_file, "w") as archive:
-    archive.writestr("config.json", json.dumps(document))
-  for saved in (path, keras_file):
-    loaded = sources.load_config(str(saved))
-    tables = {f.table.name: f.table for f in loaded.feature_config.values()}
-    assert {name: (t.vocabulary_size, t.dim) for name, t in tables.items()} == {
-      "user": (100, 8),
-      "movie": (50, 4),
-    }
-    assert all(isinstance(t.optimizer, emb.Adam) for t in tables.values())
-  path.write_text(json.dumps({"config": {}}))
-  with pytest.raises(ValueError, match="holds no embedding layer config"):
-    sources.load_config(str(path))
 
 
 @pytest.mark.parametrize(
