@@ -3,7 +3,9 @@ every test that starts a process is marked `integration` (left out by `make test
 
 `tests/<path>/test_<name>.py` tests `tpu_embedding/<path>/<name>.py` (or, for `examples/`,
 `benchmarks/` and `colabs/`, the repository's own folder); `test_<folder>.py` tests a folder as a
-whole. Helpers live in `tests/support/`, scripts a child process runs in `tests/jobs/`.
+whole. Every module has its test file, or a row of `TESTED_THROUGH` names the file that tests it
+through its callers. Helpers live in `tests/support/`, scripts a child process runs in
+`tests/jobs/`.
 """
 
 import os
@@ -34,6 +36,34 @@ ACROSS_MODULES = {
   "managed_ids/test_tpu_step_keys.py",
   "managed_ids/test_refused_calls.py",  # a refused call changes no map, on all five layers
   "preflight/test_jax_comparison.py",  # the statistics beside jax-tpu-embedding's host code
+}
+
+# Modules without a test file of their own, each tested through another: module -> test file.
+TESTED_THROUGH = {
+  # The mixins both Keras flavours of a layer share, tested as the tf-keras layer (and as Keras
+  # 3's in tests/keras/).
+  "tpu_embedding/layer_core.py": "tests/test_layer.py",
+  "tpu_embedding/partial_core.py": "tests/test_partial.py",
+  # Its one test needs that file's trained ranker (a module fixture) and NumPy lowering.
+  "tpu_embedding/serving_error.py": "tests/test_quantization.py",
+  # The SparseCore path's tables and checkpoints, through TpuV2Backend on TF's TPUEmbeddingV2.
+  "tpu_embedding/sparse_core.py": "tests/backends/test_tpu_v2.py",
+  # The engine's update of every table, against the float64 reference over whole steps.
+  "tpu_embedding/engine/backward.py": "tests/engine/test_engine.py",
+  # A layer's maps applied to its feature nest: meaningful only inside a layer.
+  "tpu_embedding/managed_ids/tables.py": "tests/managed_ids/test_layer_mixin.py",
+  # An abstract interface, tested through every path that implements it.
+  "tpu_embedding/backends/base.py": "tests/backends/test_backends.py",
+  # The CPU path is the engine behind the layer.
+  "tpu_embedding/backends/cpu.py": "tests/engine/test_engine.py",
+  # Resets of tables the Keras optimizer trains: TPU V0's (the parameter-server refusal in
+  # tests/managed_ids/test_sharded.py).
+  "tpu_embedding/backends/keras_trained.py": "tests/managed_ids/test_tpu_v0.py",
+  # Where SparseCore sends each id, read through the statistics that count them against the
+  # brute-force routing of tests/support/sparse_core_reference.py.
+  "tpu_embedding/preflight/routing.py": "tests/preflight/test_input_stats.py",
+  # Each TPU path's reset writer (at once, deferred to flushes, routed by Partial's side).
+  "tpu_embedding/backends/row_writers.py": "tests/managed_ids/test_tpu.py",
 }
 
 
@@ -75,12 +105,44 @@ def test_a_test_file_mirrors_what_it_tests():
   assert [f for f in named if not os.path.exists(os.path.join(ROOT, _tested(f)))] == []
 
 
+def _modules() -> list[str]:
+  """Every module of the package but `__init__.py` and `__main__.py`, relative to the repository."""
+  found = []
+  for folder, dirs, names in os.walk(os.path.join(ROOT, "tpu_embedding")):
+    dirs[:] = [d for d in dirs if d != "__pycache__"]
+    found += [
+      os.path.relpath(os.path.join(folder, name), ROOT)
+      for name in names
+      if name.endswith(".py") and name not in ("__init__.py", "__main__.py")
+    ]
+  return sorted(found)
+
+
+def _mirror(module: str) -> str:
+  """`tests/<path>/test_<name>.py` for `tpu_embedding/<path>/<name>.py`, relative to `tests/`."""
+  folder, name = os.path.split(os.path.relpath(module, "tpu_embedding"))
+  return os.path.join(folder, "test_" + name)
+
+
+def test_every_module_has_its_mirrored_test_file_or_says_where_it_is_tested():
+  missing = [m for m in _modules() if _mirror(m) not in FILES and m not in TESTED_THROUGH]
+  assert missing == []
+  assert [f for f in TESTED_THROUGH.values() if os.path.relpath(f, "tests") not in FILES] == []
+
+
+def test_a_module_with_its_own_test_file_is_not_listed_as_tested_through_another():
+  assert [m for m in TESTED_THROUGH if _mirror(m) in FILES] == []
+  assert [m for m in TESTED_THROUGH if not os.path.exists(os.path.join(ROOT, m))] == []
+
+
 def test_the_mirror_rule_reads_paths_as_documented():
   assert _tested("engine/test_lookup.py") == "tpu_embedding/engine/lookup.py"
   assert _tested("backends/test_backends.py") == "tpu_embedding/backends"
   assert _tested("test_config.py") == "tpu_embedding/config.py"
   assert _tested("test_build_backend.py") == "build_backend.py"
   assert _tested("examples/data/test_movielens.py") == "examples/data/movielens.py"
+  assert _mirror("tpu_embedding/engine/lookup.py") == "engine/test_lookup.py"
+  assert _mirror("tpu_embedding/config.py") == "test_config.py"
 
 
 STARTS_A_PROCESS = re.compile(r"subprocess\.(run|Popen)|run_python\(|NotebookClient|LocalCluster\(")
