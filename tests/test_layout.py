@@ -46,8 +46,6 @@ TESTED_THROUGH = {
   "tpu_embedding/partial_core.py": "tests/test_partial.py",
   # Its one test needs that file's trained ranker (a module fixture) and NumPy lowering.
   "tpu_embedding/serving_error.py": "tests/test_quantization.py",
-  # The SparseCore path's tables and checkpoints, through TpuV2Backend on TF's TPUEmbeddingV2.
-  "tpu_embedding/sparse_core.py": "tests/backends/test_tpu_v2.py",
   # The engine's update of every table, against the float64 reference over whole steps.
   "tpu_embedding/engine/backward.py": "tests/engine/test_engine.py",
   # A layer's maps applied to its feature nest: meaningful only inside a layer.

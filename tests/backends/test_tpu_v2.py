@@ -1,5 +1,6 @@
-"""The SparseCore path (tpu_embedding.backends.TpuV2Backend, tpu_embedding.sparse_core) on TF's
-real `TPUEmbeddingV2` under `tpu_harness.StandInTPUStrategy`.
+"""The SparseCore path (tpu_embedding.backends.TpuV2Backend) on TF's real `TPUEmbeddingV2` under
+`tpu_harness.StandInTPUStrategy` (a SparseCore checkpoint read by table name, `sparse_core`'s
+own: tests/test_sparse_core.py).
 
 TF's own constructor stacks and pads the tables and creates the variables with its sharded
 layout on CPU; nothing here runs on a TPU. TF 2.16 has `TPUEmbeddingV2` but no SparseCore
@@ -11,36 +12,24 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tpu_embedding import hardware, serving, sparse_core, tf_internals
+from tpu_embedding import hardware, serving, sparse_core
 from tpu_embedding.layer import TPUEmbedding
 
 import tpu_harness
-from tpu_harness import logical_by_hand, pattern, stacked_by_hand
+from sparse_core_layers import (
+  BATCH,
+  HAS_SPARSE_CORE,
+  SIZES,
+  cpu_layer,
+  feature_config,
+  sparse_core_layer,
+  tables_by_name,
+  written_layer,
+)
+from tpu_harness import logical_by_hand, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding
-HAS_SPARSE_CORE = tf_internals.SPARSE_CORE_CHECKPOINTS is not None
 pytestmark = pytest.mark.skipif(not HAS_SPARSE_CORE, reason=f"no SparseCore on TF {tf.__version__}")
-BATCH = 4
-SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset
-
-
-def _config():
-  tables = {
-    name: emb.TableConfig(vocabulary, dim, name=name, initializer=pattern(offset))
-    for name, (vocabulary, dim, offset) in SIZES.items()
-  }
-  return {
-    "x": emb.FeatureConfig(tables["video"], output_shape=[BATCH]),
-    "y": emb.FeatureConfig(tables["user"], output_shape=[BATCH]),
-  }
-
-
-def _layer(strategy, stacking=True):
-  sc_config = emb.SparseCoreEmbeddingConfig(disable_table_stacking=not stacking)
-  with strategy.scope():
-    layer = TPUEmbedding(_config(), optimizer="adagrad", sparse_core_embedding_config=sc_config)
-    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
-  return layer
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -49,7 +38,7 @@ def test_embedding_tables_are_the_logical_tables(monkeypatch, replicas, stacking
   """Failure 4: tables of dims 4 and 2 with one optimizer share one padded stack; each table's
   value is read back un-dealt, un-rotated and un-padded."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2, replicas)
-  layer = _layer(strategy, stacking)
+  layer = sparse_core_layer(strategy, stacking)
   layouts = layer.engine.embedding_layouts
   stacks = {layouts[name].stacked_table_name for name in SIZES}
   assert stacks == ({"user_video"} if stacking else {"video", "user"})
@@ -81,7 +70,7 @@ def test_what_sparse_core_does_not_apply_is_refused_by_table_and_setting(
   """Failure 8: TF's SparseCore update silently skips clipping (and raises NotImplementedError
   deep inside for weight decay)."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  config = _config()
+  config = feature_config()
   config["y"].table.optimizer = optimizer()
   with strategy.scope():
     with pytest.raises(ValueError, match=rf"(?s)'user'.*{setting}.*TPU_V2"):
@@ -92,56 +81,38 @@ def test_a_keras_clipvalue_is_refused_on_sparse_core(monkeypatch):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   with strategy.scope():
     with pytest.raises(ValueError, match=r"(?s)'video'.*clipvalue.*TPU_V2"):
-      TPUEmbedding(_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.1, clipvalue=0.5))
-
-
-def _cpu_layer():
-  layer = TPUEmbedding(_config(), optimizer="adagrad")
-  layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
-  return layer
-
-
-def _by_name(tables):
-  return {t.name: np.asarray(v) for t, v in tables.items()}
+      TPUEmbedding(feature_config(), optimizer=tf_keras.optimizers.legacy.SGD(0.1, clipvalue=0.5))
 
 
 def test_a_cpu_checkpoint_restores_into_sparse_core_through_tfs_adapter(monkeypatch, tmp_path):
   """Failure 5, CPU -> V2: per-table keys, re-sharded by TF's checkpoint adapter. The restore
   must be issued before the layer is built (TF applies the adapter when it creates the
   variables)."""
-  cpu = _cpu_layer()
+  cpu = cpu_layer()
   for variable in cpu.embedding_tables.values():
     variable.assign(variable * 2.0 + 7.0)
   path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
   with strategy.scope():
-    layer = TPUEmbedding(_config(), optimizer="adagrad")
+    layer = TPUEmbedding(feature_config(), optimizer="adagrad")
   tf.train.Checkpoint(layer=layer).read(path)
   with strategy.scope():
     layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
-  want = _by_name(cpu.embedding_tables)
-  for name, value in _by_name(layer.embedding_tables).items():
+  want = tables_by_name(cpu.embedding_tables)
+  for name, value in tables_by_name(layer.embedding_tables).items():
     np.testing.assert_array_equal(value, want[name], err_msg=name)
-
-
-def _written_layer(monkeypatch, tmp_path, seed):
-  """(strategy, a built stacked layer whose stack holds seeded values, the checkpoint it wrote)."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
-  tpu_harness.fill_shards(layer.variables_by_table["user_video"].values(), seed)
-  return strategy, layer, tf.train.Checkpoint(layer=layer).write(str(tmp_path / "sc"))
 
 
 def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkeypatch, tmp_path):
   """TF re-shards a per-table checkpoint only while it creates the SparseCore variables; read
   into a built layer it would change nothing in silence. Refused instead, before any value is
   assigned."""
-  cpu = _cpu_layer()
+  cpu = cpu_layer()
   for variable in cpu.embedding_tables.values():
     variable.assign(variable * 2.0 + 7.0)
   path = tf.train.Checkpoint(layer=cpu).write(str(tmp_path / "cpu"))
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
+  layer = sparse_core_layer(strategy)
   before = {
     name: {slot: stacked_by_hand(v) for slot, v in slots.items()}
     for name, slots in layer.variables_by_table.items()
@@ -155,89 +126,11 @@ def test_a_cpu_checkpoint_read_after_build_is_refused_and_changes_nothing(monkey
 
 def test_a_sparse_core_checkpoint_read_after_build_still_restores(monkeypatch, tmp_path):
   """Same layout on both sides: TF restores the stacked variables directly, built or not."""
-  strategy, saved, path = _written_layer(monkeypatch, tmp_path, seed=2)
-  layer = _layer(strategy)
+  strategy, saved, path = written_layer(monkeypatch, tmp_path, seed=2)
+  layer = sparse_core_layer(strategy)
   tf.train.Checkpoint(layer=layer).read(path).assert_consumed()
-  want = _by_name(saved.embedding_tables)
-  for name, value in _by_name(layer.embedding_tables).items():
-    np.testing.assert_array_equal(value, want[name], err_msg=name)
-
-
-def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
-  """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
-  tables and Adagrad accumulators."""
-  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=1)
-  stacked = layer.engine.variables["user_video"]
-  cpu = _cpu_layer()
-  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
-  layouts = layer.engine.embedding_layouts
-  for name, variables in cpu.variables_by_table.items():
-    for slot in ("parameters", "accumulators"):
-      want = logical_by_hand(stacked_by_hand(stacked[slot]), layouts[name])
-      np.testing.assert_array_equal(variables[slot].numpy(), want, err_msg=f"{name} {slot}")
-
-
-@pytest.mark.parametrize(
-  "feature,optimizer",
-  [(hardware.EmbeddingFeature.V1, "adagrad"), (hardware.EmbeddingFeature.UNSUPPORTED, "sgd")],
-  ids=["V1", "V0"],
-)
-def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(
-  monkeypatch, tmp_path, feature, optimizer
-):
-  """V1 and V0 keep per-table variables: a SparseCore checkpoint names only its stacks, so
-  they would keep their values in silence."""
-  _, _, path = _written_layer(monkeypatch, tmp_path, seed=6)
-  monkeypatch.undo()  # the next stand-in stubs TF's own runtime functions again
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, feature)
-  with strategy.scope():
-    layer = TPUEmbedding(_config(), optimizer=optimizer)
-    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
-  before = {name: value.copy() for name, value in _by_name(layer.embedding_tables).items()}
-  with pytest.raises(
-    ValueError,
-    match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
-    r"restore_from_checkpoint.*Nothing",
-  ):
-    tf.train.Checkpoint(layer=layer).read(path)
-  for name, value in _by_name(layer.embedding_tables).items():
-    np.testing.assert_array_equal(value, before[name], err_msg=name)
-
-
-def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, tmp_path):
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  path = tf.train.Checkpoint(layer=_layer(strategy)).write(str(tmp_path / "sc"))
-  extra = emb.TableConfig(8, 2, name="extra")
-  config = dict(_config(), z=emb.FeatureConfig(extra))
-  cpu = TPUEmbedding(config, optimizer="adagrad")
-  cpu.build(
-    {"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH]), "z": tf.TensorShape([BATCH])}
-  )
-  before = {
-    name: {s: v.numpy() for s, v in slots.items()} for name, slots in cpu.variables_by_table.items()
-  }
-  with pytest.raises(ValueError, match=r"no table \['extra'\]"):
-    sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
-  for name, slots in cpu.variables_by_table.items():
-    for slot, variable in slots.items():
-      np.testing.assert_array_equal(variable.numpy(), before[name][slot])
-
-
-def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoint(
-  monkeypatch, tmp_path
-):
-  """Cross-check of sparse_core.restore_from_checkpoint with TF's TPUEmbeddingForServing,
-  which restores SparseCore checkpoints its own way (a restore issued before it is built)."""
-  strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  path = tf.train.Checkpoint(layer=_layer(strategy)).write(str(tmp_path / "sc"))
-  cpu = _cpu_layer()
-  sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
-  serving = emb.TPUEmbeddingForServing(_config(), emb.Adagrad(0.1))
-  holder = tf.train.Checkpoint(_tpu_embedding=serving)  # the path the layer saved under
-  tf.train.Checkpoint(layer=holder).read(path).expect_partial()
-  serving.build()
-  want = _by_name(cpu.embedding_tables)
-  for name, value in _by_name(serving.embedding_tables).items():
+  want = tables_by_name(saved.embedding_tables)
+  for name, value in tables_by_name(layer.embedding_tables).items():
     np.testing.assert_array_equal(value, want[name], err_msg=name)
 
 
@@ -246,7 +139,7 @@ def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking)
   """TF's own preprocessing and lookup graph (traced, not run). The backward step is not
   traced: TF reads SparseCore variables only inside a real TPU replica context."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy, stacking)
+  layer = sparse_core_layer(strategy, stacking)
 
   @tf.function
   def step(ids):
@@ -264,7 +157,7 @@ def test_a_lookup_traces_one_sparse_core_matmul_per_stack(monkeypatch, stacking)
 
 
 def _serving_signature(layer):
-  video = _config()["x"]
+  video = feature_config()["x"]
 
   @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
   def serve(ids):
@@ -279,7 +172,7 @@ def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing
   """The export would hold TF's stacked, padded variables, not the tables by name (its
   `embedding_tables` and `tables=` are by table name): refused with the way that works."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  layer = _layer(strategy)
+  layer = sparse_core_layer(strategy)
   with pytest.raises(ValueError, match=r"(?s)SparseCore.*restore_from_checkpoint"):
     serving.export_for_serving(layer, str(tmp_path / "export"), _serving_signature(layer))
   assert list(tmp_path.iterdir()) == []
@@ -288,13 +181,13 @@ def test_export_for_serving_of_a_sparse_core_layer_is_refused_and_writes_nothing
 def test_a_sparse_core_layer_serves_through_its_checkpoint_in_a_cpu_layer(monkeypatch, tmp_path):
   """The documented way to serve a SparseCore layer: restore its checkpoint into a CPU layer,
   export that; lookups give the SparseCore layer's logical rows."""
-  _, layer, path = _written_layer(monkeypatch, tmp_path, seed=4)
-  cpu = _cpu_layer()
+  _, layer, path = written_layer(monkeypatch, tmp_path, seed=4)
+  cpu = cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   exported = serving.export_for_serving(cpu, str(tmp_path / "export"), _serving_signature(cpu))
   loaded = tf.saved_model.load(exported)
   ids = [0, 3, 15, 3]
   (out,) = loaded.signatures["serving_default"](ids=tf.constant(ids)).values()
-  video = _by_name(layer.embedding_tables)["video"]
+  video = tables_by_name(layer.embedding_tables)["video"]
   np.testing.assert_array_equal(out.numpy(), video[ids])
   np.testing.assert_array_equal(loaded.embedding_tables["video"].numpy(), video)
