@@ -57,9 +57,6 @@ TESTED_THROUGH = {
   # Resets of tables the Keras optimizer trains: TPU V0's (the parameter-server refusal in
   # tests/managed_ids/test_sharded.py).
   "tpu_embedding/backends/keras_trained.py": "tests/managed_ids/test_tpu_v0.py",
-  # Where SparseCore sends each id, read through the statistics that count them against the
-  # brute-force routing of tests/support/sparse_core_reference.py.
-  "tpu_embedding/preflight/routing.py": "tests/preflight/test_input_stats.py",
   # Each TPU path's reset writer (at once, deferred to flushes, routed by Partial's side).
   "tpu_embedding/backends/row_writers.py": "tests/managed_ids/test_tpu.py",
 }
