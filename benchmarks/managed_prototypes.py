@@ -13,6 +13,8 @@ last seen) to the power `decay`; a new key competes with its count so far (candi
 this step's occurrences). "Newcomers scored like incumbents": a new key seen before (as a
 candidate) competes with its count over the steps since it was last seen, as a row does; one
 never seen (or pruned) with its count. Candidates, pruning and ties as in docs/managed-ids.md.
+
+"Adaptive": `AdaptiveMap`, a score that learns from the stream how fast to forget (ADAPTIVE).
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ PROTOTYPES = {  # name: (newcomers scored like incumbents, decay, distance in ow
   "prototype: distance_lfu compete, newcomers scored like rows, decay 0.5": (True, 0.5, False),
   "prototype: absence in own gaps, decay 1": (False, 1.0, True),
   "prototype: absence in own gaps, decay 2": (False, 2.0, True),
+  "prototype: distance_lfu compete, decay 0": (False, 0.0, False),  # AdaptiveMap's long memory
 }
+ADAPTIVE = {  # name: (long memory's decay, short memory's decay, window in steps, by count)
+  "prototype: adaptive, decay 0 or 2 by ghost hits, window 10": (0.0, 2.0, 10, False),
+  "prototype: adaptive, decay 0 or 2 by ghost hits, window 40": (0.0, 2.0, 40, False),
+  "prototype: adaptive, decay 0 or 2 by count-weighed ghosts, window 10": (0.0, 2.0, 10, True),
+}
+PROTOTYPES.update(ADAPTIVE)
 
 
 class PrototypeMap:
@@ -105,6 +114,62 @@ class PrototypeMap:
     return np.array([self.row_of.get(k, 0) for k in keys.tolist()], np.int64)
 
 
+class AdaptiveMap(PrototypeMap):
+  """`distance_lfu` compete whose decay each step is one of two, chosen by which would have
+  evicted fewer keys that came back (ARC-like ghosts; deterministic).
+
+  Long memory: decay `long` (0: the count alone, LFU); short memory: decay `short` (2: recency
+  weighted). Each step that evicts n rows, each decay's n victims are the n lowest rows under its
+  score (ties as in `_admit`; the decay in force picks the rows actually evicted). A key among one
+  decay's victims but not the other's goes into that decay's ghosts with the step. A key of a
+  later batch found in a decay's ghosts within `window` steps of that step is a miss of that
+  decay (it came back: the other would have kept it), counted once and leaves the ghosts; with
+  `by_count`, a miss weighs the key's count when it became a ghost (the training its row had),
+  else 1. The step's decay is the one with fewer misses over the last `window` steps; on a tie
+  the decay of the previous step stays (long memory at first).
+  """
+
+  def __init__(self, capacity: int, long: float, short: float, window: int, by_count: bool):
+    super().__init__(capacity, False, long, False)
+    self.decays, self.window, self.by_count = (long, short), window, by_count
+    self.ghosts = ({}, {})  # per decay, {key: (step it would have been evicted, weight)}
+    self.misses = collections.deque()  # (step, index of the decay that missed, weight)
+    self.choices = []  # the decay in force at each step
+
+  def train(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    step = self.step + 1
+    for key in dict.fromkeys(keys.tolist()):
+      for i, ghosts in enumerate(self.ghosts):
+        if key in ghosts:
+          at, weight = ghosts.pop(key)
+          if step - at <= self.window:
+            self.misses.append((step, i, weight))
+    while self.misses and step - self.misses[0][0] >= self.window:
+      self.misses.popleft()
+    counts = [sum(w for _, i, w in self.misses if i == j) for j in (0, 1)]
+    if counts[0] != counts[1]:
+      self.decay = self.decays[int(counts[1] < counts[0])]
+    self.choices.append(self.decay)
+    return super().train(keys)
+
+  def _admit(self, new: list, totals: dict) -> list:
+    given = super()._admit(new, totals)
+    evicted = sum(row in self.key_of for _, row in given)
+    rows = [r for r in self.key_of if self.last[r] < self.step]
+    victims = []
+    for decay in self.decays:
+      order = sorted(
+        rows, key=lambda r: (self.count[r] / (self.step - self.last[r]) ** decay, self.last[r], r)
+      )
+      victims.append({self.key_of[r]: self.count[r] for r in order[:evicted]})
+    for i, ghosts in enumerate(self.ghosts):
+      for key in victims[i].keys() - victims[1 - i].keys():
+        ghosts[key] = (self.step, victims[i][key] if self.by_count else 1)
+      for key in [k for k, (s, _) in ghosts.items() if self.step - s > self.window]:
+        del ghosts[key]
+    return given
+
+
 class PrototypeFeed(mp.Feed):
   """The rows a `PrototypeMap` per table gives, in a managed table of as many rows whose own map
   never steps; rows given to new keys are reset before the step that reads them."""
@@ -114,7 +179,8 @@ class PrototypeFeed(mp.Feed):
   def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
     self.variant = variant
     self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(), seed)
-    self.maps = {name: PrototypeMap(c, *PROTOTYPES[variant]) for name, c in capacities.items()}
+    kind = AdaptiveMap if variant in ADAPTIVE else PrototypeMap
+    self.maps = {name: kind(c, *PROTOTYPES[variant]) for name, c in capacities.items()}
     self._reset = tf.function(self.layer.reset_rows, reduce_retracing=True)
     self.started = False
 
