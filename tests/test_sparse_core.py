@@ -11,28 +11,20 @@ import tensorflow as tf
 from tpu_embedding import hardware, sparse_core
 from tpu_embedding.layer import TPUEmbedding
 
+import sparse_core_layers as layers
 import tpu_harness
-from sparse_core_layers import (
-  BATCH,
-  HAS_SPARSE_CORE,
-  cpu_layer,
-  feature_config,
-  sparse_core_layer,
-  tables_by_name,
-  written_layer,
-)
 from tpu_harness import logical_by_hand, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding
-pytestmark = pytest.mark.skipif(not HAS_SPARSE_CORE, reason=f"no SparseCore on TF {tf.__version__}")
+pytestmark = layers.NEEDS_SPARSE_CORE
 
 
 def test_a_sparse_core_checkpoint_restores_into_the_cpu_layer(monkeypatch, tmp_path):
   """Failure 5, V2 -> CPU: stacked, padded, sharded values read back through the layouts,
   tables and Adagrad accumulators."""
-  _, layer, path = written_layer(monkeypatch, tmp_path, seed=1)
+  _, layer, path = layers.written_layer(monkeypatch, tmp_path, seed=1)
   stacked = layer.engine.variables["user_video"]
-  cpu = cpu_layer()
+  cpu = layers.cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
   layouts = layer.engine.embedding_layouts
   for name, variables in cpu.variables_by_table.items():
@@ -51,31 +43,37 @@ def test_a_sparse_core_checkpoint_is_refused_on_other_tpu_paths(
 ):
   """V1 and V0 keep per-table variables: a SparseCore checkpoint names only its stacks, so
   they would keep their values in silence."""
-  _, _, path = written_layer(monkeypatch, tmp_path, seed=6)
+  _, _, path = layers.written_layer(monkeypatch, tmp_path, seed=6)
   monkeypatch.undo()  # the next stand-in stubs TF's own runtime functions again
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, feature)
   with strategy.scope():
-    layer = TPUEmbedding(feature_config(), optimizer=optimizer)
-    layer.build({"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH])})
-  before = {name: value.copy() for name, value in tables_by_name(layer.embedding_tables).items()}
+    layer = TPUEmbedding(layers.feature_config(), optimizer=optimizer)
+    layer.build({"x": tf.TensorShape([layers.BATCH]), "y": tf.TensorShape([layers.BATCH])})
+  before = {
+    name: value.copy() for name, value in layers.tables_by_name(layer.embedding_tables).items()
+  }
   with pytest.raises(
     ValueError,
     match=r"(?s)\['user', 'video'\] stacked by SparseCore.*"
     r"restore_from_checkpoint.*Nothing",
   ):
     tf.train.Checkpoint(layer=layer).read(path)
-  for name, value in tables_by_name(layer.embedding_tables).items():
+  for name, value in layers.tables_by_name(layer.embedding_tables).items():
     np.testing.assert_array_equal(value, before[name], err_msg=name)
 
 
 def test_a_sparse_core_checkpoint_missing_a_table_changes_nothing(monkeypatch, tmp_path):
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  path = tf.train.Checkpoint(layer=sparse_core_layer(strategy)).write(str(tmp_path / "sc"))
+  path = tf.train.Checkpoint(layer=layers.sparse_core_layer(strategy)).write(str(tmp_path / "sc"))
   extra = emb.TableConfig(8, 2, name="extra")
-  config = dict(feature_config(), z=emb.FeatureConfig(extra))
+  config = dict(layers.feature_config(), z=emb.FeatureConfig(extra))
   cpu = TPUEmbedding(config, optimizer="adagrad")
   cpu.build(
-    {"x": tf.TensorShape([BATCH]), "y": tf.TensorShape([BATCH]), "z": tf.TensorShape([BATCH])}
+    {
+      "x": tf.TensorShape([layers.BATCH]),
+      "y": tf.TensorShape([layers.BATCH]),
+      "z": tf.TensorShape([layers.BATCH]),
+    }
   )
   before = {
     name: {s: v.numpy() for s, v in slots.items()} for name, slots in cpu.variables_by_table.items()
@@ -93,13 +91,13 @@ def test_tfs_own_serving_class_reads_the_same_tables_from_a_sparse_core_checkpoi
   """Cross-check of sparse_core.restore_from_checkpoint with TF's TPUEmbeddingForServing,
   which restores SparseCore checkpoints its own way (a restore issued before it is built)."""
   strategy, _ = tpu_harness.tpu_strategy(monkeypatch, hardware.EmbeddingFeature.V2)
-  path = tf.train.Checkpoint(layer=sparse_core_layer(strategy)).write(str(tmp_path / "sc"))
-  cpu = cpu_layer()
+  path = tf.train.Checkpoint(layer=layers.sparse_core_layer(strategy)).write(str(tmp_path / "sc"))
+  cpu = layers.cpu_layer()
   sparse_core.restore_from_checkpoint(path, "layer/_tpu_embedding", cpu.variables_by_table)
-  serving = emb.TPUEmbeddingForServing(feature_config(), emb.Adagrad(0.1))
+  serving = emb.TPUEmbeddingForServing(layers.feature_config(), emb.Adagrad(0.1))
   holder = tf.train.Checkpoint(_tpu_embedding=serving)  # the path the layer saved under
   tf.train.Checkpoint(layer=holder).read(path).expect_partial()
   serving.build()
-  want = tables_by_name(cpu.embedding_tables)
-  for name, value in tables_by_name(serving.embedding_tables).items():
+  want = layers.tables_by_name(cpu.embedding_tables)
+  for name, value in layers.tables_by_name(serving.embedding_tables).items():
     np.testing.assert_array_equal(value, want[name], err_msg=name)

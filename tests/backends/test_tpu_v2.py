@@ -18,7 +18,7 @@ from tpu_embedding.layer import TPUEmbedding
 import tpu_harness
 from sparse_core_layers import (
   BATCH,
-  HAS_SPARSE_CORE,
+  NEEDS_SPARSE_CORE,
   SIZES,
   cpu_layer,
   feature_config,
@@ -29,7 +29,7 @@ from sparse_core_layers import (
 from tpu_harness import logical_by_hand, stacked_by_hand
 
 emb = tf.tpu.experimental.embedding
-pytestmark = pytest.mark.skipif(not HAS_SPARSE_CORE, reason=f"no SparseCore on TF {tf.__version__}")
+pytestmark = NEEDS_SPARSE_CORE
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

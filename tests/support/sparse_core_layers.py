@@ -3,6 +3,7 @@ two tables of dims 4 and 2 on TF's real `TPUEmbeddingV2` under `tpu_harness.Stan
 or on the CPU path."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tpu_embedding import hardware, tf_internals
@@ -13,6 +14,10 @@ from tpu_harness import pattern
 
 emb = tf.tpu.experimental.embedding
 HAS_SPARSE_CORE = tf_internals.SPARSE_CORE_CHECKPOINTS is not None
+# Both files' `pytestmark`: TF before 2.17 has no SparseCore checkpoint adapter.
+NEEDS_SPARSE_CORE = pytest.mark.skipif(
+  not HAS_SPARSE_CORE, reason=f"no SparseCore on TF {tf.__version__}"
+)
 BATCH = 4
 SIZES = {"video": (16, 4, 0.0), "user": (32, 2, 10000.0)}  # vocabulary, dim, value offset
 
