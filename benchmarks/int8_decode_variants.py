@@ -134,7 +134,7 @@ def _export(variant: str, dtype: str, directory: str) -> None:
 
   if dtype == "int8":
     use_variant(variant)
-  serving_latency._export("tpu_embedding", dtype, directory, "small")
+  serving_latency.export_model("tpu_embedding", dtype, directory, "small")
 
 
 def _measure(directories: list[str], seconds: float, out: str) -> None:
@@ -146,7 +146,7 @@ def _measure(directories: list[str], seconds: float, out: str) -> None:
   loaded = [tf.saved_model.load(d) for d in directories]
   serves = [model.signatures["serving_default"] for model in loaded]
   rng = np.random.default_rng(0)
-  request = serving_latency._request(rng, "small", "uniform", 1024)
+  request = serving_latency.make_request(rng, "small", "uniform", 1024)
   scores = [serve(**request)["score"].numpy() for serve in serves]
   # The int8 exports' decoded tables (each through its own decode) and scores, bit for bit.
   tables = [
@@ -163,12 +163,12 @@ def _measure(directories: list[str], seconds: float, out: str) -> None:
   for batch in serving_latency.BATCH_SIZES:
     for serve in serves:
       for _ in range(30):  # warm up
-        serve(**serving_latency._request(rng, "small", "uniform", batch))["score"].numpy()
+        serve(**serving_latency.make_request(rng, "small", "uniform", batch))["score"].numpy()
     times = [[] for _ in serves]
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
       call = len(times[0])
-      request = serving_latency._request(rng, "small", "uniform", batch)
+      request = serving_latency.make_request(rng, "small", "uniform", batch)
       for turn in range(len(serves)):
         which = (call + turn) % len(serves)  # who goes first changes every call
         start = time.perf_counter()

@@ -59,7 +59,7 @@ def _hashed(ids: np.ndarray, capacity: int) -> np.ndarray:
   return (_keys(ids).view(np.uint64) % np.uint64(capacity)).astype(np.int64)
 
 
-def _layer(rows: dict, managed: Optional[tpu_embedding.ManagedIds], seed: int):
+def model_layer(rows: dict, managed: Optional[tpu_embedding.ManagedIds], seed: int):
   """A layer of tables {name: rows}, each managed by `managed` if given."""
   tables = {}
   for name, size in rows.items():
@@ -84,7 +84,9 @@ class Feed:
     self.variant = variant
     rows = full_sizes if variant == FULL else capacities
     policy = POLICIES.get(variant)
-    self.layer = _layer(rows, None if policy is None else tpu_embedding.ManagedIds(**policy), seed)
+    self.layer = model_layer(
+      rows, None if policy is None else tpu_embedding.ManagedIds(**policy), seed
+    )
 
   def train(self, batch: dict) -> dict:
     """The features of one training step (called once per step, in order)."""

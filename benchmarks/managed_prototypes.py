@@ -178,7 +178,7 @@ class PrototypeFeed(mp.Feed):
 
   def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
     self.variant = variant
-    self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(), seed)
+    self.layer = mp.model_layer(capacities, tpu_embedding.ManagedIds(), seed)
     kind = AdaptiveMap if variant in ADAPTIVE else PrototypeMap
     self.maps = {name: kind(c, *PROTOTYPES[variant]) for name, c in capacities.items()}
     self._reset = tf.function(self.layer.reset_rows, reduce_retracing=True)

@@ -55,7 +55,7 @@ class SweepFeed(mp.Feed):
 
   def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
     self.variant = variant
-    self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(**SETTINGS[variant]), seed)
+    self.layer = mp.model_layer(capacities, tpu_embedding.ManagedIds(**SETTINGS[variant]), seed)
 
 
 def cell_name(kind: str, part: int) -> str:

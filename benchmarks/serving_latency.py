@@ -81,7 +81,7 @@ def draw_ids(rng, rows: int, batch: int, distribution: str):
 # Export (one fresh process per implementation)
 
 
-def _export(implementation: str, dtype: str, directory: str, case: str) -> None:
+def export_model(implementation: str, dtype: str, directory: str, case: str) -> None:
   import tensorflow as tf
   import tf_keras
 
@@ -192,7 +192,7 @@ def _measure(directories: list[str], out: str, quick: bool, case: str = "small")
     json.dump(results, f)
 
 
-def _request(rng, case: str, distribution: str, batch: int) -> dict:
+def make_request(rng, case: str, distribution: str, batch: int) -> dict:
   import tensorflow as tf
 
   users, movies = CASES[case]["rows"]
@@ -207,13 +207,13 @@ def _time_calls(serves, rng, case: str, distribution: str, batch: int, quick: bo
   clock starts) that every serve gets."""
   for serve in serves:
     for _ in range(20):  # warm up
-      serve(**_request(rng, case, distribution, batch))["score"].numpy()
+      serve(**make_request(rng, case, distribution, batch))["score"].numpy()
   budget = len(serves) * (0.5 if quick else 3.0)
   times = [[] for _ in serves]
   start = time.perf_counter()
   while (time.perf_counter() - start < budget or len(times[0]) < 50) and len(times[0]) < 20_000:
     call = len(times[0])
-    request = _request(rng, case, distribution, batch)
+    request = make_request(rng, case, distribution, batch)
     for turn in range(len(serves)):
       which = (call + turn) % len(serves)  # who goes first changes every call
       t0 = time.perf_counter()
@@ -249,7 +249,7 @@ def _peak_rss(directory: str, out: str, case: str = "small") -> None:
     rng = np.random.default_rng(0)
     for batch in BATCH_SIZES:
       for _ in range(20):
-        serve(**_request(rng, case, "uniform", batch))["score"].numpy()
+        serve(**make_request(rng, case, "uniform", batch))["score"].numpy()
   with open(out, "w") as f:
     json.dump(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, f)
 
@@ -428,7 +428,7 @@ def main() -> None:
 if __name__ == "__main__":
   case = sys.argv[sys.argv.index("--case") + 1] if "--case" in sys.argv[2:] else "small"
   if len(sys.argv) > 1 and sys.argv[1] == "_export":
-    _export(sys.argv[2], sys.argv[3], sys.argv[4], case)
+    export_model(sys.argv[2], sys.argv[3], sys.argv[4], case)
   elif len(sys.argv) > 1 and sys.argv[1] == "_peak_rss":
     _peak_rss(sys.argv[2], sys.argv[3], case)
   elif len(sys.argv) > 1 and sys.argv[1] == "_measure":

@@ -66,7 +66,7 @@ class RemapFeed(mp.Feed):
 
   def __init__(self, variant: str, capacities: dict, full_sizes: dict, seed: int):
     self.variant = variant
-    self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(**SETTINGS[variant]), seed)
+    self.layer = mp.model_layer(capacities, tpu_embedding.ManagedIds(**SETTINGS[variant]), seed)
     self._remap = tf.function(self.layer.remap, reduce_retracing=True)
     self.hits, self.lookups, self.seconds = 0, 0, []
 
@@ -91,7 +91,7 @@ class TorchRecFeed(mp.Feed):
 
   def __init__(self, chosen: dict, capacities: dict, full_sizes: dict, seed: int):
     self.variant = "torchrec"
-    self.layer = mp._layer(capacities, tpu_embedding.ManagedIds(), seed)
+    self.layer = mp.model_layer(capacities, tpu_embedding.ManagedIds(), seed)
     self.chosen, self.capacities = chosen, capacities
     self._reset = tf.function(self.layer.reset_rows, reduce_retracing=True)
     self.step, self.hits, self.lookups = 0, 0, 0
