@@ -6,10 +6,12 @@ The formats: tf-keras's own format (`save_weights("w.weights.h5")`, `model.save(
 which stores what each layer's `save_own_variables` gives, by name, and the legacy HDF5 writer
 (`save_weights("w.h5")`, `model.save("m.h5")`, `model.save(path, save_format="h5")`), which
 stores each layer's Keras weights by position, as they are: what `flush` applies only after a
-`flush`, and no string keys.
+`flush`. A string-key map holds its strings' int64 fingerprints, so every format holds it; files
+written before (strings stored as their bytes and lengths) load converted.
 """
 
 import hashlib
+import json
 import os
 
 import keras
@@ -24,8 +26,9 @@ from tpu_embedding import hardware, weight_files
 from tpu_embedding import keras as tpu_keras
 
 import tpu_harness
+import write_string_key_files
 from child_process import run_python
-from managed_ids_reference import ReferenceMap
+from managed_ids_reference import ReferenceMap, fingerprints
 
 pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
@@ -367,51 +370,72 @@ def _trained_string_key_model():
   return model, layer
 
 
-@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras"])
-def test_string_keys_of_any_bytes_travel_in_keras_formats(name, tmp_path):
-  """Keras's stores take numbers only: string keys are stored as their bytes and lengths, an
-  embedded NUL and the empty key included."""
-  model, _ = _trained_string_key_model()
+@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras", "w.h5", "m.h5"])
+def test_string_keys_of_any_bytes_travel_in_every_format(name, tmp_path):
+  """A string-key map holds int64 fingerprints (an embedded NUL and the empty key among its
+  strings): Keras's own formats and the legacy HDF5 ones (by position, through h5py, which
+  takes no strings) hold it, and the loaded layer looks the strings up as the saved one did."""
+  model, layer = _trained_string_key_model()
   reference = ReferenceMap(7)
-  reference.train(STRING_KEYS)
+  reference.train(fingerprints(STRING_KEYS))
   path = str(tmp_path / name)
   model.save_weights(path) if name.startswith("w.") else model.save(path)
   other, other_layer = _string_key_model()
   other.load_weights(path)
   exported = [t.numpy().tolist() for t in other_layer.managed_ids["t"].export()]
+  assert exported == [t.numpy().tolist() for t in layer.managed_ids["t"].export()]
   assert sorted(zip(*exported)) == sorted(zip(*reference.export()))
   probe = [b"y\x00", b"y", b"", b"never"]
   assert other_layer.managed_ids["t"].lookup(tf.constant(probe)).numpy().tolist() == (
-    reference.lookup(probe)
+    reference.lookup(fingerprints(probe))
   )
+  for table, variables in layer.variables_by_table.items():
+    for slot, variable in variables.items():
+      loaded = other_layer.variables_by_table[table][slot]
+      np.testing.assert_array_equal(loaded.numpy(), variable.numpy(), err_msg=slot)
+
+
+OLD_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "string_key_maps")
+
+
+def _old_string_key_model():
+  """The model `tests/jobs/write_string_key_files.py` saved, its expected state (the strings the
+  map held as fingerprints) and how to look strings up in it."""
+  with open(os.path.join(OLD_FILES, "state.json")) as f:
+    state = json.load(f)
+  state["keys"] = fingerprints([k.encode("latin-1") for k in state["keys"]])
+  return write_string_key_files.model(), state
+
+
+@pytest.mark.parametrize("name", ["w.weights.h5", "m.keras"])
+def test_files_of_string_keys_stored_as_strings_load_as_their_fingerprints(name):
+  """Files written before string-key maps held fingerprints (by main at a8de19d) store the
+  strings as bytes and lengths: loading converts them, losing no key, row, count or table."""
+  (model, layer), state = _old_string_key_model()
+  model.load_weights(os.path.join(OLD_FILES, name))
+  id_map = layer.managed_ids["movies"]
+  keys, rows, counts = (t.numpy().tolist() for t in id_map.export())
+  assert (keys, rows, counts) == (state["keys"], state["rows"], state["counts"])
+  assert int(id_map.step) == state["step"]
+  lookup = id_map.lookup(tf.constant([b"k\x00y", b"apple", b"plum"])).numpy().tolist()
+  assert lookup == [4, 1, 0]
+  np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"], state["table"])
+
+
+def test_a_file_of_string_keys_stored_as_strings_is_refused_by_an_int64_map():
+  keys = tf.Variable(tf.zeros([3], tf.int64))
+  store = {"managed:t:0": np.frombuffer(b"abc", np.uint8), "managed:t:0:lengths": [2, 0, 1]}
+  with pytest.raises(ValueError, match=r"'managed:t:0' holds a string-key map's keys.*int64"):
+    weight_files.load_variables(store, {"managed:t:0": keys}, "layer")
+  assert keys.numpy().tolist() == [0, 0, 0]
 
 
 def test_stored_strings_whose_lengths_disagree_with_their_bytes_are_refused():
-  keys = tf.Variable([b"ab", b"", b"c\x00"])
-  store = {}
-  weight_files.save_variables(store, {"managed:t:0": keys})
-  assert store["managed:t:0"].tolist() == list(b"abc\x00")
-  assert store["managed:t:0:lengths"].tolist() == [2, 0, 2]
-  store["managed:t:0:lengths"] = np.array([2, 0, 3])
+  keys = tf.Variable(tf.zeros([3], tf.int64))
+  store = {"managed:t:0": np.frombuffer(b"abc\x00", np.uint8), "managed:t:0:lengths": [2, 0, 3]}
   with pytest.raises(ValueError, match=r"'managed:t:0' holds 4 bytes .* add up to 5"):
-    weight_files.load_variables(store, {"managed:t:0": keys}, "layer")
-  assert keys.numpy().tolist() == [b"ab", b"", b"c\x00"]
-
-
-@pytest.mark.parametrize("name", ["w.h5", "m.h5"])
-def test_legacy_hdf5_holds_no_string_keys_and_the_save_changes_nothing(name, tmp_path):
-  """h5py stores no NumPy object arrays, which is what a string variable reads as: the save
-  fails in Keras's writer (after Keras opened the file, before the layer could speak) and no
-  table, slot or map of the layer changes. The name-keyed formats hold them (above)."""
-  model, layer = _trained_string_key_model()
-  before = [v.numpy() for v in layer.weights]
-  exported = [t.numpy().tolist() for t in layer.managed_ids["t"].export()]
-  path = str(tmp_path / name)
-  with pytest.raises(TypeError, match="Object dtype"):
-    model.save_weights(path) if name.startswith("w.") else model.save(path)
-  for variable, value in zip(layer.weights, before, strict=True):
-    np.testing.assert_array_equal(variable.numpy(), value)
-  assert [t.numpy().tolist() for t in layer.managed_ids["t"].export()] == exported
+    weight_files.load_variables(store, {"managed:t:0": keys}, "layer", frozenset(["managed:t:0"]))
+  assert keys.numpy().tolist() == [0, 0, 0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ Keras's own formats too, under `<key>/<piece>`). Reading a weight list changes n
 format holds what `flush` has not applied yet (pipelining, row resets still waiting, V1's tables
 in TPU memory) only once the user has called `flush`; Keras's own formats call it themselves.
 `finalize_state` loads V1's tables back into the TPU and rebuilds each map's hash table (no
-variable) from the map's variables just assigned. h5py stores no strings of NumPy object arrays:
-a map's string keys are held by the name-keyed formats only.
+variable) from the map's variables just assigned. Every variable is numeric (a string-key map
+holds its strings' int64 fingerprints), so every format holds every map.
 
 This module imports no Keras: the tf-keras layers and the Keras 3 ones
 (`tpu_embedding.keras.saving`) share it.
@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import checkpoint_names, hardware, tf_mid_level
+from tpu_embedding.managed_ids.spec import fingerprint
 
 # Paths whose tables TF's TPU classes hold, where Keras lists none of them itself.
 IN_TPU_MEMORY = (hardware.ExecutionPath.TPU_V1, hardware.ExecutionPath.TPU_V2)
@@ -55,7 +56,8 @@ class TablesInKerasFiles:
   def load_own_variables(self, store: Any) -> None:
     self.flush()  # an update held back would otherwise land on the loaded tables
     maps = self.managed_ids or {}
-    load_variables(store, stored_variables(self.table_weights(self._own_tables()), maps), self.name)
+    stored = stored_variables(self.table_weights(self._own_tables()), maps)
+    load_variables(store, stored, self.name, fingerprint_keys(maps))
     self.finalize_state()
 
   def table_weights(self, variables_by_table: Mapping[str, Mapping[str, Any]]) -> dict:
@@ -98,55 +100,78 @@ def stored_variables(tables: Mapping[str, tf.Variable], maps: Mapping[str, Any])
   `managed:<table>:<i>`, in the map's own order (`tf.Module.variables`)."""
   stored = dict(tables)
   for table, id_map in maps.items():
-    stored.update({f"managed:{table}:{i}": v for i, v in enumerate(id_map.variables)})
+    stored.update({_map_key(table, i): v for i, v in enumerate(id_map.variables)})
   return stored
 
 
-# A string variable (a map's keys with key_dtype=tf.string) is stored as two arrays, since Keras's
-# stores hold numbers only: its strings' bytes one after the other under its key, and each
-# string's length under the key with this suffix.
+def fingerprint_keys(maps: Mapping[str, Any]) -> frozenset[str]:
+  """The keys (`stored_variables`') of the string-key maps' keys variables (their int64
+  vectors), which older files stored as strings."""
+  return frozenset(
+    _map_key(table, i)
+    for table, id_map in maps.items()
+    if id_map.key_dtype == tf.string
+    for i, v in enumerate(id_map.variables)
+    if v.dtype == tf.int64 and v.shape.rank == 1
+  )
+
+
+def _map_key(table: str, position: int) -> str:
+  return f"managed:{table}:{position}"
+
+
+# Files from before string-key maps held fingerprints stored their keys as two arrays: the
+# strings' bytes one after the other under the variable's key, each string's length under the key
+# with this suffix. Loading such a file converts them (`_fingerprints_of_strings`).
 STRING_LENGTHS = ":lengths"
 
 
 def save_variables(store: Any, stored: Mapping[str, tf.Variable]) -> None:
   for key, variable in stored.items():
-    value = variable.numpy()
-    if variable.dtype == tf.string:
-      strings = value.ravel().tolist()
-      store[key + STRING_LENGTHS] = np.array([len(s) for s in strings], np.int64)
-      value = np.frombuffer(b"".join(strings), np.uint8)
-    store[key] = value
+    store[key] = variable.numpy()
 
 
-def load_variables(store: Any, stored: Mapping[str, tf.Variable], layer: str) -> None:
-  """Assigns every variable of `stored` from `store`, after checking that all are there and fit."""
+def load_variables(
+  store: Any,
+  stored: Mapping[str, tf.Variable],
+  layer: str,
+  fingerprinted: frozenset[str] = frozenset(),
+) -> None:
+  """Assigns every variable of `stored` from `store`, after checking that all are there and fit;
+  `fingerprinted` (`fingerprint_keys`): keys whose strings an older file holds are converted."""
   values = []
+  names = store.keys()  # the view, not a list: an HDF5 store's finds a piece `<key>/<i>` by path
   for key, variable in stored.items():
-    wanted = [key + STRING_LENGTHS, key] if variable.dtype == tf.string else [key]
-    # The keys' view, not a list of them: an HDF5 store's view finds a piece `<key>/<i>` by path.
-    missing = [k for k in wanted if k not in store.keys()]
-    if missing:
+    if key not in names:
       raise ValueError(
-        f"Layer {layer!r}: the Keras file holds no {missing[0]!r} (it holds "
-        f"{sorted(store.keys())}): "
+        f"Layer {layer!r}: the Keras file holds no {key!r} (it holds {sorted(names)}): "
         "it was saved from another layer, or on another path (a TPU's tables are stored as "
         "the pieces TensorFlow splits them into). Nothing was changed in this layer."
       )
-    value = np.asarray(store[wanted[0]])
+    strings = key + STRING_LENGTHS in names
+    if strings and key not in fingerprinted:
+      raise ValueError(
+        f"Layer {layer!r}: {key!r} holds a string-key map's keys in the Keras file, but the "
+        "layer's map there takes int64 keys: it was saved from another layer. Nothing was "
+        "changed in this layer."
+      )
+    shape_key = key + STRING_LENGTHS if strings else key
+    value = np.asarray(store[shape_key])
     if list(value.shape) != variable.shape.as_list():
       raise ValueError(
-        f"Layer {layer!r}: {wanted[0]!r} has shape {list(value.shape)} in the Keras file; the "
+        f"Layer {layer!r}: {shape_key!r} has shape {list(value.shape)} in the Keras file; the "
         f"layer expects {variable.shape.as_list()}. Nothing was changed in this layer."
       )
-    if variable.dtype == tf.string:
-      value = _strings(np.asarray(store[key]), value, f"Layer {layer!r}: {key!r}")
+    if strings:
+      value = _fingerprints_of_strings(np.asarray(store[key]), value, f"Layer {layer!r}: {key!r}")
     values.append((variable, value))
   for variable, value in values:
     variable.assign(value)
 
 
-def _strings(data: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
-  """The strings `save_variables` stored as their bytes `data` and their `lengths`."""
+def _fingerprints_of_strings(data: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
+  """The fingerprints (what a string-key map now holds) of the keys an older file stored as
+  their bytes `data` and their `lengths`."""
   if data.dtype != np.uint8 or data.ndim != 1 or lengths.min(initial=0) < 0:
     raise ValueError(f"{what} is not a list of strings in the Keras file. Nothing was changed.")
   if int(lengths.sum()) != data.size:
@@ -157,4 +182,4 @@ def _strings(data: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
   ends = np.cumsum(lengths.ravel())
   raw = data.tobytes()
   strings = [raw[end - n : end] for end, n in zip(ends.tolist(), lengths.ravel().tolist())]
-  return np.array(strings, dtype=object).reshape(lengths.shape)
+  return fingerprint(np.array(strings, dtype=object).reshape(lengths.shape)).numpy()

@@ -100,8 +100,6 @@ def train_raw_keys(strategy: tf.distribute.Strategy, out_path: str) -> None:
   parts = []
   for name in ("t", "s"):
     keys, rows, counts = layer.managed_ids[name].export()
-    if keys.dtype == tf.string:  # a string's stand-in: its hash (equal strings, equal numbers)
-      keys = tf.strings.to_hash_bucket_fast(keys, 2**62)
     variables = layer.variables_by_table[name]
     parts += [variables[s].numpy().ravel() for s in ("parameters", "accumulators")]
     parts += [t.numpy().astype(np.float64) for t in (keys, rows, counts)]

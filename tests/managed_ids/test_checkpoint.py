@@ -1,6 +1,7 @@
 """Managed-id maps in checkpoints (all-or-nothing) and SavedModels served by TensorFlow alone."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -8,8 +9,11 @@ import tensorflow as tf
 
 import tpu_embedding
 from tpu_embedding import serving
+from tpu_embedding.managed_ids.spec import as_keys
 
+import write_string_key_files
 from child_process import run_python
+from managed_ids_reference import fingerprints
 
 pytestmark = pytest.mark.integration  # starts processes (make test-fast leaves it out)
 
@@ -87,6 +91,62 @@ def test_checkpoint_of_another_map_is_refused_with_nothing_changed(tmp_path, oth
     np.testing.assert_array_equal(got, want)
 
 
+def test_int64_map_checkpoint_is_refused_by_a_string_key_map(tmp_path):
+  source = _layer()
+  _train(source, [1, 2])
+  path = tf.train.Checkpoint(layer=source).save(str(tmp_path / "int64"))
+  layer = _layer(key_dtype=tf.string)
+  with pytest.raises(ValueError, match="key dtype string in this layer, but 5 and int64"):
+    tf.train.Checkpoint(layer=layer).restore(path)
+  assert int(layer.managed_ids["movies"].size()) == 0
+
+
+OLD_FILES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "string_key_maps")
+
+
+@pytest.mark.parametrize("restore", ["checkpoint", "restore_checkpoint"])
+def test_checkpoint_of_string_keys_stored_as_strings_restores_as_their_fingerprints(restore):
+  """A checkpoint written before string-key maps held fingerprints (by main at a8de19d, with
+  waiting candidates: min_count=2): every key, row, count and candidate count comes back, as
+  the strings' fingerprints, and TF's restore finds every object of the layer bound."""
+  (_, layer), state = _old_string_key_model()
+  path = os.path.join(OLD_FILES, "ckpt-1")
+  if restore == "checkpoint":
+    tf.train.Checkpoint(layer=layer).restore(path).assert_consumed()
+  else:
+    tpu_embedding.restore_checkpoint(tf.train.Checkpoint(layer=layer), path).assert_consumed()
+  id_map = layer.managed_ids["movies"]
+  keys, rows, counts = (t.numpy().tolist() for t in id_map.export())
+  assert (keys, rows, counts) == (state["keys"], state["rows"], state["counts"])
+  assert int(id_map.step) == state["step"]
+  waiting = sorted(zip(*(t.numpy().tolist() for t in id_map.candidates.export())))
+  strings = [k.encode("latin-1") for k, _ in state["candidates"]]
+  assert waiting == sorted(zip(fingerprints(strings), [c for _, c in state["candidates"]]))
+  np.testing.assert_array_equal(layer.variables_by_table["movies"]["parameters"], state["table"])
+  # "kiwi" waits with count 1: one more occurrence makes it 2 (not 1: its count was kept).
+  (kiwi,) = fingerprints([b"kiwi"])
+  rows, _ = id_map.remap(as_keys(tf.constant([b"kiwi", b"apple"]), tf.string, "t"), True)
+  assert rows.numpy().tolist() == [0, 1]
+  waiting = dict(zip(*(t.numpy().tolist() for t in id_map.candidates.export())))
+  assert waiting[kiwi] == 2
+
+
+def test_checkpoint_of_string_keys_stored_as_strings_is_refused_by_an_int64_map():
+  layer = _layer(capacity=5)
+  with pytest.raises(ValueError, match="key dtype int64 in this layer, but 5 and string"):
+    tf.train.Checkpoint(layer=layer).restore(os.path.join(OLD_FILES, "ckpt-1"))
+  assert int(layer.managed_ids["movies"].size()) == 0
+
+
+def _old_string_key_model():
+  """The model `tests/jobs/write_string_key_files.py` wrote the old files of, and the map's
+  state it saved (its strings as the fingerprints this map holds)."""
+  with open(os.path.join(OLD_FILES, "state.json")) as f:
+    state = json.load(f)
+  state["keys"] = fingerprints([k.encode("latin-1") for k in state["keys"]])
+  return write_string_key_files.model(), state
+
+
 def _model_and_expected(tmp_path):
   layer = _layer(admission="always")  # the rows below are the former default's
   for keys in KEYS[:2]:
@@ -128,6 +188,42 @@ def test_export_serves_raw_keys_in_a_process_with_only_tensorflow(tmp_path, how)
   np.testing.assert_allclose(json.loads(out), expected, rtol=1e-6)
   assert json.loads(modules) == []
   assert int(model.layer.managed_ids["movies"].step) == step  # the export admitted nothing
+
+
+_SERVE_STRINGS = """
+import json, sys
+import tensorflow as tf
+loaded = tf.saved_model.load({path!r})
+out = loaded.signatures["serving_default"](keys=tf.constant({probe!r}))
+print(json.dumps(list(out.values())[0].numpy().tolist()))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("tpu_embedding"))))
+"""
+
+
+def test_export_of_a_string_key_map_fingerprints_its_inputs_with_only_tensorflow(tmp_path):
+  """The SavedModel takes the strings and fingerprints them in its own graph (a stock op), so
+  a process importing only TensorFlow serves the rows the layer gives them."""
+  layer = _layer(key_dtype=tf.string, admission="always")
+  _train(layer, [b"apple", b"", b"k\x00y"])
+  _train(layer, [b"pear", b"apple"])
+  probe = ["apple", "", "pear", "never"]
+  rows = layer.managed_ids["movies"].lookup(tf.constant(probe)).numpy()
+  assert rows[-1] == 0 and (rows[:-1] > 0).all()
+  expected = layer.variables_by_table["movies"]["parameters"].numpy()[rows]
+  model = tf.Module()
+  model.layer = layer
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
+  def serve(keys):
+    return model.layer({"movie": keys}, training=False)["movie"]
+
+  path = str(tmp_path / "export")
+  serving.export_for_serving(model, path, serve)
+  out, modules = run_python(
+    _SERVE_STRINGS.format(path=path, probe=probe), timeout=300
+  ).splitlines()[-2:]
+  np.testing.assert_allclose(json.loads(out), expected, rtol=1e-6)
+  assert json.loads(modules) == []
 
 
 def test_a_signature_calling_the_layer_in_training_mode_still_never_admits(tmp_path):

@@ -15,7 +15,7 @@ import tf_keras  # noqa: E402
 import tpu_embedding  # noqa: E402
 from tpu_embedding import keras as keras3  # noqa: E402
 
-from managed_ids_reference import ReferenceMap  # noqa: E402
+from managed_ids_reference import ReferenceMap, fingerprints  # noqa: E402
 
 E = tf.tpu.experimental.embedding
 CAPACITY, DIM = 6, 2
@@ -188,7 +188,8 @@ def test_raw_keys_in_each_replica_equal_one_device_fed_the_global_batch(key_dtyp
     )
     _train_step(single, features, upstream)
     # The map's stream: feature a's global keys, then b's (not replica 0's a and b first).
-    reference.train(features["a"].numpy().tolist() + features["b"].numpy().tolist())
+    stream = features["a"].numpy().tolist() + features["b"].numpy().tolist()
+    reference.train(fingerprints(stream) if key_dtype == tf.string else stream)
   (keys, rows, counts), tables = _map_and_tables(layer, "items")
   assert (keys, rows, counts) == tuple(list(t) for t in reference.export())
   assert len(rows) == 5  # the map filled up and evicted
@@ -317,7 +318,8 @@ def test_fit_evaluate_and_predict_under_mirrored_take_raw_keys(kind):
     ("large", b, 7, ReferenceMap(7, eviction="lfu", min_count=2)),
   ):
     for start in range(0, len(keys), GLOBAL_BATCH):
-      reference.train(keys[start : start + GLOBAL_BATCH].tolist())
+      batch = keys[start : start + GLOBAL_BATCH].tolist()
+      reference.train(fingerprints(batch) if keys.dtype.kind in "SO" else batch)
     assert got[name][0] == tuple(list(t) for t in reference.export()), name
   assert len(got["small"][0][0]) == 4  # the small map filled up and evicted
   if "Partial" in kind:

@@ -7,8 +7,9 @@ import tensorflow as tf
 
 from tpu_embedding.engine import native
 from tpu_embedding.managed_ids import IdMap, ManagedIds
+from tpu_embedding.managed_ids.spec import as_keys
 
-from managed_ids_reference import ReferenceMap
+from managed_ids_reference import ReferenceMap, fingerprints
 
 POLICIES = [
   dict(eviction="lfu", half_life=3, admission="always"),
@@ -53,19 +54,20 @@ def _id_map(capacity, eviction, min_count, ttl_steps=None, half_life=1000, strin
 @pytest.mark.parametrize("string", [False, True])
 @pytest.mark.parametrize("traced", [False, True])
 def test_map_follows_reference(policy, min_count, string, traced, engine_path):
-  """On both paths (the engine's compiled kernel choosing rows, and TF ops alone)."""
+  """On both paths (the engine's compiled kernel choosing rows, and TF ops alone). A string-key
+  map is the int64 map of its strings' fingerprints, taken as keys enter (`as_keys`)."""
   id_map = _id_map(6, min_count=min_count, string=string, **policy)
   reference = ReferenceMap(6, min_count=min_count, **policy)
   step = id_map.remap
   if traced:
     step = tf.function(id_map.remap, reduce_retracing=True)
-    graph = step.get_concrete_function(tf.TensorSpec([None], id_map.key_dtype), True).graph
+    graph = step.get_concrete_function(tf.TensorSpec([None], tf.int64), True).graph
     ops = {op.type for op in graph.get_operations()}
     assert ("TpuEmbeddingManagedRemap" in ops) == (engine_path == "native")
   admitted = 0
   for keys in _stream(seed=min_count + 10 * string, steps=30, string=string):
-    rows, fresh = step(tf.constant(keys), True)
-    expected_rows, expected_fresh = reference.train(keys)
+    rows, fresh = step(as_keys(tf.constant(keys), id_map.key_dtype, "t"), True)
+    expected_rows, expected_fresh = reference.train(fingerprints(keys) if string else keys)
     np.testing.assert_array_equal(rows.numpy(), expected_rows)
     np.testing.assert_array_equal(fresh.numpy(), expected_fresh)
     admitted += len(expected_fresh)
@@ -135,6 +137,22 @@ def test_lookup_refuses_keys_of_another_kind_naming_the_table():
   id_map = IdMap(ManagedIds(), "items", 4)
   with pytest.raises(ValueError, match="Table 'items' manages its ids with key_dtype int64.*got"):
     id_map.lookup(tf.constant(["a"]))
+
+
+def test_string_key_map_holds_fingerprints_in_numeric_variables_and_looks_up_strings():
+  """Every variable numeric (so every save format holds the map); `lookup` takes the strings,
+  `export` gives the int64 fingerprints the map holds, as the reference computes them."""
+  id_map, ref = _id_map(4, "lru", min_count=1, string=True), ReferenceMap(4, "lru")
+  strings = [b"pear", b"", b"k\x00y", b"pear"]
+  id_map.remap(as_keys(tf.constant(strings), tf.string, "t"), True)
+  ref.train(fingerprints(strings))
+  assert {v.dtype for v in id_map.variables} <= {tf.int32, tf.int64}
+  assert id_map.keys.dtype == tf.int64
+  assert [t.numpy().tolist() for t in id_map.export()] == [list(x) for x in ref.export()]
+  probe = [b"k\x00y", b"pear", b"never", b""]
+  assert id_map.lookup(tf.constant(probe)).numpy().tolist() == ref.lookup(fingerprints(probe))
+  with pytest.raises(ValueError, match="Table 't' manages its ids with key_dtype string.*got"):
+    id_map.lookup(tf.constant([1], tf.int64))
 
 
 def test_capacity_below_two_is_refused_by_table():

@@ -13,6 +13,9 @@ from tpu_embedding import config as config_lib
 from tpu_embedding import hardware
 from tpu_embedding.backends import keras_trained
 from tpu_embedding.managed_ids import row_resets, sharded_map
+from tpu_embedding.managed_ids.spec import as_keys
+
+from managed_ids_reference import fingerprints
 
 E = tf.tpu.experimental.embedding
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
@@ -60,6 +63,24 @@ def test_a_shard_resets_the_rows_it_gives_in_its_own_block_only():
   expected = np.zeros([13, 2], np.float32)
   expected[sorted(row_of.values())] = 1.0
   np.testing.assert_array_equal(table.numpy(), expected)
+
+
+def test_string_keys_are_split_as_before_maps_held_fingerprints():
+  """A string-key map's shards hold the strings' fingerprints, each in the shard that
+  `to_hash_bucket_fast` of the string chose when they held the strings (so an older checkpoint's
+  shards convert in place); `lookup` takes the strings."""
+  table = blocks(5, 5, 5)
+  id_map = sharded_map.ShardedIdMap(tpu_embedding.ManagedIds(key_dtype=tf.string), "t", table)
+  strings = [f"item{i}".encode() for i in range(12)] + [b"", b"k\x00y"]
+  keys = as_keys(tf.constant(strings), tf.string, "t")
+  owner = tf.strings.to_hash_bucket_fast(strings, 3).numpy().tolist()
+  assert set(owner) == {0, 1, 2}
+  assert id_map.shard_of(keys).numpy().tolist() == owner
+  rows, _ = id_map.remap(keys, True)
+  assert id_map.lookup(tf.constant(strings)).numpy().tolist() == rows.numpy().tolist()
+  for k, shard in enumerate(id_map.shards):
+    held = set(shard.export()[0].numpy().tolist())
+    assert held == {key for key, o in zip(fingerprints(strings), owner) if o == k} & held
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,12 @@ from typing import Hashable, Optional, Sequence
 import tensorflow as tf
 
 
-def tie_key(key: Hashable) -> int:
-  """Candidate ties keep the smaller key; strings compare by 64-bit FarmHash fingerprint (the
-  documented hash, TF's `to_hash_bucket_fast`, is the one thing taken from TF here)."""
-  if isinstance(key, bytes):
-    return int(tf.strings.to_hash_bucket_fast([key], 2**63 - 1)[0])
-  return key
+def fingerprints(strings: Sequence[bytes]) -> list[int]:
+  """The keys a string-key map holds for `strings`: each one's FarmHash Fingerprint64 (TF's
+  stable `tf.fingerprint`, the one thing taken from TF here), its 8 little-endian bytes read as
+  a signed int64. Feed these to `ReferenceMap` for a string-key map."""
+  raw = tf.fingerprint(tf.constant(list(strings), tf.string)).numpy()
+  return [int.from_bytes(bytes(row), "little", signed=True) for row in raw]
 
 
 class ReferenceMap:
@@ -128,7 +128,7 @@ class ReferenceMap:
       else:
         self.candidates[key] = totals[key]
     if len(self.candidates) > 2 * self.candidate_capacity:
-      kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], tie_key(kv[0])))
+      kept = sorted(self.candidates.items(), key=lambda kv: (-kv[1], kv[0]))
       self.candidates = dict(kept[: self.candidate_capacity])
 
   def _free(self, row: int) -> None:

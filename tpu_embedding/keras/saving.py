@@ -67,8 +67,8 @@ class KerasFileMixin(weight_files.TablesInKerasFiles):
     (`model.save("m.h5")`, `load_weights("m.h5")`), which store a layer's
     `trainable_weights + non_trainable_weights` by position, hold and restore them (on TPU
     V1/V2 as the pieces TF splits each table into, `weight_files.TablesInKerasFiles`). Reading
-    it changes nothing: that format holds what `flush` applies only after a `flush`, and no
-    string keys (h5py stores no NumPy object arrays).
+    it changes nothing: that format holds what `flush` applies only after a `flush`. Every
+    variable is numeric (a string-key map holds fingerprints), as h5py needs.
     """
     stored = weight_files.stored_variables(
       self.table_weights(self.variables_by_table), self.managed_ids or {}

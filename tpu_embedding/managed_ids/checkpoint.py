@@ -2,6 +2,11 @@
 
 Runs from the layer's `_checkpoint_adapter` (see `tpu_embedding.checkpoints` for why raising
 there changes nothing): every map must be in the checkpoint, with this capacity and key dtype.
+
+A string-key map holds its strings' int64 fingerprints, tracked as `fingerprints`. Checkpoints
+written before held the strings themselves, under `keys`, which TF cannot read into an int64
+variable: once every check has passed, such a map is read here, its keys and waiting keys
+fingerprinted and assigned, and its entries unlinked from TF's restore (`_convert_strings`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,16 @@ import numpy as np
 import tensorflow as tf
 
 from tpu_embedding import tf_restore
+from tpu_embedding.managed_ids.id_map import FINGERPRINTS, IdMap, keys_name
 from tpu_embedding.managed_ids.sharded_map import ShardedIdMap
+from tpu_embedding.managed_ids.spec import fingerprint
 from tpu_embedding.managed_ids.tables import CHECKPOINT_KEY, ManagedTables
 
 _VARIABLE_VALUE = "VARIABLE_VALUE"
+# A hash table's entries in a checkpoint: its attribute's key with these suffixes.
+_TABLE_KEYS, _TABLE_VALUES = "-keys", "-values"
+# The variables and tables of an `IdMap` in a checkpoint, besides its keys.
+_MAP_PARTS = ("counts", "last_seen", "step", "rows_of_keys", "candidates")
 
 
 def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
@@ -24,10 +35,11 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
   maps = _child(restore, _child(restore, restore.node, CHECKPOINT_KEY), "maps")
   reader = tf.train.load_checkpoint(path)
   dtypes = reader.get_variable_to_dtype_map()
-  problems = []
+  problems, conversions = [], []
   for name, id_map in managed.maps.items():
     node = _child(restore, maps, name)
-    if _child(restore, node, "keys") is None and _child(restore, node, "shards") is None:
+    held = [_child(restore, node, n) for n in ("keys", FINGERPRINTS, "shards")]
+    if all(child is None for child in held):
       problems.append(
         f"table {name!r} manages its ids, but the checkpoint holds no managed-id map for it "
         "(written by a layer without managed_ids for this table)"
@@ -38,28 +50,9 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
       problems.append(f"table {name!r}: {layout}")
       continue
     for where, part, label in _parts(restore, node, id_map):
-      keys = _child(restore, where, "keys")
-      shape, dtype = restore.stored_shape(keys), dtypes.get(_checkpoint_key(keys))
-      matches = shape == [part.capacity] and dtype == part.key_dtype
-      if not matches:
-        problems.append(
-          f"table {name!r}: its managed-id map{label} has capacity "
-          f"{part.capacity} and key dtype {part.key_dtype.name} in this layer, but "
-          f"{shape[0] if shape else None} and {getattr(dtype, 'name', None)} in the checkpoint"
-        )
-      twice = _keys_given_two_rows(restore, where, reader) if matches else []
-      if twice:
-        problems.append(
-          f"table {name!r}: its managed-id map{label} in the checkpoint gives keys {twice} "
-          "two rows or more each (a damaged or hand-edited checkpoint); each key has one row"
-        )
-      stale = _stale_dtypes(restore, where, part, dtypes)
-      if stale:
-        problems.append(
-          f"table {name!r}: its managed-id map{label} stores {' and '.join(stale)} as int64 in "
-          "the checkpoint (written by a tpu_embedding from before they became int32) but as "
-          "int32 in this layer; this version cannot read such a map"
-        )
+      found, converts = _part_problems(restore, where, part, reader, dtypes)
+      problems += [f"table {name!r}: its managed-id map{label} {p}" for p in found]
+      conversions += [(where, part)] if converts else []
   if problems:
     restore.forget_pending_restores()
     raise ValueError(
@@ -67,6 +60,91 @@ def validate_checkpoint(layer: Any, managed: ManagedTables, path: str) -> None:
       + "\n  - ".join(problems)
       + "\nNothing was changed (no table, slot or map)."
     )
+  for where, part in conversions:
+    _convert_strings(restore, where, part, reader)
+
+
+def _part_problems(
+  restore: tf_restore.Restore, where: Any, part: IdMap, reader: Any, dtypes: dict[str, tf.DType]
+) -> tuple[list[str], bool]:
+  """(what keeps the checkpoint's map at `where` from restoring into `part`, each said after the
+  map's name; whether it holds string keys as strings, to convert)."""
+  problems = []
+  keys, dtype = _stored_keys(restore, where, dtypes)
+  shape = restore.stored_shape(keys)
+  matches = shape == [part.capacity] and dtype == part.key_dtype
+  if not matches:
+    problems.append(
+      f"has capacity {part.capacity} and key dtype {part.key_dtype.name} in this layer, but "
+      f"{shape[0] if shape else None} and {getattr(dtype, 'name', None)} in the checkpoint"
+    )
+  twice = _keys_given_two_rows(restore, where, keys, reader) if matches else []
+  if twice:
+    problems.append(
+      f"in the checkpoint gives keys {twice} two rows or more each (a damaged or hand-edited "
+      "checkpoint); each key has one row"
+    )
+  strings = matches and not twice and dtypes.get(_checkpoint_key(keys)) == tf.string
+  shared = _shared_fingerprints(restore, where, keys, reader) if strings else []
+  if shared:
+    problems.append(
+      f"in the checkpoint holds string keys (written before such maps held fingerprints) of "
+      f"which {shared} share one 64-bit fingerprint (odds about n**2 / 2**65 for n keys), so "
+      "they cannot keep rows of their own: this version cannot convert it"
+    )
+  stale = _stale_dtypes(restore, where, part, dtypes)
+  if stale:
+    problems.append(
+      f"stores {' and '.join(stale)} as int64 in the checkpoint (written by a tpu_embedding "
+      "from before they became int32) but as int32 in this layer; this version cannot read "
+      "such a map"
+    )
+  return problems, strings and not problems
+
+
+def _stored_keys(
+  restore: tf_restore.Restore, where: Any, dtypes: dict[str, tf.DType]
+) -> tuple[Any, Optional[tf.DType]]:
+  """(the checkpoint node of a map's keys, the key dtype of the map that wrote it): `fingerprints`
+  were a string-key map's; `keys` an int64 one's, or a string one's that held the strings."""
+  fingerprints = _child(restore, where, FINGERPRINTS)
+  if fingerprints is not None:
+    return fingerprints, tf.string
+  keys = _child(restore, where, "keys")
+  return keys, None if keys is None else dtypes.get(_checkpoint_key(keys))
+
+
+def _shared_fingerprints(
+  restore: tf_restore.Restore, where: Any, keys: Any, reader: Any
+) -> list[str]:
+  """Up to 5 of the string keys held in the checkpoint's map whose fingerprints collide."""
+  held = _held_keys(restore, where, keys, reader)
+  prints = fingerprint(held).numpy() if held.size else np.zeros([0], np.int64)
+  values, counts = np.unique(prints, return_counts=True)
+  return [k.decode(errors="replace") for k in held[np.isin(prints, values[counts > 1])][:5]]
+
+
+def _convert_strings(restore: tf_restore.Restore, where: Any, part: IdMap, reader: Any) -> None:
+  """Fills `part` from the checkpoint's map that held its string keys as strings (fingerprinted
+  now), and leaves TF nothing of that map to read: its nodes keep no value, and the one of its
+  keys is renamed as this map tracks them, so TF binds every object of the map (to no value)."""
+  nodes = {n: _child(restore, where, n) for n in ("keys", *_MAP_PARTS)}
+  keys, counts, last_seen, step = (
+    reader.get_tensor(_checkpoint_key(nodes[n])) for n in ("keys", "counts", "last_seen", "step")
+  )
+  candidates = None
+  if nodes["candidates"] is not None and nodes["candidates"].attributes:
+    table = nodes["candidates"].attributes[0].checkpoint_key
+    waiting = reader.get_tensor(table + _TABLE_KEYS)
+    candidates = (fingerprint(waiting), reader.get_tensor(table + _TABLE_VALUES))
+  with tf.init_scope():
+    part.assign(fingerprint(keys), counts, last_seen, step, candidates)
+  for node in nodes.values():
+    if node is not None:
+      del node.attributes[:]
+  for reference in where.children:
+    if reference.local_name == "keys":
+      reference.local_name = keys_name(part.spec)
 
 
 def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Optional[str]:
@@ -95,16 +173,23 @@ def _layout_problem(restore: tf_restore.Restore, node: Any, id_map: Any) -> Opti
   )
 
 
-def _keys_given_two_rows(restore: tf_restore.Restore, where: Any, reader: Any) -> list[Any]:
-  """Up to 5 keys that the checkpoint's map gives several rows (rows above 0 seen at some step:
-  those holding keys)."""
-  nodes = [_child(restore, where, name) for name in ("keys", "last_seen")]
-  if any(node is None for node in nodes):
-    return []
-  keys, last_seen = (reader.get_tensor(_checkpoint_key(node)) for node in nodes)
-  held = keys[1:][last_seen[1:] >= 0]
+def _keys_given_two_rows(
+  restore: tf_restore.Restore, where: Any, keys: Any, reader: Any
+) -> list[Any]:
+  """Up to 5 keys that the checkpoint's map gives several rows."""
+  held = _held_keys(restore, where, keys, reader)
   values, counts = np.unique(held, return_counts=True)
   return [v.decode() if isinstance(v, bytes) else int(v) for v in values[counts > 1][:5]]
+
+
+def _held_keys(restore: tf_restore.Restore, where: Any, keys: Any, reader: Any) -> np.ndarray:
+  """The keys of the checkpoint's map (node `keys`) that hold rows (rows above 0 seen at some
+  step)."""
+  last_seen = _child(restore, where, "last_seen")
+  if keys is None or last_seen is None:
+    return np.zeros([0], np.int64)
+  stored, seen = (reader.get_tensor(_checkpoint_key(node)) for node in (keys, last_seen))
+  return stored[1:][seen[1:] >= 0]
 
 
 def _stale_dtypes(

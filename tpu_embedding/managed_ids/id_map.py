@@ -9,6 +9,11 @@ place, keys found in a key -> row table of the kernel's and rows picked from an 
 both kept between steps and rebuilt from the variables whenever something else wrote them), else
 in TF ops (a `MutableHashTable`) with the same result. Either way checkpoints and SavedModels take
 the map's key -> row pairs from its variables (`MapTable`).
+
+Every map holds int64 keys: a string-key map (`ManagedIds(key_dtype=tf.string)`) holds each
+string's fingerprint (`spec.fingerprint`), taken where keys enter (`spec.as_keys`), and is
+otherwise an int64 map. Its checkpoints name that variable `fingerprints` rather than `keys`,
+so that neither kind of map restores the other's.
 """
 
 from __future__ import annotations
@@ -36,18 +41,22 @@ class IdMap(tf.Module):
     self.spec = spec
     self.table_name = table_name
     self.capacity = capacity
-    dtype = spec.key_dtype
-    empty = tf.constant("" if dtype == tf.string else 0, dtype)
     with tf.init_scope():
       # Filled only while the map runs on TF's ops (`_on_kernels` False); checkpoints and
       # SavedModels take its entries from the variables either way (MapTable).
-      self.rows_of_keys = MapTable(dtype, self._pairs, lambda: not self._on_kernels)
+      self.rows_of_keys = MapTable(self._pairs, lambda: not self._on_kernels)
       self.candidates = (
-        tf.lookup.experimental.MutableHashTable(dtype, tf.int64, 0)
+        tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
         if spec.keeps_candidates
         else None
       )
-      self.keys = _variable(tf.fill([capacity], empty), table_name, "keys")
+      name = keys_name(spec)
+      keys = _variable(tf.zeros([capacity], tf.int64), table_name, name)
+      if name == "keys":
+        self.keys = keys
+      else:  # held as `keys` too, but tracked (in checkpoints) under its own name only
+        self.keys = self._no_dependency(keys)
+        self._track_trackable(keys, name=name)
       # A row's count was last updated when its key was last seen: its age is
       # `last_seen // lfu_half_life_steps` epochs, so no per-row epoch is stored. Both are
       # int32 (4 bytes a row each): counts saturate at 2**31 - 1, steps stop there.
@@ -65,15 +74,20 @@ class IdMap(tf.Module):
 
   @property
   def key_dtype(self) -> tf.DType:
+    """What `lookup` takes (strings for a string-key map, held as their fingerprints)."""
     return self.spec.key_dtype
 
   # -------------------------------------------------------------------------------------------
   # Reading
 
   def lookup(self, keys: tf.Tensor) -> tf.Tensor:
-    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts. In a
-    SavedModel trace, TF's table (saved whole, see MapTable)."""
-    keys = as_keys(keys, self.key_dtype, f"Table {self.table_name!r}")
+    """Rows of `keys` (of `key_dtype`; 0 for keys without a row); never admits, evicts or
+    counts."""
+    return self.rows_of(as_keys(keys, self.key_dtype, f"Table {self.table_name!r}"))
+
+  def rows_of(self, keys: tf.Tensor) -> tf.Tensor:
+    """`lookup` of the int64 keys the map holds (`as_keys`'s). In a SavedModel trace, TF's
+    table (saved whole, see MapTable)."""
     if self._kernel_runs():
       with tf.device(self.step.device):
         return native.managed_lookup(self._index(), self._variables(), keys, self.table_name)
@@ -84,8 +98,8 @@ class IdMap(tf.Module):
     return tf.math.count_nonzero(self._used_rows(), dtype=tf.int64)
 
   def export(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(keys, rows, counts) of every key holding a row, by ascending row; counts (int64) aged to
-    now."""
+    """(keys, rows, counts) of every key holding a row, by ascending row: the int64 keys held
+    (a string-key map's fingerprints), counts (int64) aged to now."""
     rows = tf.where(self._used_rows())[:, 0]
     return tf.gather(self.keys, rows), rows, self._aged_counts(rows, self._epoch(self.step))
 
@@ -103,6 +117,23 @@ class IdMap(tf.Module):
       self.rows_of_keys.remove(self.rows_of_keys.export()[0])
       self.rows_of_keys.insert(*self._pairs())
 
+  def assign(
+    self,
+    keys: tf.Tensor,
+    counts: tf.Tensor,
+    last_seen: tf.Tensor,
+    step: tf.Tensor,
+    candidates: Optional[tuple[tf.Tensor, tf.Tensor]] = None,
+  ) -> None:
+    """Sets the map's variables and its waiting keys' counts (`candidates`: keys, counts) from
+    a file read by hand (an older one, whose string keys were converted); the hash tables
+    follow."""
+    for variable, value in zip(self._variables(), (keys, counts, last_seen, step)):
+      variable.assign(value)
+    self.reindex()
+    if self.candidates is not None and candidates is not None:
+      self.candidates.insert(*candidates)
+
   # -------------------------------------------------------------------------------------------
   # One training step
 
@@ -110,13 +141,14 @@ class IdMap(tf.Module):
   def remap(
     self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
   ) -> tuple[tf.Tensor, tf.Tensor]:
-    """(row of each key, rows given to new keys this step), the latter passed to `reset`.
+    """(row of each key, rows given to new keys this step), the latter passed to `reset`;
+    `keys`: the int64 keys the map holds (`as_keys`).
 
     With `training`, this is one step of the map: counts and ages advance, eligible keys are
     admitted in order of first occurrence, victims are freed. Otherwise a plain lookup.
     """
     if not training:
-      return self.lookup(keys), tf.zeros([0], tf.int64)
+      return self.rows_of(keys), tf.zeros([0], tf.int64)
     if self._kernel_runs():  # it refuses a step past 2**31 - 1 itself
       with tf.device(self.step.device):
         rows, new_rows = native.managed_remap(
@@ -292,12 +324,12 @@ class IdMap(tf.Module):
 
   def _prune_candidates(self) -> None:
     """Keeps the `candidate_capacity` highest candidate counts once twice as many are held;
-    ties keep the smaller key (strings: the smaller 64-bit fingerprint)."""
+    ties keep the smaller key."""
     bound = self.spec.candidate_capacity or self.capacity
 
     def prune() -> tf.Tensor:
       keys, counts = (tf.reshape(t, [-1]) for t in self.candidates.export())
-      order = tf.argsort(_tie_breaker(keys), stable=True)
+      order = tf.argsort(keys, stable=True)
       order = tf.gather(
         order, tf.argsort(tf.gather(counts, order), direction="DESCENDING", stable=True)
       )
@@ -342,16 +374,19 @@ def _destroy_index(name: str) -> None:
     native.destroy_managed_index(name)
 
 
+# What a string-key map's checkpoints call its keys variable (an int64-key map's: `keys`).
+FINGERPRINTS = "fingerprints"
+
+
+def keys_name(spec: ManagedIds) -> str:
+  """What a map's checkpoints call its keys variable."""
+  return FINGERPRINTS if spec.key_dtype == tf.string else "keys"
+
+
 def _variable(initial_value: tf.Tensor, table_name: str, name: str) -> tf.Variable:
   # Named after the table: tf-keras's legacy HDF5 files name each weight's dataset after its
   # variable, so the maps of two tables in one layer need different names.
   return tf.Variable(initial_value, trainable=False, name=f"managed_ids/{table_name}/{name}")
-
-
-def _tie_breaker(keys: tf.Tensor) -> tf.Tensor:
-  if keys.dtype == tf.string:
-    return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
-  return keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,11 +403,11 @@ Pairs = Callable[[], tuple[tf.Tensor, tf.Tensor]]
 
 
 class MapTable(tf.lookup.experimental.MutableHashTable):
-  """A `MutableHashTable(key -> int64 row, default 0)` whose checkpoint entries come from
+  """A `MutableHashTable(int64 key -> int64 row, default 0)` whose checkpoint entries come from
   `pairs()` and are restored into it only where `filled()` (the map reads this table)."""
 
-  def __init__(self, key_dtype: tf.DType, pairs: Pairs, filled: Callable[[], bool]):
-    super().__init__(key_dtype, tf.int64, 0)
+  def __init__(self, pairs: Pairs, filled: Callable[[], bool]):
+    super().__init__(tf.int64, tf.int64, 0)
     self._pairs = pairs
     self._filled = filled
 

@@ -461,26 +461,10 @@ def _step_once(strategy: tf.distribute.Strategy, keys: list[Any], sizes: Any, st
 
 
 def _gathered(strategy: tf.distribute.Strategy, value: Any) -> tf.Tensor:
-  """Every replica's `value`, concatenated in replica order. The replicas of this process are
-  joined here (any dtype); other workers' come by the strategy's all-gather, which takes
-  numbers only: strings travel as their bytes and lengths."""
+  """Every replica's `value`, concatenated in replica order: the replicas of this process joined
+  here, other workers' by the strategy's all-gather (numbers only: a string-key map's keys
+  arrive as their int64 fingerprints)."""
   local = strategy.experimental_local_results(value)
   if len(local) == strategy.num_replicas_in_sync:
     return tf.concat(local, 0)
-  if local[0].dtype != tf.string:
-    return strategy.gather(value, axis=0)
-  # MultiWorkerMirroredStrategy numbers a worker's replicas consecutively.
-  codes, lengths = strategy.experimental_distribute_values_from_function(
-    lambda context: _as_bytes(local[context.replica_id_in_sync_group % len(local)])
-  )
-  codes, lengths = strategy.gather(codes, axis=0), strategy.gather(lengths, axis=0)
-  one_byte_strings = tf.constant([bytes([b]) for b in range(256)])
-  joined = tf.RaggedTensor.from_row_lengths(tf.gather(one_byte_strings, codes), lengths)
-  return tf.strings.reduce_join(joined, axis=1)
-
-
-def _as_bytes(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-  """(every byte of `keys`, as int32 in key order; the length of each key)."""
-  chars = tf.strings.bytes_split(keys)
-  codes = tf.reshape(tf.io.decode_raw(chars.flat_values, tf.uint8), [-1])
-  return tf.cast(codes, tf.int32), chars.row_lengths()
+  return strategy.gather(value, axis=0)

@@ -3,8 +3,9 @@
 Under `ParameterServerStrategy` the table is a list of row blocks (one unless a
 `variable_partitioner` cuts it), each on a ps task. The map has one part (*shard*) per block,
 created on that block's ps task: shard k holds the keys whose 64-bit FarmHash fingerprint is k
-modulo the number of blocks (int64 keys hashed as their decimal string) and gives them rows of
-its own block only. A shard's whole step (count, admit, evict, and the reset of the rows it
+modulo the number of blocks (int64 keys hashed as their decimal string; a string-key map's keys
+are the strings' fingerprints already, taken modulo as unsigned) and gives them rows of its own
+block only. A shard's whole step (count, admit, evict, and the reset of the rows it
 gives) therefore reads and writes only its own ps task. Each shard is a whole `IdMap` (its local
 row 0 stands for the out-of-vocabulary row 0), so a shard follows exactly the rules of
 docs/managed-ids.md on its part of every step's key stream.
@@ -97,6 +98,7 @@ class ShardedIdMap(tf.Module):
 
   @property
   def key_dtype(self) -> tf.DType:
+    """What `lookup` takes (strings for a string-key map, held as their fingerprints)."""
     return self.spec.key_dtype
 
   @property
@@ -109,20 +111,30 @@ class ShardedIdMap(tf.Module):
     return self._devices
 
   def shard_of(self, keys: tf.Tensor) -> tf.Tensor:
-    """The shard holding each key: FarmHash64 of the key (int64: its decimal string) mod shards."""
-    keys = as_keys(keys, self.key_dtype, f"Table {self.table_name!r}")
-    text = keys if keys.dtype == tf.string else tf.strings.as_string(keys)
-    return tf.cast(tf.strings.to_hash_bucket_fast(text, self.num_shards), tf.int32)
+    """The shard holding each of `keys` (the int64 keys the map holds): FarmHash64 of the key
+    mod shards; of an int64 key, its decimal string's; of a string-key map's fingerprint, the
+    fingerprint itself as uint64, which puts each string where `to_hash_bucket_fast` of the
+    string put it before such maps held fingerprints."""
+    n = self.num_shards
+    if self.key_dtype != tf.string:
+      return tf.cast(tf.strings.to_hash_bucket_fast(tf.strings.as_string(keys), n), tf.int32)
+    # uint64(k) mod n in int64 ops: a negative k stands for k + 2**64.
+    wrapped = tf.where(keys < 0, tf.constant(2**64 % n, tf.int64), tf.zeros_like(keys))
+    return tf.cast(tf.math.floormod(tf.math.floormod(keys, n) + wrapped, n), tf.int32)
 
   # -------------------------------------------------------------------------------------------
   # The map's API (that of `IdMap`), rows being the table's
 
   def lookup(self, keys: tf.Tensor) -> tf.Tensor:
-    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts."""
-    keys = tf.convert_to_tensor(keys, self.key_dtype)
+    """Rows of `keys` (of `key_dtype`; 0 for keys without a row); never admits, evicts or
+    counts."""
+    return self.rows_of(as_keys(keys, self.key_dtype, f"Table {self.table_name!r}"))
+
+  def rows_of(self, keys: tf.Tensor) -> tf.Tensor:
+    """`lookup` of the int64 keys the map holds (`as_keys`'s)."""
     flat = tf.reshape(keys, [-1])
     rows = self._per_shard(
-      flat, lambda k, shard, part: self._global(k, shard.lookup(part)), on_ps=False
+      flat, lambda k, shard, part: self._global(k, shard.rows_of(part)), on_ps=False
     )
     return tf.reshape(rows, tf.shape(keys))
 
@@ -149,14 +161,15 @@ class ShardedIdMap(tf.Module):
   def remap(
     self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
   ) -> tuple[tf.Tensor, tf.Tensor]:
-    """(row of each key, rows given to new keys this step); one step of every shard.
+    """(row of each key, rows given to new keys this step); one step of every shard; `keys`:
+    the int64 keys the map holds (`as_keys`).
 
     `reset(rows)` writes fresh values into rows given to new keys; it runs inside the shard's
     critical section on the shard's ps (the rows are its block's), so no other worker can look
     a new key up before its row is reset.
     """
     if not training:
-      return self.lookup(keys), tf.zeros([0], tf.int64)
+      return self.rows_of(keys), tf.zeros([0], tf.int64)
     fresh = []
 
     def step(k: int, shard: IdMap, part: tf.Tensor) -> tf.Tensor:

@@ -23,6 +23,10 @@ class ManagedIds:
 
   Args:
     key_dtype: tf.int64 (any int64 value; narrower integer inputs are widened) or tf.string.
+      A string-key map holds each string's 64-bit FarmHash fingerprint (`fingerprint`) as its
+      key, so its rows cost what int64 rows cost and every save format holds it; two strings
+      share a row only if their fingerprints collide: among n distinct strings, with
+      probability about n**2 / 2**65 (10**6 strings: 3e-8; 10**8: 3e-4).
     eviction: which row to free when every row is taken: "lfu" (smallest aged count), "lru"
       (least recently seen), "ttl" (rows unseen for `ttl_steps` steps are freed, then lru) or
       "distance_lfu" (smallest `count / distance ** distance_decay`: the key's occurrences since
@@ -169,19 +173,25 @@ class KeyRowMap(Protocol):
   def key_dtype(self) -> tf.DType: ...
 
   def lookup(self, keys: tf.Tensor) -> tf.Tensor:
-    """Rows of `keys` (0 for keys without a row); never admits, evicts or counts."""
+    """Rows of `keys` (of `key_dtype`: strings, for a string-key map; 0 for keys without a
+    row); never admits, evicts or counts."""
+
+  def rows_of(self, keys: tf.Tensor) -> tf.Tensor:
+    """`lookup` of the int64 keys the map holds (`as_keys`'s)."""
 
   def size(self) -> tf.Tensor:
     """How many keys hold a row."""
 
   def export(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(keys, rows, counts) of every key holding a row, by ascending row."""
+    """(keys, rows, counts) of every key holding a row, by ascending row; the keys are int64
+    (a string-key map's: the strings' fingerprints)."""
 
   def remap(
     self, keys: tf.Tensor, training: bool, reset: Optional[Reset] = None
   ) -> tuple[tf.Tensor, tf.Tensor]:
-    """(row of each key, rows given to new keys); with `training` one step of the map, the
-    given rows passed to `reset` before any later step can read them."""
+    """(row of each key, rows given to new keys), `keys` being the int64 keys the map holds
+    (`as_keys`); with `training` one step of the map, the given rows passed to `reset` before
+    any later step can read them."""
 
   def serving_tables(self) -> list[Any]:
     """The hash tables a serving lookup reads (a SavedModel must hold them)."""
@@ -191,9 +201,10 @@ class KeyRowMap(Protocol):
 
 
 def as_keys(keys: Any, key_dtype: tf.DType, where: str) -> tf.Tensor:
-  """`keys` in a map's `key_dtype`: narrower integers widened to int64, uint64 keys above
-  2**63 - 1 refused (int64 cannot hold them: they would wrap onto negative keys); `where`
-  starts each error, naming the feature and table."""
+  """`keys` (of a map taking `key_dtype`) as the int64 keys the map holds: strings as their
+  `fingerprint`, narrower integers widened, uint64 keys above 2**63 - 1 refused (int64 cannot
+  hold them: they would wrap onto negative keys); `where` starts each error, naming the feature
+  and table."""
   keys = tf.convert_to_tensor(keys)
   dtype = keys.dtype
   if not (dtype == tf.string if key_dtype == tf.string else dtype.is_integer):
@@ -202,9 +213,25 @@ def as_keys(keys: Any, key_dtype: tf.DType, where: str) -> tf.Tensor:
       f"{where} manages its ids with key_dtype {key_dtype.name}, which takes {wanted}; got "
       f"{dtype.name} keys."
     )
+  if dtype == tf.string:
+    return fingerprint(keys)
   if dtype == tf.uint64:
     keys = _below_int64_max(keys, where)
-  return tf.cast(keys, key_dtype) if dtype != key_dtype else keys
+  return tf.cast(keys, tf.int64) if dtype != tf.int64 else keys
+
+
+def fingerprint(strings: Any) -> tf.Tensor:
+  """Each string's FarmHash Fingerprint64 as int64: the key a string-key map holds for it.
+
+  TF's stable fingerprint (the same in every process, version and platform, and the hash
+  `tf.strings.to_hash_bucket_fast` takes modulo its buckets), by a stock op, so a SavedModel
+  computes it in its graph. Its 8 little-endian bytes read as one int64 (every platform TF
+  runs on is little-endian): all 64 bits kept, where `to_hash_bucket_fast(s, 2**63 - 1)` would
+  fold two values onto one.
+  """
+  strings = tf.convert_to_tensor(strings, tf.string)
+  flat = tf.bitcast(tf.fingerprint(tf.reshape(strings, [-1])), tf.int64)
+  return tf.reshape(flat, tf.shape(strings))
 
 
 def _below_int64_max(keys: tf.Tensor, where: str) -> tf.Tensor:
