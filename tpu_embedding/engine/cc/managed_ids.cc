@@ -45,7 +45,6 @@
 #include "tensorflow/core/framework/lookup_interface.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
-#include "tensorflow/core/platform/hash.h"
 
 namespace tpu_embedding {
 namespace {
@@ -58,7 +57,6 @@ using ::tensorflow::LookupOrCreateResource;
 using ::tensorflow::LookupResource;
 using ::tensorflow::ResourceBase;
 using ::tensorflow::ResourceHandleOp;
-using ::tensorflow::tstring;
 using ::tensorflow::Var;
 using ::tensorflow::lookup::LookupInterface;
 using ::tensorflow::shape_inference::InferenceContext;
@@ -178,7 +176,6 @@ uint32_t HashOf(int64_t key) {
   x ^= x >> 33;
   return Fold(x);
 }
-uint32_t HashOf(const tstring& key) { return Fold(::tensorflow::Hash64(key.data(), key.size())); }
 
 class ManagedIndex : public ResourceBase {
  public:
@@ -204,10 +201,9 @@ class ManagedIndex : public ResourceBase {
 };
 
 // The key -> row table over an index's slots; keys are read from the map's `keys` variable.
-template <typename K>
 class RowTable {
  public:
-  RowTable(std::vector<Slot>& slots, const K* keys)
+  RowTable(std::vector<Slot>& slots, const int64_t* keys)
       : slots_(slots), keys_(keys), mask_(slots.size() - 1) {}
 
   // Slots for a map of `capacity` rows: a power of two, at most 70 % of it used.
@@ -221,7 +217,7 @@ class RowTable {
 
   // The row of `key`, whose hash is `hash`; 0 if it holds none. Every loop below visits each
   // slot at most once: a table made inconsistent by a bug cannot make it spin.
-  uint32_t Find(const K& key, uint32_t hash) const {
+  uint32_t Find(int64_t key, uint32_t hash) const {
     size_t i = hash & mask_;
     for (size_t probes = 0; probes <= mask_; ++probes, i = (i + 1) & mask_) {
       const Slot slot = slots_[i];
@@ -236,7 +232,7 @@ class RowTable {
   // slot's key to confirm it (keys prefetched ahead). Looked up one at a time, each key held
   // waits for its slot, then for its key in `keys` (a second miss, ~150 ns at 10^6 rows). A
   // slot whose hash matches another key (32 bits of hash: rare) sends its key to `Find`.
-  void FindAll(const K* ids, const uint32_t* hashes, int64_t n, int64_t* rows) const {
+  void FindAll(const int64_t* ids, const uint32_t* hashes, int64_t n, int64_t* rows) const {
     for (int64_t i = 0; i < n; ++i) {
       if (i + kLookAhead < n) Prefetch(hashes[i + kLookAhead]);
       rows[i] = FirstMatch(hashes[i]);
@@ -293,14 +289,13 @@ class RowTable {
 
  private:
   std::vector<Slot>& slots_;
-  const K* keys_;
+  const int64_t* keys_;
   const size_t mask_;
 };
 
 // Rebuilds the index's key -> row table from the variables (every used row's key), and marks
 // its eviction pool for a rebuild at the next step. Refuses variables giving a key two rows.
-template <typename K>
-absl::Status Reindex(ManagedIndex& index, const K* keys, const int32_t* last_seen,
+absl::Status Reindex(ManagedIndex& index, const int64_t* keys, const int32_t* last_seen,
                      int64_t capacity) {
   index.valid = false;
   index.table_rows = 0;
@@ -308,8 +303,8 @@ absl::Status Reindex(ManagedIndex& index, const K* keys, const int32_t* last_see
     return InvalidArgument("a managed-id map holds at most ", kMaxCapacity, " rows, got ",
                            capacity);
   }
-  index.slots.assign(RowTable<K>::SlotsFor(capacity), Slot{0, 0});
-  RowTable<K> table(index.slots, keys);
+  index.slots.assign(RowTable::SlotsFor(capacity), Slot{0, 0});
+  RowTable table(index.slots, keys);
   for (int64_t row = 1; row < capacity; ++row) {
     if (last_seen[row] < 0) continue;
     const uint32_t hash = HashOf(keys[row]);
@@ -645,9 +640,8 @@ REGISTER_OP("TpuEmbeddingManagedRemap")
     .Input("counts: resource")     // int32
     .Input("last_seen: resource")  // int32
     .Input("step: resource")       // int64
-    .Input("ids: key_dtype")
+    .Input("ids: int64")
     .Input("candidates: num_candidates * resource")
-    .Attr("key_dtype: {int64, string}")
     .Attr("num_candidates: int >= 0")
     .Attr("eviction: {'lfu', 'lru', 'ttl', 'distance_lfu'}")
     .Attr("compete: bool = false")
@@ -688,8 +682,7 @@ REGISTER_OP("TpuEmbeddingManagedLookup")
     .Input("keys: resource")
     .Input("last_seen: resource")  // int32
     .Input("step: resource")       // int64
-    .Input("ids: key_dtype")
-    .Attr("key_dtype: {int64, string}")
+    .Input("ids: int64")
     .Attr("table: string = ''")
     .Output("rows: int64")
     .SetIsStateful()
@@ -742,7 +735,6 @@ absl::Status Writable(OpKernelContext* ctx, Var* var, Tensor** out) {
 
 // A map's variables (keys, counts, last_seen, step, from the inputs `first`..) looked up,
 // locked and checked, with its index; `counts` is absent (null) for a lookup.
-template <typename K>
 class MapState {
  public:
   absl::Status Open(OpKernelContext* ctx, bool with_counts, int first) {
@@ -765,8 +757,8 @@ class MapState {
       return InvalidArgument("the step counter must be an int64 scalar");
     }
     const Tensor& keys = *vars[0]->tensor();
-    if (keys.dtype() != DataTypeToEnum<K>::value || keys.dims() != 1) {
-      return InvalidArgument("keys must be a vector of the key dtype");
+    if (keys.dtype() != DT_INT64 || keys.dims() != 1) {
+      return InvalidArgument("keys must be an int64 vector");
     }
     capacity = keys.NumElements();
     if (capacity < 2) {  // row 0 reads every key without a row: no row would be left to give
@@ -782,7 +774,7 @@ class MapState {
     // The index vouches for the variables only if every write since it last looked was its
     // own, at this capacity: else its table is rebuilt (counts: only the eviction pool).
     if (index->table_rows != capacity || !Held(0) || !Held(2) || !Held(3)) {
-      TF_RETURN_IF_ERROR(Reindex(*index, keys.flat<K>().data(),
+      TF_RETURN_IF_ERROR(Reindex(*index, keys.flat<int64_t>().data(),
                                  vars[2]->tensor()->flat<int32_t>().data(), capacity));
     }
     if (vars[1] && !Held(1)) index->valid = false;
@@ -807,8 +799,9 @@ class MapState {
   }
 
   // The rows of `ids` (0: none).
-  void Find(const K* ids, int64_t n, const uint32_t* hashes, int64_t* rows) const {
-    RowTable<K>(index->slots, vars[0]->tensor()->flat<K>().data()).FindAll(ids, hashes, n, rows);
+  void Find(const int64_t* ids, int64_t n, const uint32_t* hashes, int64_t* rows) const {
+    const int64_t* keys = vars[0]->tensor()->flat<int64_t>().data();
+    RowTable(index->slots, keys).FindAll(ids, hashes, n, rows);
   }
 
   ::tensorflow::core::RefCountPtr<ManagedIndex> index;
@@ -820,7 +813,6 @@ class MapState {
   std::unique_ptr<::tensorflow::mutex_lock> index_lock_;
 };
 
-template <typename K>
 class ManagedLookupOp : public OpKernel {
  public:
   explicit ManagedLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -828,12 +820,12 @@ class ManagedLookupOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    MapState<K> map;
+    MapState map;
     OP_REQUIRES_OK(ctx, Named(table_, map.Open(ctx, /*with_counts=*/false, /*first=*/1)));
     const Tensor& ids = ctx->input(4);
     const int64_t n = ids.NumElements();
     std::vector<uint32_t> hashes(n);
-    const K* keys = ids.flat<K>().data();
+    const int64_t* keys = ids.flat<int64_t>().data();
     for (int64_t i = 0; i < n; ++i) hashes[i] = HashOf(keys[i]);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
@@ -844,7 +836,6 @@ class ManagedLookupOp : public OpKernel {
   std::string table_;
 };
 
-template <typename K>
 class ManagedRemapOp : public OpKernel {
  public:
   explicit ManagedRemapOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -871,7 +862,7 @@ class ManagedRemapOp : public OpKernel {
   // One step, in the phases the header describes: count the batch's keys, admit newcomers,
   // age and count the rows seen, choose the rows to give, write them; then the outputs.
   void Compute(OpKernelContext* ctx) override {
-    MapState<K> map;
+    MapState map;
     OP_REQUIRES_OK(ctx, Named(table_, map.Open(ctx, /*with_counts=*/true, /*first=*/1)));
     ::tensorflow::core::RefCountPtr<LookupInterface> candidates;
     OP_REQUIRES_OK(ctx, OpenCandidates(ctx, &candidates));
@@ -888,10 +879,10 @@ class ManagedRemapOp : public OpKernel {
     // Everything is checked: from here on the step writes the variables.
     map.Release();
     Tensor* vars_now[3];
-    OP_REQUIRES_OK(ctx, Writable<K>(ctx, map.vars[0].get(), &vars_now[0]));
+    OP_REQUIRES_OK(ctx, Writable<int64_t>(ctx, map.vars[0].get(), &vars_now[0]));
     OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, map.vars[1].get(), &vars_now[1]));
     OP_REQUIRES_OK(ctx, Writable<int32_t>(ctx, map.vars[2].get(), &vars_now[2]));
-    Columns columns{vars_now[0]->flat<K>().data(), vars_now[1]->flat<int32_t>().data(),
+    Columns columns{vars_now[0]->flat<int64_t>().data(), vars_now[1]->flat<int32_t>().data(),
                     vars_now[2]->flat<int32_t>().data()};
     Tensor next;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({}), &next));
@@ -944,7 +935,7 @@ class ManagedRemapOp : public OpKernel {
 
   // The map's variables, written in place.
   struct Columns {
-    K* keys;
+    int64_t* keys;
     int32_t* counts;
     int32_t* last;
   };
@@ -960,26 +951,26 @@ class ManagedRemapOp : public OpKernel {
                               ::tensorflow::core::RefCountPtr<LookupInterface>* candidates) {
     if (num_candidates_ == 0) return absl::OkStatus();
     TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 6), candidates));
-    if ((*candidates)->key_dtype() != DataTypeToEnum<K>::value ||
+    if ((*candidates)->key_dtype() != DT_INT64 ||
         (*candidates)->value_dtype() != DT_INT64) {
       return InvalidArgument("the map's candidates table must map ",
-                             ::tensorflow::DataTypeString(DataTypeToEnum<K>::value),
+                             ::tensorflow::DataTypeString(DT_INT64),
                              " keys to int64");
     }
     return absl::OkStatus();
   }
 
   // Count: the batch's distinct keys in first-occurrence order, and the rows they hold.
-  static absl::Status CountKeys(OpKernelContext* ctx, const MapState<K>& map, Batch* batch) {
-    const auto ids = ctx->input(5).flat<K>();
+  static absl::Status CountKeys(OpKernelContext* ctx, const MapState& map, Batch* batch) {
+    const auto ids = ctx->input(5).flat<int64_t>();
     const int64_t n = ids.size();
     batch->position.resize(n);
     Distinct(ids.data(), n, &batch->position, &batch->first, &batch->occurrences,
              &batch->hashes);
     const int64_t distinct = batch->first.size();
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DataTypeToEnum<K>::value, TensorShape({distinct}),
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({distinct}),
                                           &batch->unique_keys));
-    auto unique = batch->unique_keys.template flat<K>();
+    auto unique = batch->unique_keys.flat<int64_t>();
     for (int64_t u = 0; u < distinct; ++u) unique(u) = ids(batch->first[u]);
     batch->row_of.resize(distinct);
     map.Find(unique.data(), distinct, batch->hashes.data(), batch->row_of.data());
@@ -1079,7 +1070,7 @@ class ManagedRemapOp : public OpKernel {
                         std::vector<int64_t>* admitted) {
     // Rows and slots are scattered over memory much larger than the caches: each loop below
     // prefetches what it will touch kLookAhead iterations later.
-    RowTable<K> table(index.slots, columns.keys);
+    RowTable table(index.slots, columns.keys);
     const std::vector<int64_t>& leaving = choice.leaving;
     const int64_t left = leaving.size();
     std::vector<uint32_t> leaving_hashes(left);
@@ -1094,7 +1085,7 @@ class ManagedRemapOp : public OpKernel {
     }
     const std::vector<int64_t>& given = choice.given;
     const std::vector<int64_t>& newcomers = batch->newcomers;
-    const K* unique = batch->unique_keys.template flat<K>().data();
+    const int64_t* unique = batch->unique_keys.flat<int64_t>().data();
     const int64_t placed = given.size();
     admitted->resize(placed);
     for (int64_t j = 0; j < placed; ++j) {
@@ -1123,7 +1114,7 @@ class ManagedRemapOp : public OpKernel {
   // `occurrences` their counts, `hashes` their hashes, `position[i]` the one ids[i] is. An
   // open-addressing table of distinct-key numbers over the keys' own hashes (each key is
   // hashed once, for this and the map's table), at most half full.
-  static void Distinct(const K* ids, int64_t n, std::vector<int64_t>* position,
+  static void Distinct(const int64_t* ids, int64_t n, std::vector<int64_t>* position,
                        std::vector<int64_t>* first, std::vector<int64_t>* occurrences,
                        std::vector<uint32_t>* hashes) {
     size_t size = 16;
@@ -1154,8 +1145,8 @@ class ManagedRemapOp : public OpKernel {
   static absl::Status Gather(OpKernelContext* ctx, const Tensor& keys,
                              const std::vector<int64_t>& at, Tensor* out) {
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        DataTypeToEnum<K>::value, TensorShape({static_cast<int64_t>(at.size())}), out));
-    for (size_t j = 0; j < at.size(); ++j) out->flat<K>()(j) = keys.flat<K>()(at[j]);
+        DT_INT64, TensorShape({static_cast<int64_t>(at.size())}), out));
+    for (size_t j = 0; j < at.size(); ++j) out->flat<int64_t>()(j) = keys.flat<int64_t>()(at[j]);
     return absl::OkStatus();
   }
 
@@ -1189,18 +1180,8 @@ class ManagedRemapOp : public OpKernel {
   std::string table_;
 };
 
-REGISTER_KERNEL_BUILDER(
-    Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU).TypeConstraint<int64_t>("key_dtype"),
-    ManagedRemapOp<int64_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU).TypeConstraint<tstring>("key_dtype"),
-    ManagedRemapOp<tstring>);
-REGISTER_KERNEL_BUILDER(
-    Name("TpuEmbeddingManagedLookup").Device(DEVICE_CPU).TypeConstraint<int64_t>("key_dtype"),
-    ManagedLookupOp<int64_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("TpuEmbeddingManagedLookup").Device(DEVICE_CPU).TypeConstraint<tstring>("key_dtype"),
-    ManagedLookupOp<tstring>);
+REGISTER_KERNEL_BUILDER(Name("TpuEmbeddingManagedRemap").Device(DEVICE_CPU), ManagedRemapOp);
+REGISTER_KERNEL_BUILDER(Name("TpuEmbeddingManagedLookup").Device(DEVICE_CPU), ManagedLookupOp);
 
 }  // namespace
 }  // namespace tpu_embedding
