@@ -224,6 +224,9 @@ def test_export_of_a_string_key_map_fingerprints_its_inputs_with_only_tensorflow
   ).splitlines()[-2:]
   np.testing.assert_allclose(json.loads(out), expected, rtol=1e-6)
   assert json.loads(modules) == []
+  graph = tf.saved_model.load(path).signatures["serving_default"].graph.as_graph_def()
+  ops = {node.op for function in graph.library.function for node in function.node_def}
+  assert "Fingerprint" in ops
 
 
 def test_a_signature_calling_the_layer_in_training_mode_still_never_admits(tmp_path):
