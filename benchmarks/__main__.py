@@ -1,13 +1,13 @@
 """`python -m benchmarks all [--quick]` or `python -m benchmarks <case> [<case> ...] [--quick]`.
 
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
-(benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]`
-compares its policies (benchmarks/managed_policies.py); `python -m benchmarks managed --torchrec
-[--seeds N] [--full] [--intervals 1,10]` puts them beside TorchRec's managed-collision module
-(benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks managed
---sweep` screens settings beside TorchRec's best (benchmarks/managed_sweep.py); `python -m
-benchmarks preflight [--quick] [--data_dir ml-100k]` the SparseCore pre-flight's
-(benchmarks/preflight.py).
+(benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]
+[--out NAME] [--movielens-only]` compares its policies (benchmarks/managed_policies.py);
+`python -m benchmarks managed --torchrec [--seeds N] [--full] [--intervals 1,10]` puts them
+beside TorchRec's managed-collision module (benchmarks/torchrec_managed.py; needs `make
+torchrec-env`); `python -m benchmarks managed --sweep` screens settings beside TorchRec's best
+(benchmarks/managed_sweep.py); `python -m benchmarks preflight [--quick] [--data_dir ml-100k]`
+the SparseCore pre-flight's (benchmarks/preflight.py).
 
 `python -m benchmarks serving --large [--quick]` runs the serving benchmark's large-table case
 (benchmarks/serving_latency.py --large: tables of 4M and 2M rows, about 4 minutes) on its own and
@@ -69,7 +69,8 @@ def _managed(argv: list) -> None:
     from benchmarks import managed_policies
 
     seeds = argv[argv.index("--seeds") + 1] if "--seeds" in argv else "5"
-    managed_policies.main(int(seeds))
+    name = argv[argv.index("--out") + 1] if "--out" in argv else "managed-quality"
+    managed_policies.main(int(seeds), name, drift_cells="--movielens-only" not in argv)
     return
   from benchmarks import managed_ids
 

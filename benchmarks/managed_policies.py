@@ -1,4 +1,5 @@
-"""`python -m benchmarks managed --quality [--seeds N]`: which rows managed-id policies keep.
+"""`python -m benchmarks managed --quality [--seeds N] [--out NAME] [--movielens-only]`: which rows
+managed-id policies keep.
 
 Each policy (`ManagedIds` settings) beside the hashing trick (`key % capacity`) and a full
 vocabulary, on two kinds of stream, at tables of 1/8, 1/4 and 1/2 of the distinct ids:
@@ -11,7 +12,8 @@ vocabulary, on two kinds of stream, at tables of 1/8, 1/4 and 1/2 of the distinc
 Per cell the median over seeds and the spread (max - min), and each policy's share of the
 hashing-to-full-vocabulary gap it closes. The default `ManagedIds()` is the policy of best mean
 rank over the cells (docs/managed-ids.md, "Policies"). Runs are short (two epochs, six days).
-Writes RESULTS.md, results.json and policies.png under benchmarks/results/managed-quality/.
+Writes RESULTS.md, results.json and policies.png under benchmarks/results/managed-quality/
+(`--out NAME`: benchmarks/results/NAME/; `--movielens-only` leaves out the drifting stream).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def drift_log_loss(
   return float(np.mean(losses))
 
 
-def run(seeds: int) -> dict:
+def run(seeds: int, drift_cells: bool = True) -> dict:
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
   drift = DRIFT
   variants = list(POLICIES) + [HASHING, FULL]
@@ -195,6 +197,8 @@ def run(seeds: int) -> dict:
       cells[f"MovieLens ({data.source}) {split}, 1/{round(1 / fraction)}"] = {
         v: [movielens_rmse(v, fraction, split, s, data) for s in range(seeds)] for v in variants
       }
+    if not drift_cells:
+      continue
     cells[f"drifting stream, 1/{round(1 / fraction)}"] = {
       v: [drift_log_loss(v, fraction, s, drift) for s in range(seeds)] for v in variants
     }
@@ -260,10 +264,12 @@ def plot(table: dict, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main(seeds: int = 5) -> None:
-  result = run(seeds)
+def main(seeds: int = 5, name: str = "managed-quality", drift_cells: bool = True) -> None:
+  """Runs the cells and writes benchmarks/results/`name`/ (without the drifting stream's cells
+  if not `drift_cells`: they do not read MovieLens, so a run on another copy need not redo them)."""
+  result = run(seeds, drift_cells)
   table = summary(result)
-  out_dir = os.path.join(HERE, "results", "managed-quality")
+  out_dir = os.path.join(HERE, "results", name)
   write(out_dir, report(result, table), dict(result, summary=table))
   plot(table, os.path.join(out_dir, "policies.png"))
 

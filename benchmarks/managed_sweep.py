@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -62,11 +63,11 @@ def cell_name(kind: str, part: int) -> str:
   return f"{'drifting stream' if kind == 'drift' else f'MovieLens {kind}'}, 1/{part}"
 
 
-def run(settings: list, seeds: range, path: str, feed=SweepFeed) -> None:
+def run(settings: list, seeds: range, path: str, feed=SweepFeed, cells: list = CELLS) -> None:
   from examples.data import movielens
 
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
-  for kind, part in CELLS:
+  for kind, part in cells:
     for variant in settings:
       for seed in seeds:
         start = time.perf_counter()
@@ -75,6 +76,7 @@ def run(settings: list, seeds: range, path: str, feed=SweepFeed) -> None:
         else:
           metric = mp.movielens_rmse(variant, 1 / part, kind, seed, data, feed)
         line = dict(cell=cell_name(kind, part), variant=variant, seed=seed, metric=metric)
+        line["movielens"] = data.source
         with open(path, "a") as f:
           f.write(json.dumps(dict(line, seconds=time.perf_counter() - start)) + "\n")
 
@@ -100,11 +102,15 @@ def run_torchrec_random(seeds: int, path: str) -> None:
     json.dump(dict(seeds=seeds, source=data.source, cells=cells), f, indent=1)
 
 
-def torchrec_runs() -> dict:
+def torchrec_runs(out: str = OUT, sources: Optional[list] = None) -> dict:
   """{cell: {variant: [metric per seed]}} of TorchRec's variants, the hashing trick and the full
-  vocabulary, from the committed TorchRec runs."""
+  vocabulary, from TorchRec runs: `sources`, [(results.json, key of the cells' dict or None)],
+  by default the committed runs on the stand-in."""
   runs = {}
-  sources = [(TORCHREC_FULL, "quality"), (os.path.join(OUT, "torchrec-random.json"), None)]
+  sources = sources or [
+    (TORCHREC_FULL, "quality"),
+    (os.path.join(out, "torchrec-random.json"), None),
+  ]
   for path, key in sources:
     if not os.path.exists(path):
       continue
@@ -148,35 +154,48 @@ def summary(ours: dict, theirs: dict) -> dict:
   return cells
 
 
-def load_runs() -> dict:
+def load_runs(out: str = OUT) -> dict:
   ours = {}
-  for name in sorted(os.listdir(OUT)) if os.path.isdir(OUT) else []:
+  for name in sorted(os.listdir(out)) if os.path.isdir(out) else []:
     if name.startswith("runs-") and name.endswith(".jsonl"):
-      with open(os.path.join(OUT, name)) as f:
+      with open(os.path.join(out, name)) as f:
         for line in f:
           r = json.loads(line)
           ours.setdefault(r["cell"], {}).setdefault(r["variant"], {})[r["seed"]] = r["metric"]
   return ours
 
 
-def report(command: str) -> str:
-  ours = load_runs()
-  cells = summary(ours, torchrec_runs())
+def report(command: str, out: str = OUT, torchrec_results: Optional[str] = None) -> str:
+  """RESULTS.md's text for the runs in `out`, paired with TorchRec's: the committed runs on the
+  stand-in, or `torchrec_results` (a results.json of benchmarks/torchrec_managed.py)."""
+  ours = load_runs(out)
+  sources = None if torchrec_results is None else [(torchrec_results, "quality")]
+  cells = summary(ours, torchrec_runs(out, sources))
   names = [cell_name(k, p) for k, p in CELLS if cell_name(k, p) in cells]
   variants = list(dict.fromkeys(v for c in names for v in cells[c]))
   variants.sort(key=lambda v: list(SETTINGS).index(v) if v in SETTINGS else len(SETTINGS))
+  if torchrec_results is None:
+    data = "MovieLens: the package's synthetic stand-in"
+    theirs = (
+      "managed-torchrec-full/results.json (time split, drifting stream) and torchrec-random.json "
+      "(`python -m benchmarks managed --sweep --torchrec-random --seeds 5`)"
+    )
+    intervals = "1 and 10"
+  else:
+    data = "MovieLens: the real MovieLens 100K (`MOVIELENS_DIR`; `make movielens`)"
+    theirs = os.path.relpath(torchrec_results, os.path.dirname(out))
+    intervals = "1, 2 and 10"
   lines = [
     f"`{command}`: settings of `ManagedIds` beside TorchRec's best variant of each cell "
-    "(MCHManagedCollisionModule, LRU/LFU/DistanceLFU at eviction intervals 1 and 10). "
-    "MovieLens: the package's synthetic stand-in (test RMSE after two epochs); drifting "
+    f"(MCHManagedCollisionModule, LRU/LFU/DistanceLFU at eviction intervals {intervals}). "
+    f"{data} (test RMSE after two epochs); drifting "
     "stream: progressive log loss; lower is better. Each entry: median over seeds, then the "
     "paired median difference from TorchRec's best (negative: ours lower) and on how many "
     "seeds ours was lower (of 3 or 5: a setting of 3 seeds pairs with TorchRec's runs of those "
     "seeds, so its TorchRec's best may differ slightly from the row below, the first setting's). "
     "Ours: runs-*.jsonl (`python -m benchmarks managed --sweep --seeds 3 --settings ... --part "
     "...`, seeds 3-4 added with `--seeds 5 --first-seed 3`, the prototypes with `--prototypes`); "
-    "TorchRec's: managed-torchrec-full/results.json (time split, drifting stream) and "
-    "torchrec-random.json (`python -m benchmarks managed --sweep --torchrec-random --seeds 5`).",
+    f"TorchRec's: {theirs}.",
     "",
     "| setting | " + " | ".join(names) + " |",
     "|" + "---|" * (len(names) + 1),
@@ -221,7 +240,7 @@ def report(command: str) -> str:
     if shares:
       worst = max(shares, key=shares.get)
       lines.append(f"- {v}: {100 * shares[worst]:+.1f}% ({worst})")
-  with open(os.path.join(OUT, "results.json"), "w") as f:
+  with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(dict(command=command, cells=cells, winners=winners), f, indent=1)
   return "\n".join(lines)
 
@@ -235,15 +254,24 @@ def main(argv=None) -> None:
   parser.add_argument("--torchrec-random", action="store_true")
   parser.add_argument("--prototypes", action="store_true", help="benchmarks/managed_prototypes.py")
   parser.add_argument("--report", action="store_true")
+  parser.add_argument("--out", default=OUT, help="the folder of the runs and the report")
+  parser.add_argument("--movielens-only", action="store_true", help="leave out the drift cells")
+  parser.add_argument(
+    "--torchrec-results", default=None, help="TorchRec's runs to pair with (a results.json of "
+    "`managed --torchrec`); by default the committed runs on the stand-in"
+  )  # fmt: skip
   args = parser.parse_args(argv)
-  os.makedirs(OUT, exist_ok=True)
+  out = args.out
+  os.makedirs(out, exist_ok=True)
   if args.report:
-    text = report("python -m benchmarks managed --sweep --report")
-    with open(os.path.join(OUT, "RESULTS.md"), "w") as f:
+    text = report(
+      "python -m benchmarks managed --sweep " + " ".join(argv or []), out, args.torchrec_results
+    )
+    with open(os.path.join(out, "RESULTS.md"), "w") as f:
       f.write(text + "\n")
     print(text)
   elif args.torchrec_random:
-    run_torchrec_random(args.seeds, os.path.join(OUT, "torchrec-random.json"))
+    run_torchrec_random(args.seeds, os.path.join(out, "torchrec-random.json"))
   else:
     feed, known, runs = SweepFeed, SETTINGS, f"runs-{args.part}.jsonl"
     if args.prototypes:
@@ -254,4 +282,5 @@ def main(argv=None) -> None:
     unknown = [s for s in settings if s not in known]
     if unknown:
       raise SystemExit(f"Unknown settings {unknown}; expected some of {list(known)}.")
-    run(settings, range(args.first_seed, args.seeds), os.path.join(OUT, runs), feed)
+    cells = [c for c in CELLS if c[0] != "drift"] if args.movielens_only else CELLS
+    run(settings, range(args.first_seed, args.seeds), os.path.join(out, runs), feed, cells)

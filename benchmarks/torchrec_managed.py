@@ -30,6 +30,7 @@ Writes RESULTS.md and results.json under benchmarks/results/managed-torchrec[-fu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -189,7 +190,9 @@ def run_cell(evaluate, streams_of, seeds: int, configs: list, ours: tuple = OURS
   return dict(variants=out, torchrec=info)
 
 
-def run_quality(seeds: int, fractions, splits, configs, ours: tuple = OURS) -> dict:
+def run_quality(
+  seeds: int, fractions, splits, configs, ours: tuple = OURS, drift: bool = True
+) -> dict:
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
   cells = {}
   for fraction in fractions:
@@ -204,6 +207,8 @@ def run_quality(seeds: int, fractions, splits, configs, ours: tuple = OURS) -> d
         configs,
         ours,
       )
+    if not drift:
+      continue
     cells[f"drifting stream, {part}"] = run_cell(
       lambda variant, seed, feed, fr=fraction: mp.drift_log_loss(variant, fr, seed, mp.DRIFT, feed),
       lambda seed, fr=fraction: drift_streams(fr, seed),
@@ -321,8 +326,9 @@ def report(result: dict, table: dict) -> str:
     f"`{result.get('command', 'python -m benchmarks managed --torchrec')}`: our managed ids "
     f"beside TorchRec's MCHManagedCollisionModule ({versions}, {info['threads']} thread), the "
     "rows each chose fed to the same TF model. MovieLens (synthetic: the package's stand-in of "
-    "the same shape, where no ml-100k copy is reachable): test RMSE after two epochs; drifting "
-    "stream: progressive log loss; lower is better. A shared 2-core machine under other load.",
+    "the same shape; local: the real ml-100k, `MOVIELENS_DIR`): test RMSE after two epochs; "
+    "drifting stream: progressive log loss; lower is better. A shared 2-core machine under "
+    "other load.",
   ]
   lines += _grid(
     table,
@@ -348,6 +354,8 @@ def report(result: dict, table: dict) -> str:
   ]
   everywhere = table["ours_beating_torchrec_best_everywhere"]
   lines.append(f"- Ours below TorchRec's best in every cell: {', '.join(everywhere) or 'none'}.")
+  if speed is None:
+    return "\n".join(lines)
   lines += [
     "",
     f"Speed: a full map of {speed['capacity']} rows, batches of {speed['batch']} Zipf(1.1) keys "
@@ -368,8 +376,15 @@ def main(argv=None) -> None:
   parser.add_argument("--fractions", default=None, help="table sizes, e.g. 8,4,2: 1/8, 1/4, 1/2")
   parser.add_argument("--splits", default=None, help="MovieLens splits, e.g. time,random")
   parser.add_argument("--tunings", action="store_true", help="also run TUNINGS of our default")
+  parser.add_argument("--ours", default=None, help="our settings (names of SETTINGS, ;-separated)")
+  parser.add_argument("--no-drift", action="store_true", help="MovieLens cells only")
+  parser.add_argument("--no-speed", action="store_true", help="leave out the remap speed run")
+  parser.add_argument("--merge", action="store_true", help="report --out's part folders as one")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  if args.merge:
+    merge(args.out, "python -m benchmarks managed --torchrec " + " ".join(argv or []))
+    return
   if torchrec_mch.torchrec_python() is None:
     print(
       "Skipped: no TorchRec environment (run `make torchrec-env` or set "
@@ -385,12 +400,37 @@ def main(argv=None) -> None:
   splits = ("time", "random") if args.full else ("time",)
   splits = tuple(args.splits.split(",")) if args.splits else splits
   speed_rows, speed_steps = (2**18, 40) if args.full else (2**16, 30)
+  ours = tuple(args.ours.split(";")) if args.ours else OURS + tuple(TUNINGS) * args.tunings
+  unknown = [name for name in ours if name not in SETTINGS]
+  if unknown:
+    raise SystemExit(f"Unknown settings {unknown}; expected some of {list(SETTINGS)}.")
   result = dict(
     command="python -m benchmarks managed --torchrec " + " ".join(argv or []),
-    quality=run_quality(seeds, fractions, splits, configs, OURS + (tuple(TUNINGS) * args.tunings)),
-    speed=run_speed(speed_rows, 8192, speed_steps, configs),
+    quality=run_quality(seeds, fractions, splits, configs, ours, drift=not args.no_drift),
+    speed=None if args.no_speed else run_speed(speed_rows, 8192, speed_steps, configs),
   )
   table = summary(result["quality"])
   name = "managed-torchrec" + ("-full" if args.full else "")
   out_dir = args.out or os.path.join(HERE, "results", name)
+  mp.write(out_dir, report(result, table), dict(result, summary=table))
+
+
+def merge(out_dir: str, command: str) -> None:
+  """One report of the runs in `out_dir`'s subfolders (each a results.json of this script, run a
+  cell at a time so that a long comparison keeps what it finished), cells in folder order."""
+  quality, speed = None, None
+  for name in sorted(os.listdir(out_dir)):
+    path = os.path.join(out_dir, name, "results.json")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      part = json.load(f)
+    if quality is None:
+      quality = dict(part["quality"], cells={})
+    quality["cells"].update(part["quality"]["cells"])
+    speed = speed or part["speed"]
+  if quality is None:
+    raise SystemExit(f"No results.json under {out_dir}'s subfolders.")
+  result = dict(command=command, quality=quality, speed=speed)
+  table = summary(quality)
   mp.write(out_dir, report(result, table), dict(result, summary=table))

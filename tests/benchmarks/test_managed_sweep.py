@@ -1,5 +1,7 @@
 """The sweep's comparison: each setting against TorchRec's best variant of a cell, seed by seed."""
 
+import json
+
 from benchmarks import managed_sweep
 
 
@@ -22,3 +24,26 @@ def test_paired_difference_from_torchrecs_best_by_median():
 def test_cells_without_torchrec_runs_give_medians_only():
   entry = managed_sweep.summary({"c": {"a": {0: 0.3, 1: 0.1}}}, {})["c"]["a"]
   assert entry == dict(median=0.2, seeds=2)
+
+
+def test_report_pairs_runs_in_a_folder_with_a_given_torchrec_run(tmp_path):
+  cell = managed_sweep.cell_name("time", 4)
+  with open(tmp_path / "runs-x.jsonl", "w") as f:
+    for seed, metric in enumerate([0.20, 0.30]):
+      line = dict(cell=cell, variant="lfu compete (default)", seed=seed, metric=metric)
+      f.write(json.dumps(line) + "\n")
+  variants = {
+    "TorchRec lfu, interval 2": [0.25, 0.25],
+    "hashing trick": [0.40, 0.40],
+    "full vocabulary": [0.10, 0.10],
+  }
+  theirs = tmp_path / "torchrec.json"
+  runs = {v: {"metric": m} for v, m in variants.items()}
+  cells = {"MovieLens (local) time, 1/4": {"variants": runs}}
+  theirs.write_text(json.dumps({"quality": {"cells": cells}}))
+  text = managed_sweep.report("cmd", str(tmp_path), str(theirs))
+  assert "the real MovieLens 100K" in text and "intervals 1, 2 and 10" in text
+  assert "| lfu compete (default) | 0.2500 (+0.0000, 1/2) |" in text
+  # paired differences -0.05, +0.05: median 0; a share of the gap of 0.3
+  assert "lfu compete (default): +0.0%" in text
+  assert json.loads((tmp_path / "results.json").read_text())["winners"] == ["lfu compete (default)"]

@@ -2,6 +2,8 @@
 the rows it evicted reset before the step that reads them (no TorchRec needed: its choice is
 written here by hand)."""
 
+import json
+
 import numpy as np
 import tensorflow as tf
 
@@ -51,3 +53,32 @@ def test_evicted_rows_are_reset_before_the_step_that_reads_them():
   for name, v in variables.items():
     if name != "parameters":  # optimizer slots: back to a fresh table's values
       np.testing.assert_array_equal(v.numpy()[1], fresh[name][1])
+
+
+def _part(cell: str, ours: float, theirs: float) -> dict:
+  runs = {
+    "lfu compete": [ours],
+    "TorchRec lfu, interval 2": [theirs],
+    mp.HASHING: [0.4],
+    mp.FULL: [0.2],
+  }
+  variants = {v: dict(metric=m, hit_rate=[0.5], remap_ms=[0.1]) for v, m in runs.items()}
+  info = dict(versions={"torchrec": "1.8.0"}, threads=1)
+  return dict(
+    quality=dict(seeds=1, cells={cell: dict(variants=variants, torchrec=info)}), speed=None
+  )
+
+
+def test_cells_run_apart_are_reported_as_one(tmp_path):
+  for folder, cell, ours in (("b", "time, 1/4", 0.25), ("a", "time, 1/8", 0.35)):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "results.json").write_text(json.dumps(_part(cell, ours, 0.3)))
+  torchrec_managed.main(["--merge", "--out", str(tmp_path)])
+  result = json.loads((tmp_path / "results.json").read_text())
+  assert list(result["quality"]["cells"]) == ["time, 1/8", "time, 1/4"]  # in folder order
+  cells = result["summary"]["cells"]
+  assert cells["time, 1/4"]["ours_beating_it"] == ["lfu compete"]
+  assert cells["time, 1/8"]["ours_beating_it"] == []
+  text = (tmp_path / "RESULTS.md").read_text()
+  assert "| lfu compete | 0.3500 (0.0000, 25%) | 0.2500 (0.0000, 75%) |" in text
+  assert "Speed" not in text  # the parts were run with --no-speed
