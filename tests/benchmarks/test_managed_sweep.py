@@ -47,3 +47,12 @@ def test_report_pairs_runs_in_a_folder_with_a_given_torchrec_run(tmp_path):
   # paired differences -0.05, +0.05: median 0; a share of the gap of 0.3
   assert "lfu compete (default): +0.0%" in text
   assert json.loads((tmp_path / "results.json").read_text())["winners"] == ["lfu compete (default)"]
+
+
+def test_no_share_of_a_gap_the_wrong_way():
+  ours = {"c": {"a": {0: 0.3}}}
+  theirs = {
+    "c": {"TorchRec lfu, interval 1": [0.31], "hashing trick": [0.2], "full vocabulary": [0.3]}
+  }
+  entry = managed_sweep.summary(ours, theirs)["c"]["a"]
+  assert "share_of_gap" not in entry and entry["seeds_lower"] == 1
