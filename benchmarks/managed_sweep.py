@@ -37,6 +37,10 @@ LFU, DLFU = dict(eviction="lfu", admission="compete"), dict(eviction="distance_l
 SETTINGS = {
   "lfu compete (default)": LFU,
   "lfu compete, min_count=2": dict(LFU, min_count=2),
+  "lfu compete, min_count=3": dict(LFU, min_count=3),
+  "lfu compete, half-life 10^5": dict(LFU, lfu_half_life_steps=100_000),
+  "lfu compete, half-life 300": dict(LFU, lfu_half_life_steps=300),
+  "lfu compete, half-life 100": dict(LFU, lfu_half_life_steps=100),
   "lfu compete, half-life 20": dict(LFU, lfu_half_life_steps=20),
   "lfu compete, half-life 10": dict(LFU, lfu_half_life_steps=10),
   "lfu compete, half-life 5": dict(LFU, lfu_half_life_steps=5),
