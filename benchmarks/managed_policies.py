@@ -104,7 +104,16 @@ class Feed:
 
 
 def movielens_split(data, split: str, seed: int) -> tuple:
-  """(train, test, the rows of `train` each training step takes, in order, over the epochs)."""
+  """(train, test, the rows of `train` each training step takes, in order, over the epochs).
+
+  `split`: "time" or "random"; with "-seen" ("time-seen"), the test set keeps only the ratings
+  whose user and movie both rate in training: the later time split's test is mostly users new
+  to the model, whom every table serves from a row no training chose for them.
+  """
+  if split.endswith("-seen"):
+    train, test, steps = movielens_split(data, split[: -len("-seen")], seed)
+    seen = np.isin(test.user_ids, train.user_ids) & np.isin(test.movie_ids, train.movie_ids)
+    return train, test.take(np.flatnonzero(seen)), steps
   if split == "time":
     order = np.argsort(data.timestamps, kind="stable")
     cut = int(0.8 * len(data))
