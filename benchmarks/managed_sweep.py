@@ -172,11 +172,14 @@ def load_runs(out: str = OUT) -> dict:
 
 def report(command: str, out: str = OUT, torchrec_results: Optional[str] = None) -> str:
   """RESULTS.md's text for the runs in `out`, paired with TorchRec's: the committed runs on the
-  stand-in, or `torchrec_results` (a results.json of benchmarks/torchrec_managed.py)."""
+  stand-in, or `torchrec_results` (results.json files of benchmarks/torchrec_managed.py,
+  separated by ;)."""
   ours = load_runs(out)
-  sources = None if torchrec_results is None else [(torchrec_results, "quality")]
+  paths = [] if torchrec_results is None else torchrec_results.split(";")
+  sources = [(path, "quality") for path in paths] or None
   cells = summary(ours, torchrec_runs(out, sources))
   names = [cell_name(k, p) for k, p in CELLS if cell_name(k, p) in cells]
+  names += sorted(c for c in cells if c not in names)  # other splits' cells ("time-seen")
   variants = list(dict.fromkeys(v for c in names for v in cells[c]))
   variants.sort(key=lambda v: list(SETTINGS).index(v) if v in SETTINGS else len(SETTINGS))
   if torchrec_results is None:
@@ -188,7 +191,7 @@ def report(command: str, out: str = OUT, torchrec_results: Optional[str] = None)
     intervals = "1 and 10"
   else:
     data = "MovieLens: the real MovieLens 100K (`MOVIELENS_DIR`; `make movielens`)"
-    theirs = os.path.relpath(torchrec_results, os.path.dirname(out))
+    theirs = " and ".join(os.path.relpath(path, os.path.dirname(out)) for path in paths)
     intervals = "1, 2 and 10"
   lines = [
     f"`{command}`: settings of `ManagedIds` beside TorchRec's best variant of each cell "
@@ -263,6 +266,10 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default=OUT, help="the folder of the runs and the report")
   parser.add_argument("--movielens-only", action="store_true", help="leave out the drift cells")
   parser.add_argument(
+    "--splits", default=None, help="only these MovieLens splits, e.g. time-seen (see "
+    "managed_policies.movielens_split)"
+  )  # fmt: skip
+  parser.add_argument(
     "--torchrec-results", default=None, help="TorchRec's runs to pair with (a results.json of "
     "`managed --torchrec`); by default the committed runs on the stand-in"
   )  # fmt: skip
@@ -289,4 +296,6 @@ def main(argv=None) -> None:
     if unknown:
       raise SystemExit(f"Unknown settings {unknown}; expected some of {list(known)}.")
     cells = [c for c in CELLS if c[0] != "drift"] if args.movielens_only else CELLS
+    if args.splits:
+      cells = [(kind, part) for part in (8, 4, 2) for kind in args.splits.split(",")]
     run(settings, range(args.first_seed, args.seeds), os.path.join(out, runs), feed, cells)

@@ -41,12 +41,20 @@ def test_report_pairs_runs_in_a_folder_with_a_given_torchrec_run(tmp_path):
   runs = {v: {"metric": m} for v, m in variants.items()}
   cells = {"MovieLens (local) time, 1/4": {"variants": runs}}
   theirs.write_text(json.dumps({"quality": {"cells": cells}}))
-  text = managed_sweep.report("cmd", str(tmp_path), str(theirs))
+  seen = tmp_path / "seen.json"  # another split's cell, from a second TorchRec run
+  seen_cells = {"MovieLens (local) time-seen, 1/8": {"variants": runs}}
+  seen.write_text(json.dumps({"quality": {"cells": seen_cells}}))
+  with open(tmp_path / "runs-x.jsonl", "a") as f:
+    line = dict(cell="MovieLens time-seen, 1/8", variant="lfu compete (default)", seed=0)
+    f.write(json.dumps(dict(line, metric=0.26)) + "\n")
+  text = managed_sweep.report("cmd", str(tmp_path), f"{theirs};{seen}")
+  assert "| setting | MovieLens time, 1/4 | MovieLens time-seen, 1/8 |" in text
+  assert "| lfu compete (default) | 0.2500 (+0.0000, 1/2) | 0.2600 (+0.0100, 0/1) |" in text
   assert "the real MovieLens 100K" in text and "intervals 1, 2 and 10" in text
-  assert "| lfu compete (default) | 0.2500 (+0.0000, 1/2) |" in text
-  # paired differences -0.05, +0.05: median 0; a share of the gap of 0.3
-  assert "lfu compete (default): +0.0%" in text
-  assert json.loads((tmp_path / "results.json").read_text())["winners"] == ["lfu compete (default)"]
+  # time, 1/4: paired differences -0.05, +0.05: median 0, a share of the gap of 0.3; time-seen,
+  # 1/8: +0.01 (of 0.3: 3.3 %), the worst cell
+  assert "lfu compete (default): +3.3% (MovieLens time-seen, 1/8)" in text
+  assert json.loads((tmp_path / "results.json").read_text())["winners"] == []
 
 
 def test_no_share_of_a_gap_the_wrong_way():
