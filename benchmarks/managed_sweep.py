@@ -179,7 +179,8 @@ def report(command: str, out: str = OUT, torchrec_results: Optional[str] = None)
   sources = [(path, "quality") for path in paths] or None
   cells = summary(ours, torchrec_runs(out, sources))
   names = [cell_name(k, p) for k, p in CELLS if cell_name(k, p) in cells]
-  names += sorted(c for c in cells if c not in names)  # other splits' cells ("time-seen")
+  others = [c for c in cells if c not in names]  # other splits' cells ("time-seen"), by size
+  names += sorted(others, key=lambda c: (-int(c.rsplit("/", 1)[1]), c))
   variants = list(dict.fromkeys(v for c in names for v in cells[c]))
   variants.sort(key=lambda v: list(SETTINGS).index(v) if v in SETTINGS else len(SETTINGS))
   if torchrec_results is None:
