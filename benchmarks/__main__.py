@@ -2,12 +2,13 @@
 
 `python -m benchmarks managed [--quick] [--speed-only]` runs the managed-ids benchmark
 (benchmarks/managed_ids.py) on its own; `python -m benchmarks managed --quality [--seeds N]
-[--out NAME] [--movielens-only]` compares its policies (benchmarks/managed_policies.py);
-`python -m benchmarks managed --torchrec [--seeds N] [--full] [--intervals 1,10]` puts them
-beside TorchRec's managed-collision module (benchmarks/torchrec_managed.py; needs `make
-torchrec-env`); `python -m benchmarks managed --sweep` screens settings beside TorchRec's best
-(benchmarks/managed_sweep.py); `python -m benchmarks preflight [--quick] [--data_dir ml-100k]`
-the SparseCore pre-flight's (benchmarks/preflight.py).
+[--out NAME] [--movielens-only] [--splits time,random]` compares its policies
+(benchmarks/managed_policies.py); `python -m benchmarks managed --torchrec [--seeds N] [--full]
+[--intervals 1,10]` puts them beside TorchRec's managed-collision module
+(benchmarks/torchrec_managed.py; needs `make torchrec-env`); `python -m benchmarks managed
+--sweep` screens settings beside TorchRec's best (benchmarks/managed_sweep.py); `python -m
+benchmarks preflight [--quick] [--data_dir ml-100k]` the SparseCore pre-flight's
+(benchmarks/preflight.py).
 
 `python -m benchmarks serving --large [--quick]` runs the serving benchmark's large-table case
 (benchmarks/serving_latency.py --large: tables of 4M and 2M rows, about 4 minutes) on its own and
@@ -70,7 +71,10 @@ def _managed(argv: list) -> None:
 
     seeds = argv[argv.index("--seeds") + 1] if "--seeds" in argv else "5"
     name = argv[argv.index("--out") + 1] if "--out" in argv else "managed-quality"
-    managed_policies.main(int(seeds), name, drift_cells="--movielens-only" not in argv)
+    splits = argv[argv.index("--splits") + 1] if "--splits" in argv else "time,random"
+    managed_policies.main(
+      int(seeds), name, "--movielens-only" not in argv, tuple(splits.split(","))
+    )
     return
   from benchmarks import managed_ids
 

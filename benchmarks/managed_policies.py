@@ -1,19 +1,21 @@
-"""`python -m benchmarks managed --quality [--seeds N] [--out NAME] [--movielens-only]`: which rows
-managed-id policies keep.
+"""`python -m benchmarks managed --quality [--seeds N] [--out NAME] [--movielens-only]
+[--splits time,random]`: which rows managed-id policies keep.
 
 Each policy (`ManagedIds` settings) beside the hashing trick (`key % capacity`) and a full
 vocabulary, on two kinds of stream, at tables of 1/8, 1/4 and 1/2 of the distinct ids:
 - MovieLens 100K (the package's loader: a local ml-100k copy named by `MOVIELENS_DIR`, else its
   synthetic stand-in of the same shape), ids scrambled into sparse 64-bit keys, split at random
-  or in time order (the last 20 % of ratings by timestamp as the test set); two epochs of a dot
-  product model (user and movie tables, dim 8); test RMSE on the [0, 1] rating scale.
+  or in time order (the last 20 % of ratings by timestamp as the test set; "user_time": each
+  user's last 20 %, the rest trained in time order); two epochs of a dot product model (user
+  and movie tables, dim 8); test RMSE on the [0, 1] rating scale.
 - The drifting synthetic stream (`examples.data.drifting_ratings`): items appear day by day
   and fade; progressive log loss (each batch scored before it trains).
 Per cell the median over seeds and the spread (max - min), and each policy's share of the
 hashing-to-full-vocabulary gap it closes. The default `ManagedIds()` is the policy of best mean
 rank over the cells (docs/managed-ids.md, "Policies"). Runs are short (two epochs, six days).
 Writes RESULTS.md, results.json and policies.png under benchmarks/results/managed-quality/
-(`--out NAME`: benchmarks/results/NAME/; `--movielens-only` leaves out the drifting stream).
+(`--out NAME`: benchmarks/results/NAME/; `--movielens-only` leaves out the drifting stream;
+`--splits time,random,user_time` picks the MovieLens splits, by default time and random).
 """
 
 from __future__ import annotations
@@ -103,10 +105,30 @@ class Feed:
     return {name: tf.constant(getattr(keys, pick)) for name, keys in batch.items()}
 
 
+SPLITS = ("time", "random", "user_time")
+
+
+def user_time_rows(data) -> tuple[np.ndarray, np.ndarray]:
+  """(train rows, test rows), both in time order (timestamp, then row): each user's last 20 % of
+  ratings (at least one) are tested. Unlike "time" (the last 20 % of all ratings, mostly users
+  never seen in training on the real ml-100k), every tested user has a past to learn from."""
+  order = np.lexsort((np.arange(len(data)), data.timestamps))
+  users = data.user_ids[order]
+  counts = np.bincount(users)
+  seen = np.zeros_like(counts)
+  rank = np.empty(len(order), dtype=np.int64)  # how many of the user's ratings came before
+  for i, user in enumerate(users):
+    rank[i] = seen[user]
+    seen[user] += 1
+  tested = rank >= counts[users] - np.maximum(1, counts[users] // 5)
+  return order[~tested], order[tested]
+
+
 def movielens_split(data, split: str, seed: int) -> tuple:
   """(train, test, the rows of `train` each training step takes, in order, over the epochs).
 
-  `split`: "time" or "random"; with "-seen" ("time-seen"), the test set keeps only the ratings
+  `split`: "time" and "user_time" train in time order (keys arrive and fade as they did),
+  "random" in a seeded shuffle; with "-seen" ("time-seen"), the test set keeps only the ratings
   whose user and movie both rate in training: the later time split's test is mostly users new
   to the model, whom every table serves from a row no training chose for them.
   """
@@ -114,14 +136,21 @@ def movielens_split(data, split: str, seed: int) -> tuple:
     train, test, steps = movielens_split(data, split[: -len("-seen")], seed)
     seen = np.isin(test.user_ids, train.user_ids) & np.isin(test.movie_ids, train.movie_ids)
     return train, test.take(np.flatnonzero(seen)), steps
+  if split not in SPLITS:
+    raise ValueError(
+      f"Unknown split {split!r}; expected one of {SPLITS}, each with or without '-seen'."
+    )
   if split == "time":
     order = np.argsort(data.timestamps, kind="stable")
     cut = int(0.8 * len(data))
     train, test = data.take(order[:cut]), data.take(order[cut:])
+  elif split == "user_time":
+    train_rows, test_rows = user_time_rows(data)
+    train, test = data.take(train_rows), data.take(test_rows)
   else:
     train, test = movielens.train_test_split(data, 0.2, seed=seed)
   rng = np.random.default_rng(seed)
-  order = np.arange(len(train)) if split == "time" else rng.permutation(len(train))
+  order = np.arange(len(train)) if split != "random" else rng.permutation(len(train))
   steps = [order[start : start + BATCH] for start in range(0, len(train), BATCH)]
   return train, test, steps * EPOCHS
 
@@ -196,13 +225,13 @@ def drift_log_loss(
   return float(np.mean(losses))
 
 
-def run(seeds: int, drift_cells: bool = True) -> dict:
+def run(seeds: int, drift_cells: bool = True, splits: tuple = ("time", "random")) -> dict:
   data = movielens.load_movielens(data_dir=os.environ.get("MOVIELENS_DIR"))
   drift = DRIFT
   variants = list(POLICIES) + [HASHING, FULL]
   cells = {}
   for fraction in FRACTIONS:
-    for split in ("time", "random"):
+    for split in splits:
       cells[f"MovieLens ({data.source}) {split}, 1/{round(1 / fraction)}"] = {
         v: [movielens_rmse(v, fraction, split, s, data) for s in range(seeds)] for v in variants
       }
@@ -273,10 +302,16 @@ def plot(table: dict, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main(seeds: int = 5, name: str = "managed-quality", drift_cells: bool = True) -> None:
+def main(
+  seeds: int = 5,
+  name: str = "managed-quality",
+  drift_cells: bool = True,
+  splits: tuple = ("time", "random"),
+) -> None:
   """Runs the cells and writes benchmarks/results/`name`/ (without the drifting stream's cells
-  if not `drift_cells`: they do not read MovieLens, so a run on another copy need not redo them)."""
-  result = run(seeds, drift_cells)
+  if not `drift_cells`: they do not read MovieLens, so a run on another copy need not redo them;
+  MovieLens on `splits`, of SPLITS)."""
+  result = run(seeds, drift_cells, splits)
   table = summary(result)
   out_dir = os.path.join(HERE, "results", name)
   write(out_dir, report(result, table), dict(result, summary=table))

@@ -1,11 +1,12 @@
-"""`python -m benchmarks managed --sweep [--seeds 3] [--settings "A;B"] [--part NAME]`: settings of
-`ManagedIds` screened beside TorchRec's best (issue 45: a default that beats TorchRec's
-managed-collision module on every cell).
+"""`python -m benchmarks managed --sweep [--seeds 3] [--settings "A;B"] [--part NAME]
+[--splits time,random]`: settings of `ManagedIds` screened beside TorchRec's best (issue 45: a
+default that beats TorchRec's managed-collision module on every cell).
 
 Each setting in SETTINGS runs through managed_policies' cells: the drifting stream and the
-MovieLens stand-in's time and random splits, at tables of 1/8, 1/4 and 1/2 of the distinct keys;
-one JSON line per (cell, setting, seed) is appended to runs-<part>.jsonl under
-benchmarks/results/managed-sweep/ (parts let two processes share the work).
+MovieLens stand-in's time and random splits (`--splits`: others of managed_policies.SPLITS,
+e.g. user_time), at tables of 1/8, 1/4 and 1/2 of the distinct keys; one JSON line per (cell,
+setting, seed) is appended to runs-<part>.jsonl under benchmarks/results/managed-sweep/ (parts
+let two processes share the work).
 `--torchrec-random` runs TorchRec's module (intervals 1 and 10) on the random split, which the
 committed TorchRec run (managed-torchrec-full, `--splits time`) did not measure, into
 torchrec-random.json; `--prototypes` runs benchmarks/managed_prototypes.py's scores (not the
@@ -32,7 +33,14 @@ from benchmarks import managed_policies as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "managed-sweep")
 TORCHREC_FULL = os.path.join(HERE, "results", "managed-torchrec-full", "results.json")
-CELLS = [(kind, part) for part in (8, 4, 2) for kind in ("drift", "time", "random")]
+KINDS = ("drift", "time", "random")  # the default run's; mp.SPLITS' "user_time" when asked
+
+
+def cells_of(kinds: tuple = KINDS) -> list:
+  return [(kind, part) for part in (8, 4, 2) for kind in kinds]
+
+
+CELLS = cells_of()
 LFU, DLFU = dict(eviction="lfu", admission="compete"), dict(eviction="distance_lfu")
 SETTINGS = {
   "lfu compete (default)": LFU,
@@ -178,8 +186,8 @@ def report(command: str, out: str = OUT, torchrec_results: Optional[str] = None)
   paths = [] if torchrec_results is None else torchrec_results.split(";")
   sources = [(path, "quality") for path in paths] or None
   cells = summary(ours, torchrec_runs(out, sources))
-  names = [cell_name(k, p) for k, p in CELLS if cell_name(k, p) in cells]
-  others = [c for c in cells if c not in names]  # other splits' cells ("time-seen"), by size
+  names = [cell_name(k, p) for k, p in cells_of(("drift",) + mp.SPLITS) if cell_name(k, p) in cells]
+  others = [c for c in cells if c not in names]  # "-seen" splits' cells, by size
   names += sorted(others, key=lambda c: (-int(c.rsplit("/", 1)[1]), c))
   variants = list(dict.fromkeys(v for c in names for v in cells[c]))
   variants.sort(key=lambda v: list(SETTINGS).index(v) if v in SETTINGS else len(SETTINGS))
@@ -267,7 +275,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default=OUT, help="the folder of the runs and the report")
   parser.add_argument("--movielens-only", action="store_true", help="leave out the drift cells")
   parser.add_argument(
-    "--splits", default=None, help="only these MovieLens splits, e.g. time-seen (see "
+    "--splits", default=None, help="only these MovieLens splits, e.g. user_time,time-seen (see "
     "managed_policies.movielens_split)"
   )  # fmt: skip
   parser.add_argument(
@@ -296,7 +304,6 @@ def main(argv=None) -> None:
     unknown = [s for s in settings if s not in known]
     if unknown:
       raise SystemExit(f"Unknown settings {unknown}; expected some of {list(known)}.")
-    cells = [c for c in CELLS if c[0] != "drift"] if args.movielens_only else CELLS
-    if args.splits:
-      cells = [(kind, part) for part in (8, 4, 2) for kind in args.splits.split(",")]
+    kinds = ("drift",) + tuple(args.splits.split(",")) if args.splits else KINDS
+    cells = [c for c in cells_of(kinds) if not (args.movielens_only and c[0] == "drift")]
     run(settings, range(args.first_seed, args.seeds), os.path.join(out, runs), feed, cells)
