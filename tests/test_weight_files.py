@@ -430,12 +430,34 @@ def test_a_file_of_string_keys_stored_as_strings_is_refused_by_an_int64_map():
   assert keys.numpy().tolist() == [0, 0, 0]
 
 
+STRING_MAP_KEYS = "managed:t:0" + weight_files.FINGERPRINTS  # a string-key map's keys' entry
+
+
 def test_stored_strings_whose_lengths_disagree_with_their_bytes_are_refused():
   keys = tf.Variable(tf.zeros([3], tf.int64))
   store = {"managed:t:0": np.frombuffer(b"abc\x00", np.uint8), "managed:t:0:lengths": [2, 0, 3]}
+  fingerprinted = frozenset([STRING_MAP_KEYS])
   with pytest.raises(ValueError, match=r"'managed:t:0' holds 4 bytes .* add up to 5"):
-    weight_files.load_variables(store, {"managed:t:0": keys}, "layer", frozenset(["managed:t:0"]))
+    weight_files.load_variables(store, {STRING_MAP_KEYS: keys}, "layer", fingerprinted)
   assert keys.numpy().tolist() == [0, 0, 0]
+
+
+def test_neither_kind_of_map_loads_the_others_int64_keys():
+  """A string-key map's fingerprints and an int64-key map's keys are both int64 vectors: the
+  file keys them apart, so a layer whose map takes the other kind is refused, unchanged."""
+  values = np.array([7, -3, 2**40], np.int64)
+  keys = tf.Variable(tf.zeros([3], tf.int64))
+  with pytest.raises(ValueError, match=r"holds no 'managed:t:0'.*managed:t:0:fingerprints"):
+    weight_files.load_variables({STRING_MAP_KEYS: values}, {"managed:t:0": keys}, "layer")
+  with pytest.raises(ValueError, match=r"'managed:t:0' holds an int64-key map's keys.*string"):
+    weight_files.load_variables(
+      {"managed:t:0": values}, {STRING_MAP_KEYS: keys}, "layer", frozenset([STRING_MAP_KEYS])
+    )
+  assert keys.numpy().tolist() == [0, 0, 0]
+  weight_files.load_variables(
+    {STRING_MAP_KEYS: values}, {STRING_MAP_KEYS: keys}, "layer", frozenset([STRING_MAP_KEYS])
+  )
+  assert keys.numpy().tolist() == values.tolist()
 
 
 # ---------------------------------------------------------------------------------------------

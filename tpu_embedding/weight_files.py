@@ -97,27 +97,29 @@ class TablesInKerasFiles:
 def stored_variables(tables: Mapping[str, tf.Variable], maps: Mapping[str, Any]) -> dict:
   """{key in a Keras file's store: variable}: `tables` (`TablesInKerasFiles.table_weights`), and
   every variable of each managed-ids map (`maps`, {table name: map}) under
-  `managed:<table>:<i>`, in the map's own order (`tf.Module.variables`)."""
+  `managed:<table>:<i>`, in the map's own order (`tf.Module.variables`; a string-key map's keys
+  with `FINGERPRINTS` added)."""
   stored = dict(tables)
   for table, id_map in maps.items():
-    stored.update({_map_key(table, i): v for i, v in enumerate(id_map.variables)})
+    stored.update({_map_key(table, i, v, id_map): v for i, v in enumerate(id_map.variables)})
   return stored
 
 
 def fingerprint_keys(maps: Mapping[str, Any]) -> frozenset[str]:
   """The keys (`stored_variables`') of the string-key maps' keys variables (their int64
-  vectors), which older files stored as strings."""
-  return frozenset(
-    _map_key(table, i)
-    for table, id_map in maps.items()
-    if id_map.key_dtype == tf.string
-    for i, v in enumerate(id_map.variables)
-    if v.dtype == tf.int64 and v.shape.rank == 1
-  )
+  vectors), which older files stored as strings under the key without `FINGERPRINTS`."""
+  return frozenset(key for key in stored_variables({}, maps) if key.endswith(FINGERPRINTS))
 
 
-def _map_key(table: str, position: int) -> str:
-  return f"managed:{table}:{position}"
+# A string-key map's keys variable holds fingerprints, int64 as an int64-key map's keys: its key
+# ends with this, so that neither kind of map loads the other's keys from a file.
+FINGERPRINTS = ":fingerprints"
+
+
+def _map_key(table: str, position: int, variable: tf.Variable, id_map: Any) -> str:
+  key = f"managed:{table}:{position}"
+  fingerprints = id_map.key_dtype == tf.string and variable.dtype == tf.int64
+  return key + FINGERPRINTS if fingerprints and variable.shape.rank == 1 else key
 
 
 # Files from before string-key maps held fingerprints stored their keys as two arrays: the
@@ -142,20 +144,29 @@ def load_variables(
   values = []
   names = store.keys()  # the view, not a list: an HDF5 store's finds a piece `<key>/<i>` by path
   for key, variable in stored.items():
-    if key not in names:
+    source = key
+    if key in fingerprinted and key not in names:
+      source = key[: -len(FINGERPRINTS)]  # a file from before fingerprints: strings there
+      if source in names and source + STRING_LENGTHS not in names:
+        raise ValueError(
+          f"Layer {layer!r}: {source!r} holds an int64-key map's keys in the Keras file, but "
+          "the layer's map there takes string keys: it was saved from another layer. Nothing "
+          "was changed in this layer."
+        )
+    if source not in names:
       raise ValueError(
         f"Layer {layer!r}: the Keras file holds no {key!r} (it holds {sorted(names)}): "
         "it was saved from another layer, or on another path (a TPU's tables are stored as "
         "the pieces TensorFlow splits them into). Nothing was changed in this layer."
       )
-    strings = key + STRING_LENGTHS in names
+    strings = source + STRING_LENGTHS in names
     if strings and key not in fingerprinted:
       raise ValueError(
         f"Layer {layer!r}: {key!r} holds a string-key map's keys in the Keras file, but the "
         "layer's map there takes int64 keys: it was saved from another layer. Nothing was "
         "changed in this layer."
       )
-    shape_key = key + STRING_LENGTHS if strings else key
+    shape_key = source + STRING_LENGTHS if strings else source
     value = np.asarray(store[shape_key])
     if list(value.shape) != variable.shape.as_list():
       raise ValueError(
@@ -163,7 +174,9 @@ def load_variables(
         f"layer expects {variable.shape.as_list()}. Nothing was changed in this layer."
       )
     if strings:
-      value = _fingerprints_of_strings(np.asarray(store[key]), value, f"Layer {layer!r}: {key!r}")
+      value = _fingerprints_of_strings(
+        np.asarray(store[source]), value, f"Layer {layer!r}: {source!r}"
+      )
     values.append((variable, value))
   for variable, value in values:
     variable.assign(value)
